@@ -1,0 +1,63 @@
+"""Read-only mappings of files and typed tensor views into them, shared by the checkpoint reader
+and the client that maps slabs."""
+
+import mmap
+import os
+import pathlib
+import warnings
+
+import torch
+
+# Names as they travel in manifests (torch's own, without the "torch." prefix).
+DTYPES: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.uint16, torch.uint32, torch.uint64,
+        torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu,
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPES))}") from None
+
+
+def map_readonly(path: pathlib.Path) -> mmap.mmap | None:
+    """Maps a whole file read-only (PROT_READ); None for an empty file, which mmap refuses."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+    finally:
+        os.close(fd)
+
+
+def bytes_tensor(buffer) -> torch.Tensor:
+    """A uint8 tensor over a buffer without copying. Read-only buffers are fine: torch warns that
+    writes would be undefined, and nothing here writes (the mapping would fault if it did)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def typed_view(raw: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    """A `dtype` tensor of `shape` viewing raw[offset:offset + nbytes] (raw: a flat uint8 tensor)."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if offset % 64 or numel * dtype.itemsize != nbytes or offset + nbytes > raw.numel():
+        raise ValueError(f"bad tensor placement: {nbytes} bytes of {dtype} {list(shape)} at offset {offset} "
+                         f"in a {raw.numel()}-byte slab")
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return raw[offset:offset + nbytes].view(dtype).view(shape)

@@ -1,0 +1,89 @@
+"""The daemon process: server, lease reaper, optional HTTP probes, signal handling."""
+
+import http.server
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+
+from preload_daemon.config import DaemonConfig
+from preload_daemon.errors import InvalidRequestError
+from preload_daemon.server import DaemonServer
+
+log = logging.getLogger(__name__)
+
+
+def socket_in_use(path) -> bool:
+    """Whether something accepts connections on the Unix socket at `path`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
+    """Runs one per-device daemon until SIGTERM or SIGINT; returns the exit code."""
+    if socket_in_use(config.socket_path):
+        raise InvalidRequestError(f"a daemon for {config.device} already serves {config.socket_path}; use it "
+                                  "(`preload status`) or stop it before starting another")
+    server = DaemonServer(config)
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=_reap_loop, args=(server, stop, config.reap_interval_s), name="reaper",
+                     daemon=True).start()
+    probes = _start_http(server, config.http_port) if config.http_port is not None else None
+    http_port = probes.server_address[1] if probes else None
+    log.info("daemon for %s serving on %s (pid %d%s)", config.device, config.socket_path, os.getpid(),
+             f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
+    on_started(server, http_port)
+    stop.wait()
+    log.info("daemon for %s shutting down: freeing %d model version(s)", config.device, len(server.store.models()))
+    if probes:
+        probes.shutdown()
+    server.stop()
+    return 0
+
+
+def _reap_loop(server: DaemonServer, stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        try:
+            server.store.reap()
+        except Exception:
+            log.exception("lease reaper failed; retrying")
+
+
+def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPServer:
+    class Probes(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                self._reply(200, {"status": "alive", "device": server.config.device})
+            elif self.path == "/ready":
+                ready = server.ready()
+                models = [{"name": m.name, "version": m.version, "state": m.state} for m, _ in server.store.models()]
+                self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
+                                                    "loading": server.store.is_loading(), "models": models})
+            else:
+                self._reply(404, {"error": f"no such endpoint {self.path}; try /health or /ready"})
+
+        def _reply(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt, *args):
+            log.debug("http: " + fmt, *args)
+
+    probes = http.server.ThreadingHTTPServer(("127.0.0.1", port), Probes)
+    threading.Thread(target=probes.serve_forever, name="http-probes", daemon=True).start()
+    return probes

@@ -1,0 +1,38 @@
+"""Leases: each Attach pins a model version for one process, identified by pid and start time
+(a recycled pid is a different process). Leases of dead processes are reaped."""
+
+import dataclasses
+import secrets
+import time
+
+import psutil
+
+
+@dataclasses.dataclass(slots=True)
+class Lease:
+    id: str
+    pid: int
+    pid_start_time: float
+    model: str
+    version: int
+    created_at: float
+    renewed_at: float
+
+    @classmethod
+    def new(cls, pid: int, model: str, version: int) -> "Lease":
+        now = time.time()
+        return cls(secrets.token_hex(8), pid, process_start_time(pid), model, version, now, now)
+
+    def holder_alive(self) -> bool:
+        return process_start_time(self.pid) == self.pid_start_time
+
+
+def process_start_time(pid: int) -> float:
+    """The process's start time, or -1.0 if it is gone (zombies count as gone: they hold no mappings)."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return -1.0
+        return proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return -1.0

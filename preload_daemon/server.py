@@ -1,0 +1,239 @@
+"""The gRPC server: a thin servicer over the ModelStore, the standard health and reflection
+services, and the uid check on every call. PreloadErrors become gRPC statuses here, in one place."""
+
+import functools
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from preload_daemon import __version__
+from preload_daemon.cachekey import CacheKey
+from preload_daemon.config import DaemonConfig, ensure_private_dir
+from preload_daemon.errors import AccessDeniedError, InvalidRequestError, PreloadError, to_status
+from preload_daemon.peercred import PeerCredRelay
+from preload_daemon.plan import LoadSpec
+from preload_daemon.store import LoadProgress, ModelStore, ModelVersion
+from protos import preload_pb2 as pb
+from protos import preload_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+SERVICE = pb.DESCRIPTOR.services_by_name["WeightCache"].full_name
+MAX_NAME = 4096
+
+
+def _rpc(method):
+    """Maps PreloadError to its status code; anything else is an internal error, logged."""
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except PreloadError as e:
+            context.abort(*to_status(e))
+        except Exception:
+            log.exception("%s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the daemon log")
+    return wrapper
+
+
+class WeightCacheServicer(pb_grpc.WeightCacheServicer):
+    def __init__(self, store: ModelStore, relay: PeerCredRelay, started_at: float, config: DaemonConfig):
+        self.store = store
+        self.relay = relay
+        self.started_at = started_at
+        self.config = config
+
+    def LoadModel(self, request, context):
+        try:
+            spec = _spec_from_proto(request.spec)
+        except PreloadError as e:
+            context.abort(*to_status(e))
+        updates: queue.Queue = queue.Queue()
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result["model"] = self.store.load(spec, lambda p: updates.put(_progress(p)))
+            except BaseException as e:  # handed to the streaming thread below
+                result["error"] = e
+            finally:
+                updates.put(None)
+
+        # The load runs on its own thread: a client that disconnects does not cancel it.
+        threading.Thread(target=run, name=f"load-{spec.name}", daemon=True).start()
+        while (update := updates.get()) is not None:
+            if update.stage != "reading" or update.tensors_done in (0, update.tensors_total) \
+                    or updates.qsize() == 0:  # coalesce when the client reads slower than we load
+                yield update
+        if "error" in result:
+            error = result["error"]
+            if isinstance(error, PreloadError):
+                context.abort(*to_status(error))
+            log.error("loading %s failed", spec.name, exc_info=error)
+            context.abort(grpc.StatusCode.INTERNAL, f"loading {spec.name} failed: {error}; see the daemon log")
+        model = result["model"]
+        yield pb.LoadProgress(stage="ready", bytes_done=model.plan.source_bytes, bytes_total=model.plan.source_bytes,
+                              tensors_done=len(model.plan.entries), tensors_total=len(model.plan.entries),
+                              model=self._info(model))
+
+    @_rpc
+    def ListModels(self, request, context):
+        return pb.ListModelsResponse(models=[self._info(m, active) for m, active in self.store.models()])
+
+    @_rpc
+    def Attach(self, request, context):
+        _check_name(request.model)
+        expect = CacheKey.from_proto(request.expect) if request.check_expect else None
+        peer = self.relay.peer(context.peer())
+        model, lease = self.store.attach(request.model, request.version, peer.pid, expect)
+        return pb.AttachResponse(manifest=_manifest(model), lease=_lease(lease))
+
+    @_rpc
+    def RenewLease(self, request, context):
+        return pb.RenewLeaseResponse(lease=_lease(self.store.renew(request.lease_id)))
+
+    @_rpc
+    def Release(self, request, context):
+        self.store.release(request.lease_id)
+        return pb.ReleaseResponse()
+
+    @_rpc
+    def Evict(self, request, context):
+        _check_name(request.model)
+        victims = self.store.evict(request.model, request.version, request.force)
+        return pb.EvictResponse(evicted=[self._info(m, False) for m in victims])
+
+    @_rpc
+    def GetStats(self, request, context):
+        models = self.store.models()
+        return pb.Stats(device=self.store.device, pid=os.getpid(), started_at=self.started_at,
+                        resident_bytes=sum(m.slab.size for m, _ in models),
+                        num_leases=sum(len(m.leases) for m, _ in models),
+                        models=[self._info(m, active) for m, active in models],
+                        serving=bool(models) and not self.store.is_loading(),
+                        runtime_dir=str(self.config.runtime_dir), version=__version__)
+
+    def _info(self, model: ModelVersion, active: bool = True) -> pb.ModelInfo:
+        return pb.ModelInfo(name=model.name, version=model.version, active=active, state=model.state,
+                            path=model.spec.path, key=model.key.to_proto(), slab_bytes=model.slab.size,
+                            num_tensors=len(model.plan.entries), leases=[_lease(x) for x in model.leases.values()],
+                            loaded_at=model.loaded_at, load_seconds=model.load_seconds,
+                            stale_reason=model.stale_reason)
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > MAX_NAME:
+        raise InvalidRequestError(f"model name must be 1..{MAX_NAME} characters, got {len(name)}")
+
+
+def _spec_from_proto(msg: pb.LoadSpec) -> LoadSpec:
+    if not msg.path or len(msg.path) > MAX_NAME:
+        raise InvalidRequestError("LoadModel needs spec.path, the checkpoint directory")
+    return LoadSpec(path=os.path.abspath(msg.path), name=msg.name, dtype=msg.dtype or "auto",
+                    quantization=msg.quantization or "none", tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank,
+                    component=msg.component or "main")
+
+
+def _progress(p: LoadProgress) -> pb.LoadProgress:
+    return pb.LoadProgress(stage=p.stage, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
+                           tensors_done=p.tensors_done, tensors_total=p.tensors_total)
+
+
+def _lease(lease) -> pb.Lease:
+    return pb.Lease(id=lease.id, pid=lease.pid, pid_start_time=lease.pid_start_time, created_at=lease.created_at)
+
+
+def _manifest(model: ModelVersion) -> pb.Manifest:
+    slab = model.slab
+    return pb.Manifest(
+        model=model.name, version=model.version, key=model.key.to_proto(), config_json=model.config_json,
+        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)],
+        tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
+                                shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes)
+                 for e in model.plan.entries])
+
+
+class _UidCheck(grpc.ServerInterceptor):
+    """Every RPC, health and reflection included, must come through the relay from our own uid."""
+
+    def __init__(self, relay: PeerCredRelay):
+        self.relay = relay
+        self.uid = os.getuid()
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        return handler._replace(**{k: self._guard(getattr(handler, k)) for k in kinds if getattr(handler, k)})
+
+    def _guard(self, behavior):
+        def guarded(request, context):
+            peer = self.relay.peer(context.peer())
+            if peer is None or peer.uid != self.uid:
+                who = f"uid {peer.uid} (pid {peer.pid})" if peer else f"unidentified peer {context.peer()}"
+                log.warning("refused %s: only uid %d may use this daemon", who, self.uid)
+                context.abort(*to_status(AccessDeniedError(
+                    f"{who} may not use this daemon; it serves uid {self.uid} only. Run your own daemon "
+                    "with `preload daemon` under your user")))
+            return behavior(request, context)
+        return guarded
+
+
+class DaemonServer:
+    """The running server: gRPC on the internal socket, the peer-checking relay on the public one."""
+
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        ensure_private_dir(config.runtime_dir)
+        self.health = health.HealthServicer()
+        self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health)
+        self.internal_path = config.runtime_dir / f".grpc-{config.device.replace(':', '-')}-{os.getpid()}.sock"
+        self.relay = PeerCredRelay(config.socket_path, self.internal_path)
+        options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                   ("grpc.max_send_message_length", config.max_message_bytes)]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+                                  interceptors=[_UidCheck(self.relay)], options=options)
+        self.servicer = WeightCacheServicer(self.store, self.relay, time.time(), config)
+        pb_grpc.add_WeightCacheServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.internal_path.unlink(missing_ok=True)
+        self.server.add_insecure_port(f"unix:{self.internal_path}")
+        self.update_health()
+
+    @property
+    def address(self) -> str:
+        return f"unix:{self.config.socket_path}"
+
+    def start(self) -> None:
+        self.server.start()
+        self.relay.start()
+
+    def ready(self) -> bool:
+        """Serving: at least one model loaded and no load in flight."""
+        return bool(self.store.models()) and not self.store.is_loading()
+
+    def update_health(self) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if self.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+        self.health.set(SERVICE, status)
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.relay.close()
+        self.server.stop(grace).wait()
+        self.internal_path.unlink(missing_ok=True)
+        self.store.close()
+
+
+def create_server(config: DaemonConfig) -> tuple[DaemonServer, str]:
+    """A started server and its address (for tests and embedding)."""
+    server = DaemonServer(config)
+    server.start()
+    return server, server.address

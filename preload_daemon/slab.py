@@ -1,0 +1,82 @@
+"""Host slabs: one shared-memory file per slab in a private directory under /dev/shm. The daemon
+writes a slab once, hashing it as it goes, then seals it read-only; clients map it read-only."""
+
+import mmap
+import os
+import pathlib
+import secrets
+import shutil
+
+import torch
+
+from preload_daemon.buffers import bytes_tensor, map_readonly
+from preload_daemon.config import ensure_private_dir
+from preload_daemon.errors import InvalidRequestError, NotFoundError
+
+DIGEST_ALGORITHM = "xxh3_128"
+
+
+def new_hasher():
+    import xxhash  # imported here: clients that only map slabs never need it
+    return xxhash.xxh3_128()
+
+
+class HostSlab:
+    """A shared-memory file the daemon owns. `data` is a writable uint8 view until `seal()`."""
+
+    backend = "host"
+
+    def __init__(self, path: pathlib.Path, size: int, mapping: mmap.mmap):
+        self.path = path
+        self.size = size
+        self.id = path.stem
+        self.digest = ""
+        self._mapping = mapping
+        self.data = bytes_tensor(mapping)
+
+    @classmethod
+    def create(cls, directory: pathlib.Path, label: str, size: int) -> "HostSlab":
+        """A new zero-filled slab of `size` bytes. The name is unique (random suffix); space is reserved
+        up front so that a full /dev/shm fails here with a clear error instead of a SIGBUS later."""
+        ensure_private_dir(directory)
+        free = shutil.disk_usage(directory).free
+        if size > free:
+            raise InvalidRequestError(f"slab of {size / 2**30:.2f} GiB does not fit in {directory} "
+                                      f"({free / 2**30:.2f} GiB free); evict a model or enlarge /dev/shm")
+        safe_label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
+        path = directory / f"{safe_label}-{secrets.token_hex(6)}.slab"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise InvalidRequestError(f"cannot allocate a {size}-byte slab in {directory}: {e}; "
+                                      "free space in /dev/shm or evict a model") from e
+        os.close(fd)
+        return cls(path, size, mapping)
+
+    def seal(self, digest: str) -> None:
+        """Marks the slab written: the file becomes read-only (0400) and keeps its digest."""
+        self.digest = digest
+        os.chmod(self.path, 0o400)
+
+    def unlink(self) -> None:
+        """Removes the file. Processes that mapped it keep their pages until they unmap."""
+        self.path.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.data = None
+        self._mapping.close()
+
+
+def map_slab(path: str, size: int) -> torch.Tensor:
+    """A read-only uint8 view of a host slab of `size` bytes (PROT_READ: a write faults)."""
+    try:
+        mapping = map_readonly(pathlib.Path(path))
+    except FileNotFoundError:
+        raise NotFoundError(f"slab {path} is gone (evicted, or its daemon was restarted); attach again") from None
+    if mapping is None or len(mapping) != size:
+        raise InvalidRequestError(f"slab {path} has {len(mapping) if mapping else 0} bytes, manifest says {size}")
+    return bytes_tensor(mapping)

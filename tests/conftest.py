@@ -1,0 +1,115 @@
+"""Shared fixtures: small checkpoints built on the fly and real daemon processes on real sockets."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+import torch
+
+from preload_daemon.client import DaemonClient
+from preload_daemon.config import DaemonConfig
+from preload_daemon.errors import DaemonUnavailableError
+from scripts.build_models import tiny_model
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(checkpoints) -> pathlib.Path:
+    """A 2-layer random Llama (GQA, fp32) saved by transformers."""
+    return tiny_model("llama", checkpoints / "tiny-llama")
+
+
+@pytest.fixture
+def runtime_dir():
+    """A short private runtime dir (Unix socket paths are limited to 108 bytes), and its slabs."""
+    path = pathlib.Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
+    yield path
+    shm = DaemonConfig(runtime_dir=path).shm_dir
+    shutil.rmtree(shm, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class DaemonHandle:
+    """A real `preload daemon` process."""
+
+    def __init__(self, runtime_dir: pathlib.Path, device: str = "cpu:0", http_port: int | None = None):
+        self.config = DaemonConfig(device=device, runtime_dir=runtime_dir, http_port=http_port)
+        cmd = [sys.executable, "-m", "preload_daemon", "daemon", "--device", device, "--runtime-dir",
+               str(runtime_dir), "--log-level", "DEBUG"]
+        if http_port is not None:
+            cmd += ["--http-port", str(http_port)]
+        self.log = open(runtime_dir / f"test-{device.replace(':', '-')}.log", "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=REPO)
+        self.client = DaemonClient(self.config.socket_path, timeout=60)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.client.stats(timeout=1)
+                break
+            except DaemonUnavailableError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not start:\n{self.output()}")
+                time.sleep(0.05)
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_daemon(runtime_dir):
+    daemons = []
+
+    def start(device: str = "cpu:0", http_port: int | None = None) -> DaemonHandle:
+        daemons.append(DaemonHandle(runtime_dir, device, http_port))
+        return daemons[-1]
+
+    yield start
+    for d in daemons:
+        d.stop()
+
+
+@pytest.fixture
+def daemon(start_daemon) -> DaemonHandle:
+    return start_daemon()
+
+
+def run_preload(*args, runtime_dir=None, timeout=120, check=False, **kwargs) -> subprocess.CompletedProcess:
+    """Runs the `preload` console script as a user would."""
+    env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {})}
+    cmd = [sys.executable, "-m", "worker.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=check,
+                          **kwargs)

@@ -1,0 +1,122 @@
+import json
+import os
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from preload_daemon.checkpoint import Checkpoint, read_header, refresh_identity
+from preload_daemon.errors import CheckpointError
+
+CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
+          "intermediate_size": 16, "vocab_size": 32, "num_hidden_layers": 1}
+
+
+def write_raw(path, header: dict | bytes, data: bytes = b"", header_len: int | None = None) -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if header_len is None else header_len) + raw + data)
+
+
+def make_dir(tmp_path, tensors=None):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file(tensors or {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.ones(4, dtype=torch.int8)},
+              str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def test_reads_tensors_bitwise_equal_to_safetensors(tmp_path):
+    """Lazy reads of every dtype give the same bytes as the safetensors library."""
+    tensors = {"f32": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "i64": torch.arange(9),
+               "f8": torch.randn(4, 4).to(torch.float8_e4m3fn), "empty": torch.zeros(0, 3)}
+    make_dir(tmp_path, tensors)
+    ckpt = Checkpoint(tmp_path)
+    ref = load_file(str(tmp_path / "model.safetensors"))
+    assert set(ckpt.tensors) == set(ref)
+    for name, tensor in ref.items():
+        got = ckpt.read(name)
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape
+        assert torch.equal(got.view(torch.uint8) if got.numel() else got, tensor.view(torch.uint8) if got.numel() else tensor)
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file({"x": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"y": torch.zeros(3)}, str(tmp_path / "part-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "part-1.safetensors", "y": "part-2.safetensors"}}))
+    ckpt = Checkpoint(tmp_path)
+    assert [f.path.rsplit("/", 1)[1] for f in ckpt.identity] == ["part-1.safetensors", "part-2.safetensors"]
+    assert torch.equal(ckpt.read("y"), torch.zeros(3))
+
+
+def test_index_pointing_at_wrong_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    save_file({"x": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
+    save_file({"y": torch.zeros(3)}, str(tmp_path / "part-2.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "part-2.safetensors", "y": "part-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match="places tensor 'x' in part-2.safetensors"):
+        Checkpoint(tmp_path)
+
+
+def test_index_naming_missing_file(tmp_path):
+    make_dir(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "gone.safetensors"}}))
+    with pytest.raises(CheckpointError, match="gone.safetensors"):
+        Checkpoint(tmp_path)
+
+
+GOOD = {"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
+
+
+@pytest.mark.parametrize("header, data, header_len, message", [
+    (b"", b"", 0, "header is not valid JSON"),
+    (GOOD, b"\0" * 8, None, "fall outside the 8-byte data section"),
+    (GOOD, b"\0" * 16, 1 << 40, "exceeds the"),
+    (GOOD, b"\0" * 16, 5000, "runs past the end"),
+    (b"\xff\xfe not json", b"", None, "header is not valid JSON"),
+    (b"[1, 2]", b"", None, "not a JSON object"),
+    ({"t": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype 'F33'"),
+    ({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8, None, "is 12 bytes but data_offsets span 8"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, "fall outside"),
+    ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative integers"),
+    ({"t": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, "needs dtype, shape and data_offsets"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlap"),
+])
+def test_malformed_headers_are_named(tmp_path, header, data, header_len, message):
+    """Each way a header can lie gives a CheckpointError that names the file and the problem."""
+    path = tmp_path / "model.safetensors"
+    write_raw(path, header, data, header_len)
+    with pytest.raises(CheckpointError, match=message) as info:
+        read_header(path)
+    assert str(path) in str(info.value)
+
+
+def test_truncated_file(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"\x01\x02")
+    with pytest.raises(CheckpointError, match="truncated"):
+        read_header(path)
+
+
+def test_missing_config_and_weights(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        Checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
+        Checkpoint(tmp_path)
+
+
+def test_identity_changes_when_rewritten_in_place(tmp_path):
+    """Same shapes, new values, same header: the identity still changes (mtime), and the stat-only
+    refresh notices it."""
+    make_dir(tmp_path)
+    before = Checkpoint(tmp_path).identity
+    assert refresh_identity(tuple(before)) == tuple(before)
+    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
+    os.utime(tmp_path / "model.safetensors", ns=(before[0].mtime_ns + 10**9, before[0].mtime_ns + 10**9))
+    after = refresh_identity(tuple(before))
+    assert after[0].header_sha256 == before[0].header_sha256
+    assert "mtime_ns" in after[0].differences(before[0])

@@ -1,0 +1,250 @@
+"""The daemon as a real process on a real socket, used from other real processes."""
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from safetensors.torch import load_file, save_file
+
+from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
+from preload_daemon.plan import LoadSpec
+from scripts.build_models import synthetic_checkpoint
+from tests.conftest import REPO
+
+
+class Probe:
+    """tests/daemon/attach_probe.py in its own process."""
+
+    def __init__(self, socket_path, model, *flags):
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.daemon.attach_probe", str(socket_path), model,
+                                      *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        self.report = json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_attach_from_another_process_is_bitwise_and_zero_copy(daemon, tiny_llama):
+    info = daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    assert (info.name, info.version, info.state) == ("tiny-llama", 1, "ready")
+    probe = Probe(daemon.config.socket_path, "tiny-llama", "--compare", str(tiny_llama), "--exit")
+    probe.close()
+    assert probe.report["equal"] and probe.report["shares_storage"]
+    assert probe.report["num_tensors"] == len(load_file(str(tiny_llama / "model.safetensors")))
+
+
+def test_slab_is_private_read_only_and_unique(start_daemon, tiny_llama):
+    """Slab files are 0400 in a 0700 directory; two daemons on two devices hold two distinct slabs."""
+    a, b = start_daemon("cpu:0"), start_daemon("cpu:1")
+    for d in (a, b):
+        d.client.load(LoadSpec(path=str(tiny_llama)))
+    slabs = {d.config.device: d.client.attach("tiny-llama").manifest.slabs[0].path for d in (a, b)}
+    assert len(set(slabs.values())) == 2
+    for path in map(pathlib.Path, slabs.values()):
+        assert path.stat().st_mode & 0o777 == 0o400
+        assert path.parent.stat().st_mode & 0o777 == 0o700
+        assert str(path).startswith("/dev/shm/")
+    a.client.evict("tiny-llama", force=True)
+    assert not pathlib.Path(slabs["cpu:0"]).exists() and pathlib.Path(slabs["cpu:1"]).exists()
+    assert b.client.attach("tiny-llama").version == 1
+
+
+def test_second_attaching_process_adds_almost_no_memory(daemon, tmp_path):
+    """Two processes that read every byte of a 200 MB slab each keep under 10% of it private (USS);
+    PSS splits the pages between the daemon and both workers."""
+    ckpt = synthetic_checkpoint(tmp_path / "synth", 0.2, hidden=512)
+    info = daemon.client.load(LoadSpec(path=str(ckpt)))
+    first = Probe(daemon.config.socket_path, "synth", "--touch")
+    second = Probe(daemon.config.socket_path, "synth", "--touch")
+    try:
+        for probe in (first, second):
+            r = probe.report
+            assert r["rss"] - r["uss"] > 0.9 * info.slab_bytes, "the probe did not map and read the slab"
+            assert r["uss"] - r["uss_before"] < 0.1 * info.slab_bytes, r
+        assert second.report["pss"] < second.report["uss"] + 0.5 * info.slab_bytes
+    finally:
+        first.close()
+        second.close()
+
+
+def test_killed_worker_lease_is_reaped_then_evict_works(daemon, tiny_llama):
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    probe = Probe(daemon.config.socket_path, "tiny-llama")
+    models = daemon.client.list_models()
+    assert [lease.pid for lease in models[0].leases] == [probe.report["pid"]]
+    with pytest.raises(LeasedError, match=f"leased by pid {probe.report['pid']}"):
+        daemon.client.evict("tiny-llama")
+    probe.proc.kill()
+    probe.proc.wait()
+    wait_until(lambda: not daemon.client.list_models()[0].leases, timeout=10, what="lease reaping")
+    assert "reaped lease" in daemon.output()
+    with pytest.raises(NotFoundError):
+        daemon.client.renew(probe.report["lease"])
+    assert [m.version for m in daemon.client.evict("tiny-llama")] == [1]
+    assert daemon.client.list_models() == []
+
+
+def test_bad_checkpoints_leave_the_daemon_serving(daemon, tiny_llama, tmp_path):
+    """Malformed input is refused with a clear error; the model already loaded stays attachable."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((tiny_llama / "config.json").read_text())
+    (bad / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match="data section"):
+        daemon.client.load(LoadSpec(path=str(bad)))
+    with pytest.raises(CheckpointError, match="not a directory"):
+        daemon.client.load(LoadSpec(path=str(tmp_path / "nowhere")))
+    probe = Probe(daemon.config.socket_path, "tiny-llama", "--compare", str(tiny_llama), "--exit")
+    probe.close()
+    assert probe.report["equal"]
+    assert [m.name for m in daemon.client.list_models()] == ["tiny-llama"]
+
+
+def test_checkpoint_rewritten_in_place_is_never_served_as_the_old_one(daemon, tiny_llama, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((tiny_llama / "config.json").read_text())
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    daemon.client.load(LoadSpec(path=str(ckpt)))
+    save_file({k: v + 1 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
+    with pytest.raises(StaleError, match=r"files\[.*model.safetensors\]\.mtime_ns"):
+        daemon.client.attach("ckpt")
+    assert daemon.client.list_models()[0].state == "stale"
+    info = daemon.client.load(LoadSpec(path=str(ckpt)))
+    assert info.version == 2
+    probe = Probe(daemon.config.socket_path, "ckpt", "--compare", str(ckpt), "--exit")
+    probe.close()
+    assert probe.report["version"] == 2 and probe.report["equal"]
+
+
+def test_loading_the_same_checkpoint_twice_reuses_it(daemon, tiny_llama):
+    first = daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    again = daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    assert (first.version, again.version) == (1, 1)
+    bf16 = daemon.client.load(LoadSpec(path=str(tiny_llama), dtype="bfloat16"))
+    assert bf16.version == 2 and bf16.slab_bytes < first.slab_bytes
+
+
+def test_expected_cache_key_mismatch_names_fields(daemon, tiny_llama):
+    import dataclasses
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    key = daemon.client.attach("tiny-llama").key
+    expect = dataclasses.replace(key, dtype="bfloat16", tp_size=2, content_digest="")
+    with pytest.raises(StaleError, match=r"tp_size \(1 here, 2 expected\), dtype \('float32' here, 'bfloat16' expected\)"):
+        daemon.client.attach("tiny-llama", expect=expect)
+    assert daemon.client.attach("tiny-llama", expect=dataclasses.replace(key, content_digest="")).version == 1
+
+
+def test_health_and_reflection(daemon, tiny_llama):
+    channel = grpc.insecure_channel(f"unix:{daemon.config.socket_path}")
+    health = health_pb2_grpc.HealthStub(channel)
+    not_serving = health.Check(health_pb2.HealthCheckRequest(service="preload.v1.WeightCache")).status
+    assert not_serving == health_pb2.HealthCheckResponse.NOT_SERVING
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"preload.v1.WeightCache", "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+def test_http_probes(start_daemon, tiny_llama):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = start_daemon(http_port=port)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/ready")
+    assert err.value.code == 503
+    assert json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/health"))["status"] == "alive"
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    ready = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/ready"))
+    assert ready["ready"] and ready["models"][0]["name"] == "tiny-llama"
+
+
+def test_oversized_and_malformed_requests(daemon, tiny_llama):
+    from protos import preload_pb2 as pb
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    channel = grpc.insecure_channel(f"unix:{daemon.config.socket_path}",
+                                    options=[("grpc.max_send_message_length", 200 << 20)])
+    attach = channel.unary_unary("/preload.v1.WeightCache/Attach",
+                                 request_serializer=pb.AttachRequest.SerializeToString,
+                                 response_deserializer=pb.AttachResponse.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        attach(pb.AttachRequest(model="x" * (100 << 20)), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    raw = channel.unary_unary("/preload.v1.WeightCache/Attach")
+    with pytest.raises(grpc.RpcError) as err:
+        raw(b"\xff\xff\xff garbage", timeout=10)
+    assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    with pytest.raises(grpc.RpcError) as err:
+        attach(pb.AttachRequest(model=""), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    channel.close()
+    assert daemon.client.attach("tiny-llama").version == 1
+
+
+def test_other_uid_cannot_use_the_socket(daemon, tiny_llama):
+    """As `nobody`: the private directory refuses the connection; and with the directory opened up,
+    the SO_PEERCRED check refuses the call."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to run a client as nobody")
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    # Imports happen as root (the interpreter lives under /root); the client runs as nobody.
+    script = (
+        "import os, sys\n"
+        "from preload_daemon.client import DaemonClient\n"
+        "from preload_daemon.errors import PreloadError\n"
+        "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
+        "try:\n    DaemonClient(%r, timeout=5).attach('tiny-llama')\n    print('ATTACHED')\n"
+        "except PreloadError as e:\n    print(type(e).__name__, e)\n"
+    ) % str(daemon.config.socket_path)
+
+    def as_nobody() -> str:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
+        return out.stdout + out.stderr
+
+    assert "DaemonUnavailableError" in as_nobody()
+    runtime = daemon.config.runtime_dir
+    os.chmod(runtime, 0o755)
+    os.chmod(daemon.config.socket_path, 0o777)
+    try:
+        out = as_nobody()
+    finally:
+        os.chmod(runtime, 0o700)
+        os.chmod(daemon.config.socket_path, 0o600)
+    assert "AccessDeniedError" in out and "uid 65534" in out, out
+    assert "refused uid 65534" in daemon.output()
+    assert daemon.client.attach("tiny-llama").version == 1
+
+
+def test_sigterm_frees_slabs_and_socket(daemon, tiny_llama):
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    slab = pathlib.Path(daemon.client.attach("tiny-llama").manifest.slabs[0].path)
+    assert slab.exists()
+    daemon.proc.send_signal(signal.SIGTERM)
+    assert daemon.proc.wait(15) == 0
+    assert not slab.exists() and not daemon.config.socket_path.exists()

@@ -1,0 +1,137 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.errors import CheckpointError, PlanError
+from preload_daemon.plan import ALIGNMENT, LoadSpec, build_plan, classify, execute
+from scripts.build_models import tiny_model
+
+
+def materialise(path, **spec):
+    ckpt = Checkpoint(path)
+    plan = build_plan(ckpt, LoadSpec(path=str(path), **spec))
+    dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
+    execute(plan, ckpt, dest)
+    views = {e.name: dest[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in plan.entries}
+    return plan, views
+
+
+def test_tp1_plan_keeps_every_tensor_aligned_and_exact(tiny_llama):
+    plan, views = materialise(tiny_llama)
+    ref = load_file(str(tiny_llama / "model.safetensors"))
+    assert set(views) == set(ref)
+    assert all(e.offset % ALIGNMENT == 0 for e in plan.entries)
+    for name, tensor in ref.items():
+        assert torch.equal(views[name], tensor), name
+
+
+def test_dtype_conversion_matches_torch(tiny_llama):
+    _, views = materialise(tiny_llama, dtype="bfloat16")
+    ref = load_file(str(tiny_llama / "model.safetensors"))
+    for name, tensor in ref.items():
+        assert views[name].dtype == torch.bfloat16
+        assert torch.equal(views[name], tensor.to(torch.bfloat16))
+
+
+def test_padding_is_zeroed_so_cold_bytes_are_deterministic(tiny_llama):
+    """Two executions into garbage-filled memory give identical bytes, padding included."""
+    ckpt = Checkpoint(tiny_llama)
+    plan = build_plan(ckpt, LoadSpec(path=str(tiny_llama)))
+    a = torch.full((plan.total_bytes,), 0xAB, dtype=torch.uint8)
+    b = torch.full((plan.total_bytes,), 0x11, dtype=torch.uint8)
+    execute(plan, ckpt, a)
+    execute(plan, ckpt, b)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_shards_reassemble_the_full_tensors(tiny_llama, tp):
+    """Column shards concatenate along rows, row shards along columns; with 2 kv heads and TP 4,
+    each kv head is replicated on two ranks."""
+    ref = load_file(str(tiny_llama / "model.safetensors"))
+    shards = [materialise(tiny_llama, tp_size=tp, tp_rank=r)[1] for r in range(tp)]
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(torch.cat([s[q] for s in shards]), ref[q])
+    o = "model.layers.0.self_attn.o_proj.weight"
+    assert torch.equal(torch.cat([s[o] for s in shards], dim=1), ref[o])
+    assert torch.equal(torch.cat([s["model.embed_tokens.weight"] for s in shards]), ref["model.embed_tokens.weight"])
+    assert all(torch.equal(s["model.norm.weight"], ref["model.norm.weight"]) for s in shards)
+    k = "model.layers.1.self_attn.k_proj.weight"
+    if tp == 2:
+        assert torch.equal(torch.cat([s[k] for s in shards]), ref[k])
+    else:
+        head_dim = 16
+        for r, s in enumerate(shards):
+            head = r * 2 // tp
+            assert torch.equal(s[k], ref[k][head * head_dim:(head + 1) * head_dim])
+
+
+def test_tp_that_does_not_divide_heads(tiny_llama):
+    with pytest.raises(PlanError, match="tp_size 3 does not divide num_attention_heads=4"):
+        build_plan(Checkpoint(tiny_llama), LoadSpec(path=str(tiny_llama), tp_size=3))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"quantization": "fp9"}, "unknown quantization scheme 'fp9'"),
+    ({"dtype": "float64"}, "unknown dtype 'float64'"),
+    ({"tp_size": 2, "tp_rank": 2}, "tp_rank 2 is not in"),
+    ({"component": "encoder"}, "unknown component"),
+])
+def test_bad_specs(kwargs, message):
+    with pytest.raises(PlanError, match=message):
+        LoadSpec(path="/x", **kwargs)
+
+
+def test_shapes_that_contradict_config(tmp_path, tiny_llama):
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(tiny_llama / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"down_proj.weight. has shape \[64, 128\] but config.json implies \[64, 96\]"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
+
+def test_unknown_architecture(tmp_path, tiny_llama):
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(tiny_llama / "model.safetensors")
+    with pytest.raises(PlanError, match="'GPT2LMHeadModel' is not supported"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
+
+def test_mtp_layers_form_the_draft_component(tmp_path, tiny_llama):
+    """Layers past num_hidden_layers (DeepSeek-V3 MTP naming) go to the draft, not the main model."""
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    tensors["model.layers.2.eh_proj.weight"] = torch.randn(64, 128)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(64)
+    tensors["model.layers.2.self_attn.q_proj.weight"] = torch.randn(64, 64)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    config = json.loads((tiny_llama / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    main = build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+    draft = build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path), component="draft"))
+    assert not any(e.name.startswith("model.layers.2.") for e in main.entries)
+    assert {e.name for e in draft.entries} == {n for n in tensors if n.startswith("model.layers.2.")}
+    with pytest.raises(PlanError, match="no MTP layers"):
+        build_plan(Checkpoint(tiny_llama), LoadSpec(path=str(tiny_llama), component="draft"))
+
+
+def test_roles():
+    assert classify("model.layers.3.self_attn.k_proj.weight") == ("linear", "kv")
+    assert classify("model.layers.3.mlp.down_proj.weight") == ("linear", "row")
+    assert classify("lm_head.weight") == ("lm_head", "vocab")
+    assert classify("model.layers.3.self_attn.q_norm.weight") == ("norm", "replicated")
+    assert classify("model.layers.3.self_attn.q_proj.bias") == ("bias", "column")
+
+
+def test_qwen2_bias_and_qwen3_norm_shapes(checkpoints):
+    """Architectures with q/k/v biases (Qwen2) and q/k norms (Qwen3) pass the shape checks."""
+    for arch in ("qwen2", "qwen3"):
+        path = tiny_model(arch, checkpoints / f"plan-{arch}")
+        plan, views = materialise(path, tp_size=2, tp_rank=1)
+        assert plan.architecture.lower().startswith(arch)
+        assert views["model.norm.weight"].shape == (64,)

@@ -1,0 +1,1 @@
+"""The disposable engine worker: model, generation engine, HTTP server and loaders."""
