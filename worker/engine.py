@@ -1,0 +1,181 @@
+"""The generation engine: one scheduler thread runs prefill for new requests and batched decode for
+all running ones over a static per-slot KV cache. Requests arrive from any thread; their tokens go
+back through a callback as they are produced."""
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from preload_daemon.errors import InvalidRequestError
+from worker.model import CausalLM, KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """With temperature > 0, the same seed gives the same tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Added to the model's end-of-sequence tokens."""
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[int], None]
+    on_done: Callable[[str], None]
+    """Called once with the finish reason: "stop", "length" or "error: ..."."""
+    generator: torch.Generator | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    stop_ids: frozenset = frozenset()
+    cancelled: bool = False
+    """Set from any thread (a stop string matched, the client went away): ends with "stop"."""
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    tokens: list[int]
+    finish_reason: str
+    seconds: float
+
+
+class Engine:
+    def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048):
+        self.model = model
+        self.max_len = min(max_len, model.config.max_position_embeddings)
+        self.cache = KVCache(model.config, max_batch, self.max_len, model.dtype)
+        self._pending: queue.Queue[Request | None] = queue.Queue()
+        self._free = list(range(max_batch))
+        self._running: list[Request] = []
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._pending.put(None)
+        self._thread.join()
+
+    def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[int], None],
+               on_done: Callable[[str], None]) -> Request:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt) + params.max_tokens > self.max_len:
+            raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                      f"engine's max length {self.max_len}; shorten one of them")
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.config.eos_token_ids))
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
+        self._pending.put(request)
+        return request
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Result:
+        """Blocking convenience: all tokens of one request."""
+        tokens, done = [], threading.Event()
+        reason = []
+        start = time.perf_counter()
+        self.submit(prompt, params, tokens.append, lambda r: (reason.append(r), done.set()))
+        done.wait()
+        if reason[0].startswith("error"):
+            raise RuntimeError(reason[0])
+        return Result(tokens, reason[0], time.perf_counter() - start)
+
+    def _loop(self) -> None:
+        while True:
+            block = not self._running
+            while self._free:
+                try:
+                    request = self._pending.get(block=block)
+                except queue.Empty:
+                    break
+                if request is None:
+                    return
+                block = False
+                self._prefill(request)
+            if self._running:
+                self._decode()
+
+    def _prefill(self, request: Request) -> None:
+        request.slot = self._free.pop()
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(request.prompt)
+        try:
+            ids = torch.tensor([request.prompt])
+            logits = self.model.forward(ids, torch.arange(len(request.prompt))[None], self.cache,
+                                        torch.tensor([request.slot]))
+        except Exception as e:
+            log.exception("prefill failed")
+            self._finish(request, f"error: {e}")
+            return
+        self._running.append(request)
+        self._emit(request, self._sample(logits[0], request))
+
+    def _decode(self) -> None:
+        batch = self._running
+        ids = torch.tensor([[r.output[-1]] for r in batch])
+        positions = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in batch])
+        slots = torch.tensor([r.slot for r in batch])
+        try:
+            logits = self.model.forward(ids, positions, self.cache, slots)
+        except Exception as e:
+            log.exception("decode failed")
+            for r in list(batch):
+                self._finish(r, f"error: {e}")
+            return
+        self.stats["decode_steps"] += 1
+        for row, request in enumerate(list(batch)):
+            self._emit(request, self._sample(logits[row], request))
+
+    def _emit(self, request: Request, token: int) -> None:
+        request.output.append(token)
+        self.stats["generated_tokens"] += 1
+        if token in request.stop_ids or request.cancelled:
+            self._finish(request, "stop")
+            return
+        request.on_token(token)
+        if len(request.output) >= request.params.max_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: Request, reason: str) -> None:
+        if request in self._running:
+            self._running.remove(request)
+        self._free.append(request.slot)
+        request.on_done(reason)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, request: Request) -> int:
+        params = request.params
+        if params.temperature == 0:
+            return int(logits.argmax())
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the top token
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs, 1, generator=request.generator))

@@ -1,0 +1,93 @@
+"""What one engine worker knows about itself: its weights, engine, tokenizer, readiness and timings.
+Shared by the HTTP handlers, the loading thread and the lease watcher."""
+
+import logging
+import threading
+import time
+
+import psutil
+
+from preload_daemon.errors import InvalidRequestError, PreloadError
+from worker.engine import Engine
+from worker.loader import LoadedWeights
+from worker.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState:
+    def __init__(self, name: str, requested_format: str):
+        self.name = name
+        self.requested_format = requested_format
+        self.process_start = psutil.Process().create_time()
+        self.timings: dict[str, float] = {"process_start": self.process_start}
+        self.engine: Engine | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.weights: LoadedWeights | None = None
+        self.failure = ""
+        self._ready = threading.Event()
+
+    def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None) -> dict:
+        self.weights, self.engine, self.tokenizer = weights, engine, tokenizer
+        self.timings.update(weights_start=weights.started, weights_done=weights.finished, ready=time.time())
+        self._ready.set()
+        return self.readiness()
+
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and not self.failure
+
+    def not_ready_reason(self) -> str:
+        return self.failure or ("ready" if self._ready.is_set() else "loading weights")
+
+    def readiness(self) -> dict:
+        body = {"ready": self.is_ready(), "model": self.name, **self.timings,
+                "requested_load_format": self.requested_format}
+        if self.weights is not None:
+            body.update(load_format=self.weights.load_format, fallback_reason=self.weights.fallback_reason,
+                        cache_key_digest=self.weights.key.content_digest)
+        if not body["ready"]:
+            body["reason"] = self.not_ready_reason()
+        return body
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint ships no tokenizer.json; send token ids as the prompt")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def watch_lease(self, interval: float = 1.0) -> None:
+        """While attached, confirm the lease every `interval`; if the daemon goes away, stop
+        reporting ready rather than serve from weights nobody vouches for any more."""
+        attached = self.weights.attached if self.weights else None
+        if attached is None:
+            return
+
+        def watch() -> None:
+            while not self.failure:
+                time.sleep(interval)
+                try:
+                    attached.renew()
+                except PreloadError as e:
+                    self.failure = f"lost the daemon's lease on {self.name}: {e}"
+                    log.error("%s; no longer ready", self.failure)
+
+        threading.Thread(target=watch, name="lease-watch", daemon=True).start()
+
+    def metrics_text(self) -> str:
+        stats = self.engine.stats if self.engine else {}
+        lines = [
+            "# TYPE preload_engine_ready gauge", f'preload_engine_ready{{model="{self.name}"}} {int(self.is_ready())}',
+        ]
+        if "weights_done" in self.timings:
+            fmt = self.weights.load_format
+            lines += ["# TYPE preload_engine_weights_seconds gauge",
+                      f'preload_engine_weights_seconds{{model="{self.name}",load_format="{fmt}"}} '
+                      f'{self.timings["weights_done"] - self.timings["weights_start"]:.6f}',
+                      "# TYPE preload_engine_start_to_ready_seconds gauge",
+                      f'preload_engine_start_to_ready_seconds{{model="{self.name}",load_format="{fmt}"}} '
+                      f'{self.timings["ready"] - self.timings["process_start"]:.6f}']
+        for key, value in stats.items():
+            lines += [f"# TYPE preload_engine_{key}_total counter", f'preload_engine_{key}_total{{model="{self.name}"}} {value}']
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,38 @@
+"""Text <-> token ids with the checkpoint's tokenizer.json (the `tokenizers` library, not the much
+slower-to-import transformers), plus its chat template."""
+
+import json
+import pathlib
+
+import jinja2
+import tokenizers
+
+from preload_daemon.errors import InvalidRequestError
+
+
+class Tokenizer:
+    def __init__(self, path: pathlib.Path):
+        self._tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        config_path = path / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template = path / "chat_template.jinja"
+        source = template.read_text() if template.exists() else config.get("chat_template")
+        self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
+        self._template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(source) \
+            if isinstance(source, str) else None
+
+    @classmethod
+    def load(cls, path: pathlib.Path) -> "Tokenizer | None":
+        """The checkpoint's tokenizer, or None if it ships none (then only token-id prompts work)."""
+        return cls(path) if (path / "tokenizer.json").exists() else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if self._template is None:
+            raise InvalidRequestError("this checkpoint has no chat template; send a plain prompt")
+        return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
