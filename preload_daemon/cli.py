@@ -76,13 +76,19 @@ def build_parser(prog: str = "preload") -> tuple[argparse.ArgumentParser, argpar
     p.add_argument("--force", action="store_true", help="evict even if leased (mapped workers keep their pages)")
     p.set_defaults(func=cmd_evict)
 
+    p = sub.add_parser("default-model", help="print the embedded default model's path (converting it once)",
+                       epilog="examples:\n  preload default-model\n  preload serve \"$(preload default-model)\"",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=cmd_default_model)
+
+    p = sub.add_parser("demo", help="the whole story on the default model: daemon, cold and warm engines, an answer")
+    _script_command(p, "demo")
+
     p = sub.add_parser("bench", help="benchmarks (DESIGN.md section 8)")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    b = bench.add_parser("attach", help="attach time vs cold-read time for 0.1, 1 and 4 GB checkpoints")
-    b.add_argument("--sizes-gb", default="0.1,1,4")
-    b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=lambda args: _run_script("bench_attach", args))
+    _script_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), "bench_attach")
+    _script_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), "bench_restart")
+    _script_command(bench.add_parser("decode", help="decode tokens/s: our engine vs transformers"), "bench_decode")
 
     for p in sub.choices.values():
         add_common(p)
@@ -109,6 +115,12 @@ def main(argv=None, parser=None) -> int:
 def cmd_daemon(args) -> int:
     from preload_daemon import daemon
     return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir, http_port=args.http_port))
+
+
+def cmd_default_model(args) -> int:
+    from preload_daemon.default_model import default_model_path
+    print(default_model_path())
+    return 0
 
 
 def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
@@ -220,20 +232,24 @@ def cmd_evict(args) -> int:
     return 0
 
 
-def _run_script(name: str, args) -> int:
-    """Benchmarks live in scripts/ of the source tree; `preload bench` runs them from there."""
+def _script_command(parser: argparse.ArgumentParser, name: str) -> None:
+    """Benchmarks and the demo live in scripts/ of the source tree (runnable on their own too);
+    each defines add_arguments(parser) and run(args)."""
     import importlib.util
     path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
     if not path.exists():
-        print(f"preload bench: {path} not found; benchmarks run from a source checkout (pip install -e .)",
-              file=sys.stderr)
-        return 1
+        parser.set_defaults(func=lambda args: sys.exit(f"preload: {path} not found; benchmarks and the demo run "
+                                                       "from a source checkout (pip install -e .)"))
+        return
     if str(path.parent.parent) not in sys.path:
         sys.path.insert(0, str(path.parent.parent))  # the scripts import each other as scripts.*
-    spec = importlib.util.spec_from_file_location(f"preload_scripts_{name}", path)
+    spec = importlib.util.spec_from_file_location(f"scripts.{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.run(args)
+    parser.description = module.__doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
 
 
 def table(rows: list[list[str]]) -> str:

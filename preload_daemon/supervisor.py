@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, parse_device
+from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError, PreloadError
 from preload_daemon.plan import LoadSpec
 
@@ -126,7 +127,7 @@ def load_all(specs: list[LoadSpec], devices: list[str], runtime_dir: pathlib.Pat
 
 
 def cmd_serve(args) -> int:
-    model = args.model or default_model_path()
+    model = args.model or str(default_model_path())
     devices = resolve_devices(args.devices, args.tp_size)
     specs = [LoadSpec(path=os.path.abspath(model), name=args.name, dtype=args.dtype, quantization=args.quantization,
                       tp_size=args.tp_size, tp_rank=r) for r in range(args.tp_size)]
@@ -170,6 +171,3 @@ def supervise(started: list[DaemonProcess], devices: list[str], runtime_dir, sto
                     return 1
     return 0
 
-
-def default_model_path() -> str:
-    raise InvalidRequestError("no MODEL given; pass a checkpoint directory, e.g. `preload serve /models/llama`")

@@ -138,6 +138,12 @@ def run(args) -> int:
     return 0
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes-gb", default="0.1,1,4", help="checkpoint sizes, comma-separated")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+
+
 def machine() -> str:
     import platform
     import psutil
@@ -152,7 +158,5 @@ if __name__ == "__main__":
         print(json.dumps({"attach": child_attach, "cold": child_cold, "raw": child_raw}[kind](*rest)))
         sys.exit(0)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes-gb", default="0.1,1,4")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
+    add_arguments(parser)
     sys.exit(run(parser.parse_args()))

@@ -14,6 +14,7 @@ import torch
 
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig
+from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError
 from scripts.build_models import tiny_model
 
@@ -37,6 +38,12 @@ def checkpoints(tmp_path_factory) -> pathlib.Path:
 def tiny_llama(checkpoints) -> pathlib.Path:
     """A 2-layer random Llama (GQA, fp32) saved by transformers."""
     return tiny_model("llama", checkpoints / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def default_model() -> pathlib.Path:
+    """The embedded default model, converted once per machine (about 20 s the first time)."""
+    return default_model_path()
 
 
 @pytest.fixture
@@ -107,9 +114,8 @@ def daemon(start_daemon) -> DaemonHandle:
     return start_daemon()
 
 
-def run_preload(*args, runtime_dir=None, timeout=120, check=False, **kwargs) -> subprocess.CompletedProcess:
+def run_preload(*args, runtime_dir=None, timeout=120, check=False, env_extra=None) -> subprocess.CompletedProcess:
     """Runs the `preload` console script as a user would."""
-    env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {})}
+    env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {}), **(env_extra or {})}
     cmd = [sys.executable, "-m", "worker.cli", *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=check,
-                          **kwargs)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=check)

@@ -26,7 +26,7 @@ def build_app(state: WorkerState) -> Starlette:
 
     async def ready(_: Request):
         body = state.readiness()
-        return JSONResponse(body, status_code=200 if body["ready"] else 503)
+        return JSONResponse(body, status_code=200 if body["status"] == "ready" else 503)
 
     async def metrics(_: Request):
         return PlainTextResponse(state.metrics_text(), media_type="text/plain; version=0.0.4")

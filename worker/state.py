@@ -2,10 +2,9 @@
 Shared by the HTTP handlers, the loading thread and the lease watcher."""
 
 import logging
+import os
 import threading
 import time
-
-import psutil
 
 from preload_daemon.errors import InvalidRequestError, PreloadError
 from worker.engine import Engine
@@ -15,11 +14,21 @@ from worker.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+def process_start_time() -> float:
+    """When this process started, as a wall-clock timestamp, to the kernel's 10 ms tick.
+    (psutil's create_time adds the boot time, which /proc/stat rounds to whole seconds.)"""
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 class WorkerState:
     def __init__(self, name: str, requested_format: str):
         self.name = name
         self.requested_format = requested_format
-        self.process_start = psutil.Process().create_time()
+        self.process_start = process_start_time()
         self.timings: dict[str, float] = {"process_start": self.process_start}
         self.engine: Engine | None = None
         self.tokenizer: Tokenizer | None = None
@@ -40,12 +49,13 @@ class WorkerState:
         return self.failure or ("ready" if self._ready.is_set() else "loading weights")
 
     def readiness(self) -> dict:
-        body = {"ready": self.is_ready(), "model": self.name, **self.timings,
-                "requested_load_format": self.requested_format}
+        """The /ready body: a status, and the timestamps process_start, weights_start, weights_done, ready."""
+        status = "ready" if self.is_ready() else "failed" if self.failure else "loading"
+        body = {"status": status, "model": self.name, **self.timings, "requested_load_format": self.requested_format}
         if self.weights is not None:
             body.update(load_format=self.weights.load_format, fallback_reason=self.weights.fallback_reason,
                         cache_key_digest=self.weights.key.content_digest)
-        if not body["ready"]:
+        if status != "ready":
             body["reason"] = self.not_ready_reason()
         return body
 

@@ -1,0 +1,140 @@
+"""`preload bench restart`: engine process start -> /ready, cold (`safetensors`) against warm
+(`ipc_cache`, attached to a daemon that holds the model), and the weights phase alone.
+
+Runs alternate cold and warm so that drift hits both alike. Cold runs read the checkpoint from the
+page cache (a restart on the same host); `--drop-cache` adds cold runs that read it from disk.
+
+    python scripts/bench_restart.py [MODEL] [--repeats 5] [--drop-cache] [--json]
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+class Engine:
+    """One `preload engine` process; `ready` is its readiness line."""
+
+    def __init__(self, model: pathlib.Path, load_format: str, runtime_dir: pathlib.Path, *extra: str):
+        self.spawned = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "engine", str(model), "--load-format", load_format, "--port", "0",
+             "--runtime-dir", str(runtime_dir), "--log-level", "WARNING", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+        line = self.proc.stdout.readline()
+        self.ready = json.loads(line) if line else {"event": "failed", "error": self.proc.stderr.read()}
+        if self.ready.get("event") != "ready":
+            self.stop()
+            raise RuntimeError(f"engine ({load_format}) did not become ready: {self.ready.get('error')}")
+        self.url = f"http://127.0.0.1:{self.ready['port']}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.communicate(timeout=30)
+
+
+def drop_page_cache(model: pathlib.Path) -> None:
+    for f in model.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+
+def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_cache: bool = False) -> dict:
+    """{variant: [{"start_to_ready", "weights"}...]} for cold, warm (and cold from disk)."""
+    variants = {"cold (safetensors)": ("safetensors", False), "warm (ipc_cache)": ("ipc_cache", False)}
+    if drop_cache:
+        variants["cold, page cache dropped"] = ("safetensors", True)
+    samples = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, (fmt, drop) in variants.items():
+            if drop:
+                drop_page_cache(model)
+            extra = ("--no-fallback",) if fmt == "ipc_cache" else ()
+            engine = Engine(model, fmt, runtime_dir, *extra)
+            r = engine.ready
+            samples[name].append({"start_to_ready": r["ready"] - r["process_start"],
+                                  "weights": r["weights_done"] - r["weights_start"], "load_format": r["load_format"]})
+            engine.stop()
+    return samples
+
+
+def summarise(samples: dict) -> dict:
+    out = {name: {"start_to_ready_s": statistics.median(s["start_to_ready"] for s in runs),
+                  "weights_s": statistics.median(s["weights"] for s in runs), "n": len(runs)}
+           for name, runs in samples.items()}
+    cold, warm = out["cold (safetensors)"], out["warm (ipc_cache)"]
+    out["ratios"] = {"start_to_ready_cold_over_warm": cold["start_to_ready_s"] / warm["start_to_ready_s"],
+                     "weights_cold_over_warm": cold["weights_s"] / warm["weights_s"]}
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = [f"{'start':<26} {'start -> ready':>15} {'weights phase':>14}"]
+    for name, row in summary.items():
+        if name != "ratios":
+            lines.append(f"{name:<26} {row['start_to_ready_s'] * 1e3:>12.0f} ms {row['weights_s'] * 1e3:>11.1f} ms")
+    ratios = summary["ratios"]
+    lines.append(f"{'cold / warm':<26} {ratios['start_to_ready_cold_over_warm']:>14.2f}x "
+                 f"{ratios['weights_cold_over_warm']:>13.1f}x")
+    return "\n".join(lines)
+
+
+def with_daemon(model: pathlib.Path, name: str = ""):
+    """A private daemon holding `model`, for the length of a `with` block."""
+    from preload_daemon.client import DaemonClient
+    from preload_daemon.plan import LoadSpec
+    from preload_daemon.supervisor import DaemonProcess, load_all
+
+    class Daemon:
+        def __enter__(self):
+            self.runtime_dir = pathlib.Path(tempfile.mkdtemp(prefix="plr-", dir="/tmp"))
+            self.process = DaemonProcess("cpu:0", self.runtime_dir, "WARNING")
+            self.process.wait_started()
+            self.info = load_all([LoadSpec(path=str(model), name=name)], ["cpu:0"], self.runtime_dir)[0]
+            return self
+
+        def __exit__(self, *exc):
+            self.process.stop()
+            DaemonClient.for_device("cpu:0", self.runtime_dir).close()
+
+    return Daemon()
+
+
+def run(args) -> int:
+    from preload_daemon.default_model import default_model_path
+    model = pathlib.Path(args.model).resolve() if args.model else default_model_path()
+    with with_daemon(model) as daemon:
+        samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache)
+    summary = summarise(samples)
+    if args.json:
+        print(json.dumps({"model": str(model), "slab_bytes": daemon.info.slab_bytes, "repeats": args.repeats,
+                          "summary": summary, "samples": samples}, indent=2))
+    else:
+        print(f"preload bench restart — {model.name} ({daemon.info.slab_bytes / 2**30:.2f} GiB), "
+              f"median of {args.repeats}")
+        print(table(summary))
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--drop-cache", action="store_true", help="also time cold starts that read from disk")
+    parser.add_argument("--json", action="store_true")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

