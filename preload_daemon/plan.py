@@ -7,17 +7,20 @@ import re
 
 import torch
 
+from kernels import quant
 from preload_daemon.buffers import DTYPES
 from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.dims import ModelDims, Shard
 from preload_daemon.errors import CheckpointError, PlanError
 
 ALIGNMENT = 256
 FORMAT_VERSION = 1
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-SCHEMES = ("none",)
-# Schemes DESIGN.md names that this build does not implement yet: asked for, they get a clear error.
-PLANNED_SCHEMES = ("fp8_per_tensor", "fp8_per_channel", "fp8_block", "int8", "mxfp8", "mxfp4", "nvfp4")
+SCHEMES = ("none", *quant.SCHEMES)
+# What the manifest records of each scheme besides its name.
+SCHEME_PARAMS = {"fp8_block": {"block": "128x128"}, "mxfp8": {"block": "32"}, "mxfp4": {"block": "32"},
+                 "nvfp4": {"block": "16"}}
 COMPONENTS = ("main", "draft")
 
 
@@ -43,12 +46,8 @@ class LoadSpec:
             object.__setattr__(self, "name", self.path.rstrip("/").rsplit("/", 1)[-1])
         if self.dtype not in DTYPE_CHOICES:
             raise PlanError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
-        if self.quantization in PLANNED_SCHEMES:
-            raise PlanError(f"quantization {self.quantization!r} is not available in this build yet; "
-                            f"use one of: {', '.join(SCHEMES)}")
         if self.quantization not in SCHEMES:
-            raise PlanError(f"unknown quantization scheme {self.quantization!r}; known: "
-                            f"{', '.join(SCHEMES + PLANNED_SCHEMES)}")
+            raise PlanError(f"unknown quantization scheme {self.quantization!r}; known: {', '.join(SCHEMES)}")
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise PlanError(f"tp_rank {self.tp_rank} is not in [0, tp_size={self.tp_size})")
         if self.component not in COMPONENTS:
@@ -56,16 +55,9 @@ class LoadSpec:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Shard:
-    """The slice of the source tensor this rank keeps: `length` rows/columns from `start` along `dim`."""
-
-    dim: int
-    start: int
-    length: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
 class PlanEntry:
+    """One tensor of the slab, made from one checkpoint tensor (`source`, sliced by `shard`)."""
+
     name: str
     role: str
     dtype: torch.dtype
@@ -73,7 +65,13 @@ class PlanEntry:
     offset: int
     nbytes: int
     shard: Shard | None
+    source: str
+    part: str = ""
+    """For quantized weights: "weight", "weight_scale" or "weight_global_scale"."""
     quant_scheme: str = "none"
+    quant_params: tuple[tuple[str, str], ...] = ()
+    quantize: bool = False
+    """Quantized while loading (the parts of one source follow each other); else copied as stored."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,9 +123,23 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
     dims = ModelDims.from_config(checkpoint.config, checkpoint.path)
     dims.check_tp(spec.tp_size)
     target = _target_dtype(checkpoint, spec)
+    prequantized = _prequantized_scheme(checkpoint)
+    if prequantized and spec.quantization != prequantized:
+        raise PlanError(f"{checkpoint.path} holds pre-quantized {prequantized} weights (its config.json "
+                        f"quantization_config says so); load it with --quantization {prequantized}")
 
-    entries, offset = [], 0
+    entries: list[PlanEntry] = []
+    offset = 0
+
+    def add(**fields) -> None:
+        nonlocal offset
+        nbytes = fields["dtype"].itemsize * _numel(fields["shape"])
+        entries.append(PlanEntry(offset=offset, nbytes=nbytes, **fields))
+        offset = _align(offset + nbytes)
+
     for name in _component_tensors(checkpoint, dims, spec.component):
+        if prequantized and name.endswith(".weight_scale_inv"):
+            continue  # planned with its weight
         info = checkpoint.tensors[name]
         role, style = classify(name)
         dims.check_shape(name, role, info.shape)
@@ -135,56 +147,58 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         shape = list(info.shape)
         if shard is not None:
             shape[shard.dim] = shard.length
+        if role == "linear" and spec.quantization != "none":
+            params = tuple(sorted({**SCHEME_PARAMS.get(spec.quantization, {}), "in_features": str(shape[1])}.items()))
+            common = dict(role=role, quant_scheme=spec.quantization, quant_params=params)
+            stem = name.removesuffix(".weight")
+            if prequantized:
+                scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard, shape)
+                add(name=name, dtype=info.dtype, shape=tuple(shape), shard=shard, source=name, part="weight", **common)
+                add(name=f"{stem}.weight_scale", dtype=torch.float32, shape=scale_shape, shard=scale_shard,
+                    source=scale_name, part="weight_scale", **common)
+            else:
+                for part, (dtype, part_shape) in quant.layout(spec.quantization, *shape).items():
+                    add(name=f"{stem}.{part}", dtype=dtype, shape=part_shape, shard=shard, source=name, part=part,
+                        quantize=True, **common)
+            continue
         dtype = target if info.dtype.is_floating_point and info.dtype.itemsize > 1 else info.dtype
-        nbytes = dtype.itemsize * _numel(shape)
-        entries.append(PlanEntry(name, role, dtype, tuple(shape), offset, nbytes, shard))
-        offset = _align(offset + nbytes)
+        add(name=name, role=role, dtype=dtype, shape=tuple(shape), shard=shard, source=name)
     return LoadPlan(spec, arch, target, tuple(entries), max(offset, ALIGNMENT))
 
 
-def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None) -> None:
-    """Fills `dest` (a flat uint8 tensor of plan.total_bytes) with the plan's tensors, in order.
-    `hasher` (hashlib-style) sees every byte of dest exactly once, padding included, as it is
-    written; `on_tensor(entry)` is called after each tensor."""
-    if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
-        raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
-    hashed = end = 0
-    scratch = torch.empty(0, dtype=torch.uint8)  # reused: bounded by the largest converted tensor
-    for entry in plan.entries:
-        scratch = _fill(checkpoint, entry, dest[entry.offset:entry.offset + entry.nbytes], scratch)
-        end = _align(entry.offset + entry.nbytes)
-        dest[entry.offset + entry.nbytes:end].zero_()  # padding: fresh private memory holds garbage
-        if hasher is not None:
-            hasher.update(memoryview(dest[hashed:end].numpy()))
-            hashed = end
-        if on_tensor is not None:
-            on_tensor(entry)
-    dest[end:].zero_()
-    if hasher is not None and hashed < plan.total_bytes:
-        hasher.update(memoryview(dest[hashed:].numpy()))
+def _prequantized_scheme(checkpoint: Checkpoint) -> str | None:
+    """The scheme a checkpoint's weights are already stored in, from config.json."""
+    config = checkpoint.config.get("quantization_config")
+    if not config:
+        return None
+    method, block = config.get("quant_method"), config.get("weight_block_size")
+    if method == "fp8" and list(block or []) == [quant.FP8_BLOCK, quant.FP8_BLOCK]:
+        return "fp8_block"
+    raise CheckpointError(f"{checkpoint.path}: quantization_config {method!r} with weight_block_size {block} is not "
+                          "supported; pre-quantized checkpoints must be FP8 with weight_block_size [128, 128]")
 
 
-def _fill(checkpoint: Checkpoint, entry: PlanEntry, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
-    """Writes one planned tensor into `out`; returns the (possibly grown) scratch buffer."""
-    if not entry.nbytes:
-        return scratch
-    info = checkpoint.tensors[entry.name]
-    # A dim-0 shard is a contiguous byte range of the stored tensor: read only those rows.
-    rows = entry.shard if entry.shard is not None and entry.shard.dim == 0 else None
-    row_bytes = info.nbytes // info.shape[0]
-    skip = rows.start * row_bytes if rows else 0
-    length = rows.length * row_bytes if rows else info.nbytes
-    if info.dtype == entry.dtype and entry.shard is rows:
-        checkpoint.read_into(entry.name, out, skip)  # from the file to its place in one read
-        return scratch
-    if scratch.numel() < length:
-        scratch = torch.empty(length, dtype=torch.uint8)
-    checkpoint.read_into(entry.name, scratch[:length], skip)
-    src = scratch[:length].view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
-    if entry.shard is not None and rows is None:
-        src = src.narrow(entry.shard.dim, entry.shard.start, entry.shard.length)
-    out.view(entry.dtype).view(entry.shape).copy_(src)
-    return scratch
+def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None, shape: list[int]):
+    """(source name, shard, shape) of a pre-quantized weight's 128x128 block scales."""
+    scale_name = name + "_scale_inv"
+    info = checkpoint.tensors.get(scale_name)
+    if info is None or checkpoint.tensors[name].dtype != torch.float8_e4m3fn:
+        raise CheckpointError(f"{checkpoint.path}: pre-quantized {name!r} needs float8_e4m3fn data and a "
+                              f"{scale_name!r} tensor; re-export the checkpoint")
+    block = quant.FP8_BLOCK
+    expected = tuple(-(-d // block) for d in checkpoint.tensors[name].shape)
+    if tuple(info.shape) != expected:
+        raise CheckpointError(f"{checkpoint.path}: {scale_name!r} has shape {list(info.shape)}, expected "
+                              f"{list(expected)} for 128x128 blocks")
+    if shard is None:
+        return scale_name, None, tuple(info.shape)
+    if shard.start % block or shard.length % block:
+        raise PlanError(f"{checkpoint.path}: TP shard of {name!r} ({shard.length} from {shard.start}) does not fall on "
+                        "128-element block boundaries; use a smaller --tp-size")
+    scale_shard = Shard(shard.dim, shard.start // block, shard.length // block)
+    scale_shape = list(info.shape)
+    scale_shape[shard.dim] = scale_shard.length
+    return scale_name, scale_shard, tuple(scale_shape)
 
 
 def _target_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
@@ -197,7 +211,7 @@ def _target_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
     return DTYPES[name]
 
 
-def _component_tensors(checkpoint: Checkpoint, dims: "ModelDims", component: str) -> list[str]:
+def _component_tensors(checkpoint: Checkpoint, dims: ModelDims, component: str) -> list[str]:
     """Tensor names of the component in a stable order: MTP layers (index >= num_hidden_layers)
     belong to the draft, everything else to the main model."""
     def layer(name: str) -> int | None:
@@ -212,83 +226,6 @@ def _component_tensors(checkpoint: Checkpoint, dims: "ModelDims", component: str
         raise PlanError(f"{checkpoint.path}: component 'draft' asked for, but the checkpoint has no MTP layers "
                         "(num_nextn_predict_layers is 0 or absent)")
     return draft
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ModelDims:
-    """The config.json numbers that shapes and sharding depend on."""
-
-    path: str
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    num_layers: int
-
-    @classmethod
-    def from_config(cls, config: dict, path) -> "ModelDims":
-        try:
-            hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            return cls(str(path), hidden, heads, int(config.get("num_key_value_heads") or heads),
-                       int(config.get("head_dim") or hidden // heads), int(config["intermediate_size"]),
-                       int(config["vocab_size"]), int(config["num_hidden_layers"]))
-        except (KeyError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}/config.json: missing or bad field {e}; it needs hidden_size, "
-                                  "num_attention_heads, intermediate_size, vocab_size, num_hidden_layers") from e
-
-    def check_tp(self, tp: int) -> None:
-        problems = []
-        if self.num_heads % tp:
-            problems.append(f"num_attention_heads={self.num_heads}")
-        if self.num_kv_heads % tp and tp % self.num_kv_heads:
-            problems.append(f"num_key_value_heads={self.num_kv_heads} (nor does it divide {tp})")
-        if self.intermediate % tp:
-            problems.append(f"intermediate_size={self.intermediate}")
-        if self.vocab % tp:
-            problems.append(f"vocab_size={self.vocab}")
-        if problems:
-            raise PlanError(f"{self.path}: tp_size {tp} does not divide {', '.join(problems)}; pick a TP size "
-                            "that divides the head counts")
-
-    def check_shape(self, name: str, role: str, shape: tuple[int, ...]) -> None:
-        expected = self._expected(name, role)
-        if expected is not None and tuple(shape) != expected:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has shape {list(shape)} but config.json implies "
-                                  f"{list(expected)}; the config does not belong to these weights")
-
-    def _expected(self, name: str, role: str) -> tuple[int, ...] | None:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        table = {
-            "q_proj.weight": (q, self.hidden), "k_proj.weight": (kv, self.hidden),
-            "v_proj.weight": (kv, self.hidden), "o_proj.weight": (self.hidden, q),
-            "q_proj.bias": (q,), "k_proj.bias": (kv,), "v_proj.bias": (kv,),
-            "gate_proj.weight": (self.intermediate, self.hidden), "up_proj.weight": (self.intermediate, self.hidden),
-            "down_proj.weight": (self.hidden, self.intermediate),
-            "q_norm.weight": (self.head_dim,), "k_norm.weight": (self.head_dim,),
-        }
-        for suffix, shape in table.items():
-            if name.endswith(suffix):
-                return shape
-        if role in ("embedding", "lm_head"):
-            return (self.vocab, self.hidden)
-        if role == "norm":
-            return (self.hidden,)
-        return None
-
-    def shard(self, style: str, shape: tuple[int, ...], tp: int, rank: int) -> Shard | None:
-        if tp == 1 or style == "replicated":
-            return None
-        if style in ("column", "vocab"):
-            return Shard(0, rank * shape[0] // tp, shape[0] // tp)
-        if style == "row":
-            return Shard(1, rank * shape[1] // tp, shape[1] // tp)
-        # kv: split by heads; with fewer kv heads than ranks, each rank keeps one (replicated) head.
-        if self.num_kv_heads >= tp:
-            return Shard(0, rank * shape[0] // tp, shape[0] // tp)
-        head = rank * self.num_kv_heads // tp
-        return Shard(0, head * self.head_dim, self.head_dim)
 
 
 def _numel(shape) -> int:

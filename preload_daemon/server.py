@@ -155,7 +155,8 @@ def _manifest(model: ModelVersion) -> pb.Manifest:
         model=model.name, version=model.version, key=model.key.to_proto(), config_json=model.config_json,
         slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)],
         tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
-                                shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes)
+                                shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes,
+                                quant_params=dict(e.quant_params), part=e.part)
                  for e in model.plan.entries])
 
 

@@ -12,7 +12,8 @@ from preload_daemon.cachekey import CacheKey, file_differences
 from preload_daemon.checkpoint import Checkpoint, refresh_identity
 from preload_daemon.errors import LeasedError, NotFoundError, StaleError
 from preload_daemon.leases import Lease
-from preload_daemon.plan import FORMAT_VERSION, LoadPlan, LoadSpec, build_plan, execute
+from preload_daemon.execute import execute
+from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, LoadPlan, LoadSpec, build_plan
 from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
 
 log = logging.getLogger(__name__)
@@ -271,4 +272,5 @@ def key_for(checkpoint: Checkpoint, plan: LoadPlan) -> CacheKey:
     spec = plan.spec
     return CacheKey(files=tuple(checkpoint.identity), architecture=plan.architecture, tp_size=spec.tp_size,
                     tp_rank=spec.tp_rank, dtype=str(plan.dtype).removeprefix("torch."),
-                    quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION)
+                    quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION,
+                    quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpreload.proto\x12\npreload.v1\"\x80\x01\n\x08LoadSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x11\n\tcomponent\x18\x07 \x01(\t\"6\n\x10LoadModelRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.preload.v1.LoadSpec\"\x99\x01\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x14\n\x0ctensors_done\x18\x04 \x01(\r\x12\x15\n\rtensors_total\x18\x05 \x01(\r\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.preload.v1.ModelInfo\"b\n\x0c\x46ileIdentity\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08mtime_ns\x18\x03 \x01(\x03\x12\r\n\x05inode\x18\x04 \x01(\x04\x12\x15\n\rheader_sha256\x18\x05 \x01(\t\"\xc4\x02\n\x08\x43\x61\x63heKey\x12\'\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x18.preload.v1.FileIdentity\x12\x16\n\x0e\x63ontent_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12;\n\x0cquant_params\x18\x08 \x03(\x0b\x32%.preload.v1.CacheKey.QuantParamsEntry\x12\x11\n\tcomponent\x18\t \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\n \x01(\r\x1a\x32\n\x10QuantParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"t\n\x04Slab\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\"\xff\x01\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04slab\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x14\n\x0cquant_scheme\x18\x07 \x01(\t\x12>\n\x0cquant_params\x18\x08 \x03(\x0b\x32(.preload.v1.TensorEntry.QuantParamsEntry\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x1a\x32\n\x10QuantParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xad\x01\n\x08Manifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12!\n\x03key\x18\x03 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x1f\n\x05slabs\x18\x04 \x03(\x0b\x32\x10.preload.v1.Slab\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.preload.v1.TensorEntry\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\"L\n\x05Lease\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x16\n\x0epid_start_time\x18\x03 \x01(\x01\x12\x12\n\ncreated_at\x18\x04 \x01(\x01\"\x85\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12!\n\x03key\x18\x06 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x12\n\nslab_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x08 \x01(\r\x12!\n\x06leases\x18\t \x03(\x0b\x32\x11.preload.v1.Lease\x12\x11\n\tloaded_at\x18\n \x01(\x01\x12\x14\n\x0cload_seconds\x18\x0b \x01(\x01\x12\x14\n\x0cstale_reason\x18\x0c \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.preload.v1.ModelInfo\"k\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12$\n\x06\x65xpect\x18\x03 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x14\n\x0c\x63heck_expect\x18\x04 \x01(\x08\"Z\n\x0e\x41ttachResponse\x12&\n\x08manifest\x18\x01 \x01(\x0b\x32\x14.preload.v1.Manifest\x12 \n\x05lease\x18\x02 \x01(\x0b\x32\x11.preload.v1.Lease\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"6\n\x12RenewLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.preload.v1.Lease\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"=\n\x0c\x45victRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"7\n\rEvictResponse\x12&\n\x07\x65victed\x18\x01 \x03(\x0b\x32\x15.preload.v1.ModelInfo\"\x11\n\x0fGetStatsRequest\"\xc2\x01\n\x05Stats\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_leases\x18\x05 \x01(\r\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.preload.v1.ModelInfo\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x13\n\x0bruntime_dir\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t2\xed\x03\n\x0bWeightCache\x12\x45\n\tLoadModel\x12\x1c.preload.v1.LoadModelRequest\x1a\x18.preload.v1.LoadProgress0\x01\x12K\n\nListModels\x12\x1d.preload.v1.ListModelsRequest\x1a\x1e.preload.v1.ListModelsResponse\x12?\n\x06\x41ttach\x12\x19.preload.v1.AttachRequest\x1a\x1a.preload.v1.AttachResponse\x12K\n\nRenewLease\x12\x1d.preload.v1.RenewLeaseRequest\x1a\x1e.preload.v1.RenewLeaseResponse\x12\x42\n\x07Release\x12\x1a.preload.v1.ReleaseRequest\x1a\x1b.preload.v1.ReleaseResponse\x12<\n\x05\x45vict\x12\x18.preload.v1.EvictRequest\x1a\x19.preload.v1.EvictResponse\x12:\n\x08GetStats\x12\x1b.preload.v1.GetStatsRequest\x1a\x11.preload.v1.Statsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpreload.proto\x12\npreload.v1\"\x80\x01\n\x08LoadSpec\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x14\n\x0cquantization\x18\x04 \x01(\t\x12\x0f\n\x07tp_size\x18\x05 \x01(\r\x12\x0f\n\x07tp_rank\x18\x06 \x01(\r\x12\x11\n\tcomponent\x18\x07 \x01(\t\"6\n\x10LoadModelRequest\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.preload.v1.LoadSpec\"\x99\x01\n\x0cLoadProgress\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x12\n\nbytes_done\x18\x02 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x03 \x01(\x04\x12\x14\n\x0ctensors_done\x18\x04 \x01(\r\x12\x15\n\rtensors_total\x18\x05 \x01(\r\x12$\n\x05model\x18\x06 \x01(\x0b\x32\x15.preload.v1.ModelInfo\"b\n\x0c\x46ileIdentity\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08mtime_ns\x18\x03 \x01(\x03\x12\r\n\x05inode\x18\x04 \x01(\x04\x12\x15\n\rheader_sha256\x18\x05 \x01(\t\"\xc4\x02\n\x08\x43\x61\x63heKey\x12\'\n\x05\x66iles\x18\x01 \x03(\x0b\x32\x18.preload.v1.FileIdentity\x12\x16\n\x0e\x63ontent_digest\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0cquantization\x18\x07 \x01(\t\x12;\n\x0cquant_params\x18\x08 \x03(\x0b\x32%.preload.v1.CacheKey.QuantParamsEntry\x12\x11\n\tcomponent\x18\t \x01(\t\x12\x16\n\x0e\x66ormat_version\x18\n \x01(\r\x1a\x32\n\x10QuantParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"t\n\x04Slab\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06handle\x18\x04 \x01(\x0c\x12\x0c\n\x04path\x18\x05 \x01(\t\x12\x13\n\x0b\x64\x65vice_uuid\x18\x06 \x01(\t\x12\x0e\n\x06\x64igest\x18\x07 \x01(\t\"\x8d\x02\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04slab\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05shape\x18\x05 \x03(\x03\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x14\n\x0cquant_scheme\x18\x07 \x01(\t\x12>\n\x0cquant_params\x18\x08 \x03(\x0b\x32(.preload.v1.TensorEntry.QuantParamsEntry\x12\x0e\n\x06nbytes\x18\t \x01(\x04\x12\x0c\n\x04part\x18\n \x01(\t\x1a\x32\n\x10QuantParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xad\x01\n\x08Manifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12!\n\x03key\x18\x03 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x1f\n\x05slabs\x18\x04 \x03(\x0b\x32\x10.preload.v1.Slab\x12(\n\x07tensors\x18\x05 \x03(\x0b\x32\x17.preload.v1.TensorEntry\x12\x13\n\x0b\x63onfig_json\x18\x06 \x01(\t\"L\n\x05Lease\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x16\n\x0epid_start_time\x18\x03 \x01(\x01\x12\x12\n\ncreated_at\x18\x04 \x01(\x01\"\x85\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\x0e\n\x06\x61\x63tive\x18\x03 \x01(\x08\x12\r\n\x05state\x18\x04 \x01(\t\x12\x0c\n\x04path\x18\x05 \x01(\t\x12!\n\x03key\x18\x06 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x12\n\nslab_bytes\x18\x07 \x01(\x04\x12\x13\n\x0bnum_tensors\x18\x08 \x01(\r\x12!\n\x06leases\x18\t \x03(\x0b\x32\x11.preload.v1.Lease\x12\x11\n\tloaded_at\x18\n \x01(\x01\x12\x14\n\x0cload_seconds\x18\x0b \x01(\x01\x12\x14\n\x0cstale_reason\x18\x0c \x01(\t\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.preload.v1.ModelInfo\"k\n\rAttachRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12$\n\x06\x65xpect\x18\x03 \x01(\x0b\x32\x14.preload.v1.CacheKey\x12\x14\n\x0c\x63heck_expect\x18\x04 \x01(\x08\"Z\n\x0e\x41ttachResponse\x12&\n\x08manifest\x18\x01 \x01(\x0b\x32\x14.preload.v1.Manifest\x12 \n\x05lease\x18\x02 \x01(\x0b\x32\x11.preload.v1.Lease\"%\n\x11RenewLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"6\n\x12RenewLeaseResponse\x12 \n\x05lease\x18\x01 \x01(\x0b\x32\x11.preload.v1.Lease\"\"\n\x0eReleaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"=\n\x0c\x45victRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"7\n\rEvictResponse\x12&\n\x07\x65victed\x18\x01 \x03(\x0b\x32\x15.preload.v1.ModelInfo\"\x11\n\x0fGetStatsRequest\"\xc2\x01\n\x05Stats\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\x12\x0b\n\x03pid\x18\x02 \x01(\x05\x12\x12\n\nstarted_at\x18\x03 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x04 \x01(\x04\x12\x12\n\nnum_leases\x18\x05 \x01(\r\x12%\n\x06models\x18\x06 \x03(\x0b\x32\x15.preload.v1.ModelInfo\x12\x0f\n\x07serving\x18\x07 \x01(\x08\x12\x13\n\x0bruntime_dir\x18\x08 \x01(\t\x12\x0f\n\x07version\x18\t \x01(\t2\xed\x03\n\x0bWeightCache\x12\x45\n\tLoadModel\x12\x1c.preload.v1.LoadModelRequest\x1a\x18.preload.v1.LoadProgress0\x01\x12K\n\nListModels\x12\x1d.preload.v1.ListModelsRequest\x1a\x1e.preload.v1.ListModelsResponse\x12?\n\x06\x41ttach\x12\x19.preload.v1.AttachRequest\x1a\x1a.preload.v1.AttachResponse\x12K\n\nRenewLease\x12\x1d.preload.v1.RenewLeaseRequest\x1a\x1e.preload.v1.RenewLeaseResponse\x12\x42\n\x07Release\x12\x1a.preload.v1.ReleaseRequest\x1a\x1b.preload.v1.ReleaseResponse\x12<\n\x05\x45vict\x12\x18.preload.v1.EvictRequest\x1a\x19.preload.v1.EvictResponse\x12:\n\x08GetStats\x12\x1b.preload.v1.GetStatsRequest\x1a\x11.preload.v1.Statsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,39 +50,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SLAB']._serialized_start=799
   _globals['_SLAB']._serialized_end=915
   _globals['_TENSORENTRY']._serialized_start=918
-  _globals['_TENSORENTRY']._serialized_end=1173
+  _globals['_TENSORENTRY']._serialized_end=1187
   _globals['_TENSORENTRY_QUANTPARAMSENTRY']._serialized_start=747
   _globals['_TENSORENTRY_QUANTPARAMSENTRY']._serialized_end=797
-  _globals['_MANIFEST']._serialized_start=1176
-  _globals['_MANIFEST']._serialized_end=1349
-  _globals['_LEASE']._serialized_start=1351
-  _globals['_LEASE']._serialized_end=1427
-  _globals['_MODELINFO']._serialized_start=1430
-  _globals['_MODELINFO']._serialized_end=1691
-  _globals['_LISTMODELSREQUEST']._serialized_start=1693
-  _globals['_LISTMODELSREQUEST']._serialized_end=1712
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1714
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1773
-  _globals['_ATTACHREQUEST']._serialized_start=1775
-  _globals['_ATTACHREQUEST']._serialized_end=1882
-  _globals['_ATTACHRESPONSE']._serialized_start=1884
-  _globals['_ATTACHRESPONSE']._serialized_end=1974
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1976
-  _globals['_RENEWLEASEREQUEST']._serialized_end=2013
-  _globals['_RENEWLEASERESPONSE']._serialized_start=2015
-  _globals['_RENEWLEASERESPONSE']._serialized_end=2069
-  _globals['_RELEASEREQUEST']._serialized_start=2071
-  _globals['_RELEASEREQUEST']._serialized_end=2105
-  _globals['_RELEASERESPONSE']._serialized_start=2107
-  _globals['_RELEASERESPONSE']._serialized_end=2124
-  _globals['_EVICTREQUEST']._serialized_start=2126
-  _globals['_EVICTREQUEST']._serialized_end=2187
-  _globals['_EVICTRESPONSE']._serialized_start=2189
-  _globals['_EVICTRESPONSE']._serialized_end=2244
-  _globals['_GETSTATSREQUEST']._serialized_start=2246
-  _globals['_GETSTATSREQUEST']._serialized_end=2263
-  _globals['_STATS']._serialized_start=2266
-  _globals['_STATS']._serialized_end=2460
-  _globals['_WEIGHTCACHE']._serialized_start=2463
-  _globals['_WEIGHTCACHE']._serialized_end=2956
+  _globals['_MANIFEST']._serialized_start=1190
+  _globals['_MANIFEST']._serialized_end=1363
+  _globals['_LEASE']._serialized_start=1365
+  _globals['_LEASE']._serialized_end=1441
+  _globals['_MODELINFO']._serialized_start=1444
+  _globals['_MODELINFO']._serialized_end=1705
+  _globals['_LISTMODELSREQUEST']._serialized_start=1707
+  _globals['_LISTMODELSREQUEST']._serialized_end=1726
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1728
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1787
+  _globals['_ATTACHREQUEST']._serialized_start=1789
+  _globals['_ATTACHREQUEST']._serialized_end=1896
+  _globals['_ATTACHRESPONSE']._serialized_start=1898
+  _globals['_ATTACHRESPONSE']._serialized_end=1988
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1990
+  _globals['_RENEWLEASEREQUEST']._serialized_end=2027
+  _globals['_RENEWLEASERESPONSE']._serialized_start=2029
+  _globals['_RENEWLEASERESPONSE']._serialized_end=2083
+  _globals['_RELEASEREQUEST']._serialized_start=2085
+  _globals['_RELEASEREQUEST']._serialized_end=2119
+  _globals['_RELEASERESPONSE']._serialized_start=2121
+  _globals['_RELEASERESPONSE']._serialized_end=2138
+  _globals['_EVICTREQUEST']._serialized_start=2140
+  _globals['_EVICTREQUEST']._serialized_end=2201
+  _globals['_EVICTRESPONSE']._serialized_start=2203
+  _globals['_EVICTRESPONSE']._serialized_end=2258
+  _globals['_GETSTATSREQUEST']._serialized_start=2260
+  _globals['_GETSTATSREQUEST']._serialized_end=2277
+  _globals['_STATS']._serialized_start=2280
+  _globals['_STATS']._serialized_end=2474
+  _globals['_WEIGHTCACHE']._serialized_start=2477
+  _globals['_WEIGHTCACHE']._serialized_end=2970
 # @@protoc_insertion_point(module_scope)

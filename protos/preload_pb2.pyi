@@ -110,7 +110,7 @@ class Slab(_message.Message):
     def __init__(self, id: _Optional[str] = ..., backend: _Optional[str] = ..., size: _Optional[int] = ..., handle: _Optional[bytes] = ..., path: _Optional[str] = ..., device_uuid: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class TensorEntry(_message.Message):
-    __slots__ = ("name", "slab", "offset", "dtype", "shape", "role", "quant_scheme", "quant_params", "nbytes")
+    __slots__ = ("name", "slab", "offset", "dtype", "shape", "role", "quant_scheme", "quant_params", "nbytes", "part")
     class QuantParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class TensorEntry(_message.Message):
     QUANT_SCHEME_FIELD_NUMBER: _ClassVar[int]
     QUANT_PARAMS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     name: str
     slab: str
     offset: int
@@ -136,7 +137,8 @@ class TensorEntry(_message.Message):
     quant_scheme: str
     quant_params: _containers.ScalarMap[str, str]
     nbytes: int
-    def __init__(self, name: _Optional[str] = ..., slab: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., quant_scheme: _Optional[str] = ..., quant_params: _Optional[_Mapping[str, str]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    part: str
+    def __init__(self, name: _Optional[str] = ..., slab: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., role: _Optional[str] = ..., quant_scheme: _Optional[str] = ..., quant_params: _Optional[_Mapping[str, str]] = ..., nbytes: _Optional[int] = ..., part: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("model", "version", "key", "slabs", "tensors", "config_json")

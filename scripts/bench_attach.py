@@ -34,7 +34,8 @@ def child_attach(socket_path: str, model: str) -> dict:
 def child_cold(path: str) -> dict:
     import torch
     from preload_daemon.checkpoint import Checkpoint
-    from preload_daemon.plan import LoadSpec, build_plan, execute
+    from preload_daemon.execute import execute
+    from preload_daemon.plan import LoadSpec, build_plan
     drop_page_cache(pathlib.Path(path))
     start = time.perf_counter()
     checkpoint = Checkpoint(path)

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -91,7 +92,6 @@ def table(summary: dict) -> str:
 
 def with_daemon(model: pathlib.Path, name: str = ""):
     """A private daemon holding `model`, for the length of a `with` block."""
-    from preload_daemon.client import DaemonClient
     from preload_daemon.plan import LoadSpec
     from preload_daemon.supervisor import DaemonProcess, load_all
 
@@ -105,7 +105,7 @@ def with_daemon(model: pathlib.Path, name: str = ""):
 
         def __exit__(self, *exc):
             self.process.stop()
-            DaemonClient.for_device("cpu:0", self.runtime_dir).close()
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     return Daemon()
 

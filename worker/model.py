@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul
 from kernels.attention import attention
+from kernels.linear import linear
 from kernels.norm import rms_norm
+from kernels.quant import QuantizedWeight
 from kernels.rope import apply_rope, cos_sin, inv_freq
 from preload_daemon.errors import CheckpointError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+Weight = torch.Tensor | QuantizedWeight  # the attention and MLP projections may be quantized
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -67,14 +70,14 @@ class ModelConfig:
 @dataclasses.dataclass(slots=True)
 class Layer:
     input_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    q: Weight
+    k: Weight
+    v: Weight
+    o: Weight
     post_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: Weight
+    up: Weight
+    down: Weight
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
@@ -94,7 +97,7 @@ class KVCache:
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]):
         self.config = config
         missing = [n for n in self._required(weights) if n not in weights]
         if missing:
@@ -146,7 +149,7 @@ class CausalLM:
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             x = x + self._attention(layer, h, cos, sin, positions, cache, i, slots, length)
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + F.linear(silu_mul(F.linear(h, layer.gate), F.linear(h, layer.up)), layer.down)
+            x = x + linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down)
         if not all_logits:
             x = x[:, -1]
         return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
@@ -154,9 +157,9 @@ class CausalLM:
     def _attention(self, layer: Layer, h, cos, sin, positions, cache: KVCache, index: int, slots, length: int):
         cfg = self.config
         batch, t, _ = h.shape
-        q = F.linear(h, layer.q, layer.q_bias).view(batch, t, cfg.num_heads, cfg.head_dim)
-        k = F.linear(h, layer.k, layer.k_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(h, layer.v, layer.v_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
+        q = linear(h, layer.q, layer.q_bias).view(batch, t, cfg.num_heads, cfg.head_dim)
+        k = linear(h, layer.k, layer.k_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
+        v = linear(h, layer.v, layer.v_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
         if layer.q_norm is not None:
             q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
@@ -174,4 +177,4 @@ class CausalLM:
             v_cache[slots, :, positions[:, 0]] = v[:, :, 0]
             keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
         out = attention(q, keys, values, positions)
-        return F.linear(out.transpose(1, 2).reshape(batch, t, cfg.num_heads * cfg.head_dim), layer.o)
+        return linear(out.transpose(1, 2).reshape(batch, t, cfg.num_heads * cfg.head_dim), layer.o)

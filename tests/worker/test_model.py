@@ -5,7 +5,8 @@ import torch
 import transformers
 
 from preload_daemon.checkpoint import Checkpoint
-from preload_daemon.plan import LoadSpec, build_plan, execute
+from preload_daemon.execute import execute
+from preload_daemon.plan import LoadSpec, build_plan
 from preload_daemon.buffers import typed_view
 from scripts.build_models import tiny_model
 from worker.model import CausalLM, KVCache, ModelConfig

@@ -1,0 +1,59 @@
+"""Linear layers over plain or quantized weights.
+
+CPU: int8 runs torch's fused weight-only int8 kernel; the other schemes dequantize the weight in
+row tiles that stay in cache and multiply each tile (decode), or dequantize once per call when the
+activation has many rows (prefill). GPU: FP8 per-tensor/per-channel use torch._scaled_mm on SM89+
+with dynamically quantized activations; everything else dequantizes and multiplies."""
+
+import torch
+import torch.nn.functional as F
+
+from kernels.quant import E4M3, E4M3_MAX, QuantizedWeight, dequantize
+
+TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
+LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
+
+
+def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    out = quantized_linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    return out + bias if bias is not None else out
+
+
+def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """x [M, K] (float32/bfloat16/float16) @ dequantize(q).T -> [M, N] in x.dtype."""
+    if x.shape[-1] != q.shape[1]:
+        raise ValueError(f"activation has K={x.shape[-1]}, weight expects K={q.shape[1]}")
+    if q.scheme == "int8" and x.device.type == "cpu":
+        return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
+    if x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
+        return _scaled_mm_fp8(x, q)
+    if x.shape[0] >= LARGE_M:
+        return F.linear(x, dequantize(q, x.dtype))
+    n, k = q.shape
+    rows = max(128, TILE_BYTES // (k * x.element_size()) // 128 * 128)
+    if rows >= n:
+        return F.linear(x, dequantize(q, x.dtype))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        torch.matmul(x, dequantize(q, x.dtype, slice(start, stop)).T, out=out[:, start:stop])
+    return out
+
+
+def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """Dequantize everything in float32, multiply, cast back."""
+    return (x.float() @ dequantize(q, torch.float32).T).to(x.dtype)
+
+
+def _has_fp8_mma(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def _scaled_mm_fp8(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
+    """W8A8 on tensor cores: per-row dynamic activation scales, the weight's own scales."""
+    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=1e-12)
+    xq = (x.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    w_scale = q.scale.float().expand(q.shape[0]).reshape(1, -1)
+    return torch._scaled_mm(xq, q.weight.T, scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)

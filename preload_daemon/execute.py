@@ -1,0 +1,84 @@
+"""Runs a load plan: fills a destination (a shared slab, or private memory on the cold path) with
+the plan's tensors in order, reading each checkpoint tensor once and quantizing where planned.
+Peak extra memory is one tensor (a layer's largest), never a second copy of the model."""
+
+import torch
+
+from kernels import quant
+from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.errors import CheckpointError
+from preload_daemon.plan import LoadPlan, PlanEntry
+
+
+def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None) -> None:
+    """Fills `dest` (a flat uint8 tensor of plan.total_bytes). `hasher` (hashlib-style) sees every
+    byte of dest exactly once, padding included, as it is written; `on_tensor(entry)` is called
+    after each slab tensor."""
+    if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
+        raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
+    reader = _Reader(checkpoint)
+    entries = plan.entries
+    hashed = i = 0
+    while i < len(entries):
+        group = [entries[i]]
+        if entries[i].quantize:  # the parts of one quantized source follow each other
+            while i + len(group) < len(entries) and entries[i + len(group)].source == entries[i].source \
+                    and entries[i + len(group)].quantize:
+                group.append(entries[i + len(group)])
+            _quantize_into(reader, group, dest)
+        elif entries[i].nbytes:
+            reader.copy_into(entries[i], dest[entries[i].offset:entries[i].offset + entries[i].nbytes])
+        i += len(group)
+        next_offset = entries[i].offset if i < len(entries) else plan.total_bytes
+        dest[group[-1].offset + group[-1].nbytes:next_offset].zero_()  # padding: fresh memory holds garbage
+        if hasher is not None:
+            hasher.update(memoryview(dest[hashed:next_offset].numpy()))
+            hashed = next_offset
+        if on_tensor is not None:
+            for entry in group:
+                on_tensor(entry)
+
+
+def _quantize_into(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor) -> None:
+    first = group[0]
+    try:
+        q = quant.quantize(reader.read(first.source, first.shard), first.quant_scheme)
+    except ValueError as e:
+        raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
+    parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}
+    for entry in group:
+        out = dest[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+        out.copy_(parts[entry.part].view(entry.shape))
+
+
+class _Reader:
+    """Reads checkpoint tensors (or TP slices of them) through one reusable scratch buffer."""
+
+    def __init__(self, checkpoint: Checkpoint):
+        self.checkpoint = checkpoint
+        self.scratch = torch.empty(0, dtype=torch.uint8)
+
+    def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
+        """Writes one planned tensor, converting its dtype if needed, into `out` (its slab bytes)."""
+        info = self.checkpoint.tensors[entry.source]
+        if info.dtype == entry.dtype and (entry.shard is None or entry.shard.dim == 0):
+            # Same dtype, contiguous rows: from the file to its place in one read.
+            skip = entry.shard.start * (info.nbytes // info.shape[0]) if entry.shard else 0
+            self.checkpoint.read_into(entry.source, out, skip)
+            return
+        out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
+
+    def read(self, name: str, shard) -> torch.Tensor:
+        """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read."""
+        info = self.checkpoint.tensors[name]
+        rows = shard if shard is not None and shard.dim == 0 else None
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+        length = rows.length * row_bytes if rows else info.nbytes
+        if self.scratch.numel() < length:
+            self.scratch = torch.empty(length, dtype=torch.uint8)
+        self.checkpoint.read_into(name, self.scratch[:length], rows.start * row_bytes if rows else 0)
+        src = self.scratch[:length].view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
+        if shard is not None and rows is None:
+            src = src.narrow(shard.dim, shard.start, shard.length)
+        return src
+
