@@ -60,6 +60,20 @@ def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
             else:
                 out.append([e4m3(float(torch.tensor(v, dtype=torch.float32) / s)) for v in r])
         return {"weight": out, "scale": scales[0] if scheme == "fp8_per_tensor" else scales}
+    if scheme == "fp8_block":
+        out = [[0.0] * k for _ in range(n)]
+        scales = []
+        for bi in range(0, n, 128):
+            row_scales = []
+            for bk in range(0, k, 128):
+                cells = [(i, j) for i in range(bi, min(bi + 128, n)) for j in range(bk, min(bk + 128, k))]
+                amax = max(abs(rows[i][j]) for i, j in cells)
+                s = float(torch.tensor(amax, dtype=torch.float32) / 448.0) if amax > 0 else 1.0
+                row_scales.append(s)
+                for i, j in cells:
+                    out[i][j] = e4m3(float(torch.tensor(rows[i][j], dtype=torch.float32) / s))
+            scales.append(row_scales)
+        return {"weight": out, "scale": scales}
     if scheme in ("mxfp8", "mxfp4"):
         emax = 8 if scheme == "mxfp8" else 2
         codes, exps = [], []
@@ -100,7 +114,7 @@ def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
 def stored(q: QuantizedWeight) -> dict:
     """The kernel's result in the reference's terms (element values or codes, scales as numbers)."""
     from kernels.fp4 import unpack
-    if q.scheme in ("fp8_per_tensor", "fp8_per_channel", "int8"):
+    if q.scheme in ("fp8_per_tensor", "fp8_per_channel", "int8", "fp8_block"):
         weight = q.weight.float().tolist()
         scale = q.scale.item() if q.scale.dim() == 0 else q.scale.tolist()
         return {"weight": weight, "scale": scale}

@@ -15,7 +15,7 @@ from preload_daemon import supervisor
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, default_runtime_dir, parse_device
 from preload_daemon.errors import PreloadError
-from preload_daemon.plan import DTYPE_CHOICES
+from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
 
 EPILOG_SERVE = """examples:
   preload serve /models/Qwen3-8B                       # one daemon on cpu:0 (or reuse it)
@@ -50,7 +50,8 @@ def build_parser(prog: str = "preload") -> tuple[argparse.ArgumentParser, argpar
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--devices", default="", help="comma-separated, one per rank (default cpu:0..cpu:TP-1)")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    p.add_argument("--quantization", default="none", help="none (more schemes: see DESIGN.md section 5)")
+    p.add_argument("--quantization", default="none", choices=SCHEMES,
+                   help="scheme of the attention and MLP projections (DESIGN.md section 5)")
     p.add_argument("--no-supervise", action="store_true", help="exit once loaded, leaving the daemons running")
     p.set_defaults(func=supervisor.cmd_serve)
 
@@ -89,6 +90,7 @@ def build_parser(prog: str = "preload") -> tuple[argparse.ArgumentParser, argpar
     _script_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), "bench_attach")
     _script_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), "bench_restart")
     _script_command(bench.add_parser("decode", help="decode tokens/s: our engine vs transformers"), "bench_decode")
+    _script_command(bench.add_parser("quant", help="quantization schemes: bytes, quality, linear speed"), "bench_quant")
 
     for p in sub.choices.values():
         add_common(p)

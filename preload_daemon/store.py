@@ -131,8 +131,9 @@ class ModelStore:
         return model
 
     def _find(self, name: str, key: CacheKey) -> ModelVersion | None:
+        """The newest fresh version of `name` whose key matches."""
         with self._lock:
-            for model in self._versions.get(name, {}).values():
+            for _, model in sorted(self._versions.get(name, {}).items(), reverse=True):
                 if not model.stale_reason and not model.key.differences(key):
                     return model
         return None
@@ -140,7 +141,11 @@ class ModelStore:
     # -- attaching ----------------------------------------------------------------------------------
 
     def attach(self, name: str, version: int, pid: int, expect: CacheKey | None = None) -> tuple[ModelVersion, Lease]:
+        """Leases a version: the one asked for, else the newest whose key matches `expect`, else the
+        active one. A key mismatch is an error naming the fields that differ."""
         model = self.get(name, version)
+        if expect is not None and not version:
+            model = self._find(name, expect) or model
         self._check_fresh(model)
         if expect is not None:
             diffs = model.key.differences(expect)

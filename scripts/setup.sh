@@ -15,7 +15,12 @@ STAMP=$VENV/.preload-setup
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# Some machines' pip configuration lists package folders that may be missing; pip's warnings about
+# them are noise here.
+pip() {
+  "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" \
+    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
 
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt scripts/setup.sh ]; then
   exit 0

@@ -40,6 +40,16 @@ def tiny_llama(checkpoints) -> pathlib.Path:
     return tiny_model("llama", checkpoints / "tiny-llama")
 
 
+def copy_checkpoint(source: pathlib.Path, target: pathlib.Path) -> dict:
+    """A private copy of a single-file checkpoint (to rewrite in place); returns its tensors."""
+    from safetensors.torch import load_file, save_file
+    target.mkdir()
+    (target / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(str(source / "model.safetensors"))
+    save_file(tensors, str(target / "model.safetensors"))
+    return tensors
+
+
 @pytest.fixture(scope="session")
 def default_model() -> pathlib.Path:
     """The embedded default model, converted once per machine (about 20 s the first time)."""

@@ -5,7 +5,7 @@ import sys
 
 from preload_daemon import cli as daemon_cli
 from preload_daemon.config import parse_device
-from preload_daemon.plan import DTYPE_CHOICES
+from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
 
 EPILOG_ENGINE = """examples:
   preload engine --load-format ipc_cache --port 8000          # the default model, warm from the daemon
@@ -26,6 +26,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="", help="model name in the daemon (default: the directory's name)")
     p.add_argument("--device", default="cpu:0", type=parse_device)
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--quantization", default="none", choices=SCHEMES,
+                   help="scheme of the attention and MLP projections; must match what the daemon loaded")
     p.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (KV cache slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence")
 

@@ -28,7 +28,7 @@ def model_path(args) -> pathlib.Path:
 
 
 def build(args, path: pathlib.Path) -> tuple[LoadedWeights, Engine, Tokenizer | None]:
-    spec = LoadSpec(path=str(path), name=args.name, dtype=args.dtype)
+    spec = LoadSpec(path=str(path), name=args.name, dtype=args.dtype, quantization=args.quantization)
     request = LoadRequest(spec=spec, device=args.device, runtime_dir=args.runtime_dir, fallback=not args.no_fallback)
     weights = load_weights(args.load_format, request)
     model = CausalLM(ModelConfig.from_hf(weights.config), weights.tensors)

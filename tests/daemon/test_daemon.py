@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
 from preload_daemon.plan import LoadSpec
 from scripts.build_models import synthetic_checkpoint
-from tests.conftest import REPO
+from tests.conftest import REPO, copy_checkpoint
 
 
 class Probe:
@@ -122,10 +122,7 @@ def test_bad_checkpoints_leave_the_daemon_serving(daemon, tiny_llama, tmp_path):
 
 def test_checkpoint_rewritten_in_place_is_never_served_as_the_old_one(daemon, tiny_llama, tmp_path):
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text((tiny_llama / "config.json").read_text())
-    tensors = load_file(str(tiny_llama / "model.safetensors"))
-    save_file(tensors, str(ckpt / "model.safetensors"))
+    tensors = copy_checkpoint(tiny_llama, ckpt)
     daemon.client.load(LoadSpec(path=str(ckpt)))
     save_file({k: v + 1 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
     with pytest.raises(StaleError, match=r"files\[.*model.safetensors\]\.mtime_ns"):

@@ -7,9 +7,10 @@ import urllib.request
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from preload_daemon.plan import LoadSpec
+from tests.conftest import copy_checkpoint
 from worker.loader import FallbackRefusedError, LoadRequest, load_ipc_cache, load_safetensors
 
 PROMPT = [5, 17, 99, 3, 200, 41]
@@ -71,10 +72,7 @@ def test_no_fallback_fails_with_the_reason(runtime_dir, tiny_llama, start_engine
 
 def test_stale_checkpoint_is_never_served_warm(daemon, tiny_llama, tmp_path, start_engine):
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    (ckpt / "config.json").write_text((tiny_llama / "config.json").read_text())
-    tensors = load_file(str(tiny_llama / "model.safetensors"))
-    save_file(tensors, str(ckpt / "model.safetensors"))
+    tensors = copy_checkpoint(tiny_llama, ckpt)
     daemon.client.load(LoadSpec(path=str(ckpt)))
     save_file({k: v * 2 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))  # same shapes, new values
     with pytest.raises(FallbackRefusedError, match="StaleError.*mtime_ns"):

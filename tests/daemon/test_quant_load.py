@@ -1,0 +1,130 @@
+"""Quantizing while loading: slab sizes, warm == cold bytes and tokens, pre-quantized checkpoints."""
+
+import json
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels.quant import SCHEMES, quantize
+from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.errors import CheckpointError, PlanError
+from preload_daemon.plan import LoadSpec, build_plan
+from scripts.build_models import synthetic_checkpoint, tiny_model
+from worker.loader import LoadRequest, load_ipc_cache, load_safetensors
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """Projections dominate (small vocabulary), so slab ratios show the schemes' own ratios."""
+    return tiny_model("llama", tmp_path_factory.mktemp("wide") / "wide", dtype=torch.bfloat16, hidden_size=256,
+                      intermediate_size=512, vocab_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def linear_bytes(plan) -> int:
+    return sum(e.nbytes for e in plan.entries if e.role == "linear")
+
+
+def test_slab_sizes_per_scheme(daemon, wide_model):
+    infos = {s: daemon.client.load(LoadSpec(path=str(wide_model), quantization=s)) for s in ("none", *SCHEMES)}
+    plans = {s: build_plan(Checkpoint(wide_model), LoadSpec(path=str(wide_model), quantization=s)) for s in infos}
+    assert {s: i.slab_bytes for s, i in infos.items()} == {s: p.total_bytes for s, p in plans.items()}
+    bf16 = infos["none"].slab_bytes
+    assert infos["fp8_per_tensor"].slab_bytes == pytest.approx(bf16 / 2, rel=0.05)  # + embeddings, norms
+    base = linear_bytes(plans["none"])
+    assert linear_bytes(plans["fp8_per_tensor"]) == pytest.approx(base / 2, rel=0.01)
+    assert linear_bytes(plans["mxfp4"]) == pytest.approx(base * (1 / 4 + 1 / 64), rel=0.01)  # + e8m0 per 32
+    assert linear_bytes(plans["nvfp4"]) == pytest.approx(base * (1 / 4 + 1 / 32), rel=0.01)  # + e4m3 per 16
+    for scheme in ("mxfp4", "nvfp4"):
+        assert infos[scheme].slab_bytes < 0.32 * bf16
+    assert len({i.version for i in infos.values()}) == len(infos), "each scheme is its own version"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_warm_slab_equals_cold_bytes(daemon, wide_model, scheme):
+    spec = LoadSpec(path=str(wide_model), quantization=scheme)
+    daemon.client.load(spec)
+    request = LoadRequest(spec=spec, runtime_dir=daemon.config.runtime_dir, fallback=False)
+    warm, cold = load_ipc_cache(request), load_safetensors(request)
+    assert warm.key.quantization == scheme
+    for name, tensor in cold.tensors.items():
+        w = warm.tensors[name]
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(w.view(torch.uint8), tensor.view(torch.uint8)), name
+        else:
+            assert w.scheme == tensor.scheme and w.shape == tensor.shape
+            for a, b in ((w.weight, tensor.weight), (w.scale, tensor.scale), (w.global_scale, tensor.global_scale)):
+                if a is not None:
+                    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+def make_prequantized(source, target):
+    """An FP8 block checkpoint in the DeepSeek-V3 layout: e4m3 weights plus weight_scale_inv."""
+    target.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                                     "activation_scheme": "dynamic"}
+    (target / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, t in load_file(str(source / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            q = quantize(t, "fp8_block")
+            tensors[name], tensors[name + "_scale_inv"] = q.weight, q.scale
+        else:
+            tensors[name] = t
+    save_file(tensors, str(target / "model.safetensors"))
+    return tensors
+
+
+def test_prequantized_fp8_block_checkpoint_loads_as_is(wide_model, tmp_path, daemon):
+    stored = make_prequantized(wide_model, tmp_path / "fp8")
+    spec = LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block")
+    weights = load_safetensors(LoadRequest(spec=spec))
+    q = weights.tensors["model.layers.0.mlp.down_proj.weight"]
+    assert torch.equal(q.weight.view(torch.uint8), stored["model.layers.0.mlp.down_proj.weight"].view(torch.uint8))
+    assert torch.equal(q.scale, stored["model.layers.0.mlp.down_proj.weight_scale_inv"])
+    with pytest.raises(PlanError, match="pre-quantized fp8_block weights .* load it with --quantization fp8_block"):
+        build_plan(Checkpoint(tmp_path / "fp8"), LoadSpec(path=str(tmp_path / "fp8"), quantization="int8"))
+    with pytest.raises(PlanError, match="128-element block boundaries"):
+        build_plan(Checkpoint(tmp_path / "fp8"), LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block",
+                                                          tp_size=4, tp_rank=1))
+    info = daemon.client.load(spec)  # and through the daemon, next to anything else it holds
+    assert info.key.quantization == "fp8_block"
+
+
+def test_bad_quantization_requests_leave_the_daemon_serving(daemon, wide_model, tmp_path):
+    daemon.client.load(LoadSpec(path=str(wide_model)))
+    from protos import preload_pb2 as pb
+    import grpc
+    channel = grpc.insecure_channel(f"unix:{daemon.config.socket_path}")
+    stream = channel.unary_stream("/preload.v1.WeightCache/LoadModel",
+                                  request_serializer=pb.LoadModelRequest.SerializeToString,
+                                  response_deserializer=pb.LoadProgress.FromString)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream(pb.LoadModelRequest(spec=pb.LoadSpec(path=str(wide_model), quantization="fp5"))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown quantization scheme 'fp5'" in \
+        err.value.details()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((wide_model / "config.json").read_text())
+    tensors = load_file(str(wide_model / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 3] = float("inf")
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="cannot quantize 'model.layers.0.mlp.up_proj.weight'.*non-finite"):
+        daemon.client.load(LoadSpec(path=str(broken), quantization="int8"))
+    assert daemon.client.attach("wide").version == 1
+    channel.close()
+
+
+def test_quantizing_load_needs_no_unquantized_copy(daemon, tmp_path):
+    """Peak memory of a quantizing load stays far below one unquantized copy of the model."""
+    ckpt = synthetic_checkpoint(tmp_path / "synth", 0.4, hidden=512)
+    source_bytes = Checkpoint(ckpt).nbytes
+    proc = psutil.Process(daemon.proc.pid)
+    before = proc.memory_info().rss  # VmHWM below is an RSS peak too
+    info = daemon.client.load(LoadSpec(path=str(ckpt), quantization="mxfp4"))
+    with open(f"/proc/{daemon.proc.pid}/status") as f:
+        peak = int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
+    # The slab itself is resident (and counted); the rest of the peak is per-tensor scratch.
+    assert peak - before - info.slab_bytes < 0.1 * source_bytes, (peak, before, info.slab_bytes, source_bytes)

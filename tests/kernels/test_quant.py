@@ -1,0 +1,130 @@
+"""Quantization formats against their scalar references, and the quantized linear layer."""
+
+import pytest
+import torch
+
+from kernels.fp4 import E2M1_VALUES, decode_packed, e2m1_decode, e2m1_encode, pack, unpack
+from kernels.linear import LARGE_M, quantized_linear, reference_linear
+from kernels.quant import SCHEMES, dequantize, layout, quantize
+from kernels.quant_reference import quantize_reference, stored
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def test_e2m1_code_table():
+    """Codes 0-7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6; codes 8-15 the same negated."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    expected = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    assert e2m1_decode(codes).tolist() == expected
+    assert e2m1_encode(e2m1_decode(codes)).tolist() == codes.tolist()
+
+
+def test_e2m1_rounds_to_nearest_ties_to_even_and_saturates():
+    x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.26, 4.9, 7.0, 1e9, -0.74, -5.1])
+    assert e2m1_decode(e2m1_encode(x)).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 4.0, 6.0, 6.0, -0.5, -6.0]
+
+
+def test_fp4_packing_puts_the_first_element_in_the_low_nibble():
+    codes = torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8)
+    assert pack(codes).tolist() == [[0x21, 0x0F]]
+    assert torch.equal(unpack(pack(codes)), codes)
+    assert torch.equal(decode_packed(pack(codes)), e2m1_decode(codes))
+
+
+def awkward_weight() -> torch.Tensor:
+    """K not a multiple of any block; a zero row; tiny and huge magnitudes side by side."""
+    w = torch.randn(6, 70) * 3
+    w[1] = 0
+    w[2, :40] *= 1e-30
+    w[3, 5] = 3e30
+    w[4, :] = torch.linspace(-1e-3, 1e-3, 70)
+    return w
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_kernel_matches_scalar_reference_bit_for_bit(scheme):
+    w = awkward_weight()
+    assert stored(quantize(w, scheme)) == quantize_reference(w, scheme)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_layout_matches_what_quantize_produces(scheme):
+    q = quantize(torch.randn(130, 200), scheme)
+    parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}
+    for part, (dtype, shape) in layout(scheme, 130, 200).items():
+        assert (parts[part].dtype, tuple(parts[part].shape)) == (dtype, shape), part
+
+
+@pytest.mark.parametrize("scheme", ["fp8_per_tensor", "fp8_per_channel", "fp8_block", "mxfp8"])
+def test_every_e4m3_value_round_trips(scheme):
+    """With 448 in every row and block the scale is exactly 1, so each stored value comes back."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)]
+    w = values[torch.randperm(len(values))][:252].view(2, 126).repeat(1, 2)  # K = 252: ragged blocks
+    w[:, ::32] = 448.0
+    assert torch.equal(dequantize(quantize(w, scheme)), w)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp4", "nvfp4"])
+def test_every_e2m1_value_round_trips(scheme):
+    grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES[1:]))
+    w = grid[torch.randint(len(grid), (4, 96))]
+    w[:, ::16] = 6.0
+    q = quantize(w, scheme)
+    if scheme == "nvfp4":  # block scale 448 x global 6/2688 is 1 up to one float32 rounding
+        torch.testing.assert_close(dequantize(q), w, rtol=1e-6, atol=0)
+    else:
+        assert torch.equal(dequantize(q), w)
+
+
+def test_int8_round_trips_integers():
+    w = torch.randint(-127, 128, (3, 50)).float()
+    w[:, 0] = 127
+    assert torch.equal(dequantize(quantize(w, "int8")), w)
+
+
+@pytest.mark.parametrize("scheme, tolerance", [("fp8_per_tensor", 0.04), ("fp8_per_channel", 0.04),
+                                               ("fp8_block", 0.04), ("int8", 0.01), ("mxfp8", 0.05),
+                                               ("mxfp4", 0.2), ("nvfp4", 0.15)])
+def test_quantization_error_is_what_the_format_allows(scheme, tolerance):
+    w = torch.randn(256, 512)
+    error = (dequantize(quantize(w, scheme)) - w).norm() / w.norm()
+    assert error < tolerance
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_zeros_and_non_finite_weights(scheme):
+    assert torch.equal(dequantize(quantize(torch.zeros(4, 64), scheme)), torch.zeros(4, 64))
+    for bad in (float("inf"), float("nan")):
+        w = torch.randn(4, 64)
+        w[2, 3] = bad
+        with pytest.raises(ValueError, match="1 non-finite value"):
+            quantize(w, scheme)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("m", [1, 7, LARGE_M + 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_matches_reference(scheme, m, dtype):
+    """Row tiles (N > one tile), full dequantization (large M) and the fused int8 kernel alike."""
+    q = quantize(torch.randn(700, 2048), scheme)
+    x = torch.randn(m, 2048).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(quantized_linear(x, q).float(), reference_linear(x, q).float(), rtol=tol,
+                               atol=tol * reference_linear(x, q).float().abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_linear_on_gpu_matches_reference(scheme):
+    q = quantize(torch.randn(512, 1024), scheme)
+    gpu = type(q)(q.scheme, q.weight.cuda(), q.scale.cuda(), None if q.global_scale is None else q.global_scale.cuda(),
+                  q.shape)
+    x = torch.randn(8, 1024, dtype=torch.bfloat16)
+    expected = reference_linear(x, q).float()
+    got = quantized_linear(x.cuda(), gpu).float().cpu()
+    # FP8 on tensor cores also quantizes the activations: a few per cent, not bit-exact.
+    torch.testing.assert_close(got, expected, rtol=0.1, atol=0.1 * expected.abs().max().item())
