@@ -83,7 +83,7 @@ class LoadPlan:
     total_bytes: int
 
     @property
-    def source_bytes(self) -> int:
+    def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
 
@@ -152,7 +152,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
             common = dict(role=role, quant_scheme=spec.quantization, quant_params=params)
             stem = name.removesuffix(".weight")
             if prequantized:
-                scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard, shape)
+                scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard)
                 add(name=name, dtype=info.dtype, shape=tuple(shape), shard=shard, source=name, part="weight", **common)
                 add(name=f"{stem}.weight_scale", dtype=torch.float32, shape=scale_shape, shard=scale_shard,
                     source=scale_name, part="weight_scale", **common)
@@ -178,7 +178,7 @@ def _prequantized_scheme(checkpoint: Checkpoint) -> str | None:
                           "supported; pre-quantized checkpoints must be FP8 with weight_block_size [128, 128]")
 
 
-def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None, shape: list[int]):
+def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None):
     """(source name, shard, shape) of a pre-quantized weight's 128x128 block scales."""
     scale_name = name + "_scale_inv"
     info = checkpoint.tensors.get(scale_name)

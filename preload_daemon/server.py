@@ -78,7 +78,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             log.error("loading %s failed", spec.name, exc_info=error)
             context.abort(grpc.StatusCode.INTERNAL, f"loading {spec.name} failed: {error}; see the daemon log")
         model = result["model"]
-        yield pb.LoadProgress(stage="ready", bytes_done=model.plan.source_bytes, bytes_total=model.plan.source_bytes,
+        yield pb.LoadProgress(stage="ready", bytes_done=model.plan.tensor_bytes, bytes_total=model.plan.tensor_bytes,
                               tensors_done=len(model.plan.entries), tensors_total=len(model.plan.entries),
                               model=self._info(model))
 
@@ -231,6 +231,10 @@ class DaemonServer:
         self.server.stop(grace).wait()
         self.internal_path.unlink(missing_ok=True)
         self.store.close()
+        try:
+            self.config.shm_dir.rmdir()  # shared with this runtime dir's other daemons: only if empty
+        except OSError:
+            pass
 
 
 def create_server(config: DaemonConfig) -> tuple[DaemonServer, str]:

@@ -74,13 +74,13 @@ class ModelStore:
             pending.wait()
         self._on_change()
         try:
-            return self._load_locked_spec(spec, on_progress)
+            return self._load_once(spec, on_progress)
         finally:
             with self._lock:
                 self._loading.pop(spec).set()
             self._on_change()
 
-    def _load_locked_spec(self, spec: LoadSpec, on_progress) -> ModelVersion:
+    def _load_once(self, spec: LoadSpec, on_progress) -> ModelVersion:
         checkpoint = Checkpoint(spec.path)
         try:
             plan = build_plan(checkpoint, spec)
@@ -100,7 +100,7 @@ class ModelStore:
             version = self._last_version[spec.name] = self._last_version.get(spec.name, 0) + 1
         label = f"{self.device.replace(':', '')}-{spec.name}-v{version}-r{spec.tp_rank}-{spec.component}"
         slab = HostSlab.create(self.shm_dir, label, plan.total_bytes)
-        progress = LoadProgress("reading", 0, plan.source_bytes, 0, len(plan.entries))
+        progress = LoadProgress("reading", 0, plan.tensor_bytes, 0, len(plan.entries))
         on_progress(progress)
 
         def on_tensor(entry) -> None:
@@ -125,8 +125,8 @@ class ModelStore:
             self._active[spec.name] = version
         log.info("loaded %s v%d on %s rank %d/%d: %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", spec.name, version,
                  self.device, spec.tp_rank, spec.tp_size, len(plan.entries), plan.total_bytes / 2**20, seconds,
-                 plan.source_bytes / max(seconds, 1e-9) / 1e9)
-        on_progress(LoadProgress("ready", plan.source_bytes, plan.source_bytes, len(plan.entries),
+                 plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
+        on_progress(LoadProgress("ready", plan.tensor_bytes, plan.tensor_bytes, len(plan.entries),
                                  len(plan.entries)))
         return model
 

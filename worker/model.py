@@ -2,6 +2,7 @@
 keeps references to those tensors (views into a slab, or private memory) and never copies them."""
 
 import dataclasses
+import mmap
 from collections.abc import Mapping
 
 import torch
@@ -86,12 +87,17 @@ class Layer:
 
 
 class KVCache:
-    """Static per-slot cache: [num_layers] x [slots, kv_heads, max_len, head_dim] for keys and values."""
+    """Static per-slot cache: [num_layers] x [slots, kv_heads, max_len, head_dim] for keys and values.
+    It lives in one anonymous mapping, whose pages the kernel zero-fills on first touch: a large
+    cache costs nothing at start-up, and unwritten positions read as zeros, never garbage."""
 
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype):
         shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_layers)]
+        per_tensor = num_slots * config.num_kv_heads * max_len * config.head_dim
+        self._mapping = mmap.mmap(-1, 2 * config.num_layers * per_tensor * dtype.itemsize)
+        flat = torch.frombuffer(self._mapping, dtype=dtype)
+        views = [flat[i * per_tensor:(i + 1) * per_tensor].view(shape) for i in range(2 * config.num_layers)]
+        self.k, self.v = views[0::2], views[1::2]
         self.num_slots = num_slots
         self.max_len = max_len
 

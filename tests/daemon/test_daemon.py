@@ -245,3 +245,4 @@ def test_sigterm_frees_slabs_and_socket(daemon, tiny_llama):
     daemon.proc.send_signal(signal.SIGTERM)
     assert daemon.proc.wait(15) == 0
     assert not slab.exists() and not daemon.config.socket_path.exists()
+    assert not daemon.config.shm_dir.exists(), "an empty slab directory is left behind"

@@ -120,11 +120,11 @@ def test_bad_quantization_requests_leave_the_daemon_serving(daemon, wide_model, 
 def test_quantizing_load_needs_no_unquantized_copy(daemon, tmp_path):
     """Peak memory of a quantizing load stays far below one unquantized copy of the model."""
     ckpt = synthetic_checkpoint(tmp_path / "synth", 0.4, hidden=512)
-    source_bytes = Checkpoint(ckpt).nbytes
+    checkpoint_bytes = Checkpoint(ckpt).nbytes
     proc = psutil.Process(daemon.proc.pid)
     before = proc.memory_info().rss  # VmHWM below is an RSS peak too
     info = daemon.client.load(LoadSpec(path=str(ckpt), quantization="mxfp4"))
     with open(f"/proc/{daemon.proc.pid}/status") as f:
         peak = int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
     # The slab itself is resident (and counted); the rest of the peak is per-tensor scratch.
-    assert peak - before - info.slab_bytes < 0.1 * source_bytes, (peak, before, info.slab_bytes, source_bytes)
+    assert peak - before - info.slab_bytes < 0.1 * checkpoint_bytes, (peak, before, info.slab_bytes, checkpoint_bytes)
