@@ -1,17 +1,25 @@
 """Linear layers over plain or quantized weights.
 
-CPU: int8 runs torch's fused weight-only int8 kernel; the other schemes dequantize the weight in
-row tiles that stay in cache and multiply each tile (decode), or dequantize once per call when the
-activation has many rows (prefill). GPU: FP8 per-tensor/per-channel use torch._scaled_mm on SM89+
-with dynamically quantized activations; everything else dequantizes and multiplies."""
+CPU: int8 runs torch's fused weight-only int8 kernel. The other schemes run the native kernels
+where they were built (kernels/native.py): a fused dequantize-and-multiply GEMV for a few rows, and
+dequantized cache-sized tiles fed to torch's GEMM for more. Without them, the weight is dequantized
+in row tiles that stay in cache and each tile is multiplied, or dequantized once per call when the
+activation has many rows (prefill). GPU: FP8 per-tensor and
+per-channel use torch._scaled_mm on SM89+ with dynamically quantized activations; everything else
+dequantizes and multiplies."""
 
 import torch
 import torch.nn.functional as F
 
-from kernels.quant import E4M3, E4M3_MAX, QuantizedWeight, dequantize
+from kernels import native
+from kernels.quant import E4M3, E4M3_MAX, FP8_BLOCK, MX_BLOCK, NV_BLOCK, QuantizedWeight, dequantize
 
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
 LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
+GEMV_MAX_M = 4        # up to this many rows the native GEMV wins; above, native dequantized tiles + GEMM
+# scheme -> (scale kind, block size along K or 0 for the whole row, packed e2m1) of kernels/csrc/qgemv.cpp
+_NATIVE = {"fp8_per_tensor": (0, 0, False), "fp8_per_channel": (1, 0, False), "fp8_block": (2, FP8_BLOCK, False),
+           "mxfp8": (3, MX_BLOCK, False), "mxfp4": (3, MX_BLOCK, True), "nvfp4": (4, NV_BLOCK, True)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -29,6 +37,10 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
         return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
     if x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
         return _scaled_mm_fp8(x, q)
+    if native.qgemv is not None and x.device.type == "cpu" and q.scheme in _NATIVE:
+        out = _native(x, q)
+        if out is not None:
+            return out
     if x.shape[0] >= LARGE_M:
         return F.linear(x, dequantize(q, x.dtype))
     n, k = q.shape
@@ -40,6 +52,22 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
         stop = min(start + rows, n)
         torch.matmul(x, dequantize(q, x.dtype, slice(start, stop)).T, out=out[:, start:stop])
     return out
+
+
+def _native(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
+    """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
+    kind, block, fp4 = _NATIVE[q.scheme]
+    width = q.weight.shape[1] * (2 if fp4 else 1)  # K as stored, padded to the block for MX/NVFP4
+    if width % 16 or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    gemv = x.shape[0] <= GEMV_MAX_M
+    xs = x.float() if gemv else x
+    if width != x.shape[1]:
+        xs = F.pad(xs, (0, width - x.shape[1]))
+    global_scale = float(q.global_scale) if q.global_scale is not None else 1.0
+    scale = q.scale.view(torch.uint8) if kind >= 3 else q.scale
+    op = native.qgemv if gemv else native.qgemm
+    return op(xs.contiguous(), q.weight.view(torch.uint8), scale, global_scale, kind, block or width, fp4).to(x.dtype)
 
 
 def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:

