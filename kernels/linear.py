@@ -1,12 +1,12 @@
 """Linear layers over plain or quantized weights.
 
-CPU: int8 runs torch's fused weight-only int8 kernel. The other schemes run the native kernels
-where they were built (kernels/native.py): a fused dequantize-and-multiply GEMV for a few rows, and
-dequantized cache-sized tiles fed to torch's GEMM for more. Without them, the weight is dequantized
-in row tiles that stay in cache and each tile is multiplied, or dequantized once per call when the
-activation has many rows (prefill). GPU: FP8 per-tensor and
-per-channel use torch._scaled_mm on SM89+ with dynamically quantized activations; everything else
-dequantizes and multiplies."""
+CPU: int8 below prefill sizes runs torch's fused weight-only int8 kernel. Everything else runs the
+native kernels where they were built (kernels/native.py): a fused dequantize-and-multiply GEMV for
+a few rows, and dequantized cache-sized tiles fed to torch's GEMM for more. Without them, the
+weight is dequantized in row tiles that stay in cache and each tile is multiplied, or dequantized
+once per call when the activation has many rows (prefill). GPU: FP8 per-tensor and per-channel use
+torch._scaled_mm on SM89+ with dynamically quantized activations; everything else dequantizes and
+multiplies."""
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +17,12 @@ from kernels.quant import E4M3, E4M3_MAX, FP8_BLOCK, MX_BLOCK, NV_BLOCK, Quantiz
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
 LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
 GEMV_MAX_M = 4        # up to this many rows the native GEMV wins; above, native dequantized tiles + GEMM
-# scheme -> (scale kind, block size along K or 0 for the whole row, packed e2m1) of kernels/csrc/qgemv.cpp
-_NATIVE = {"fp8_per_tensor": (0, 0, False), "fp8_per_channel": (1, 0, False), "fp8_block": (2, FP8_BLOCK, False),
-           "mxfp8": (3, MX_BLOCK, False), "mxfp4": (3, MX_BLOCK, True), "nvfp4": (4, NV_BLOCK, True)}
+# scheme -> (scale kind, block size along K or 0 for the whole row, element format) of kernels/csrc/qgemv.cpp
+E4M3_ELEMENTS, E2M1_ELEMENTS, INT8_ELEMENTS = 0, 1, 2
+_NATIVE = {"fp8_per_tensor": (0, 0, E4M3_ELEMENTS), "fp8_per_channel": (1, 0, E4M3_ELEMENTS),
+           "fp8_block": (2, FP8_BLOCK, E4M3_ELEMENTS), "int8": (1, 0, INT8_ELEMENTS),
+           "mxfp8": (3, MX_BLOCK, E4M3_ELEMENTS), "mxfp4": (3, MX_BLOCK, E2M1_ELEMENTS),
+           "nvfp4": (4, NV_BLOCK, E2M1_ELEMENTS)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,7 +36,7 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     """x [M, K] (float32/bfloat16/float16) @ dequantize(q).T -> [M, N] in x.dtype."""
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"activation has K={x.shape[-1]}, weight expects K={q.shape[1]}")
-    if q.scheme == "int8" and x.device.type == "cpu":
+    if q.scheme == "int8" and x.device.type == "cpu" and (x.shape[0] < LARGE_M or native.qgemm is None):
         return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
     if x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
         return _scaled_mm_fp8(x, q)
@@ -56,8 +59,8 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
 
 def _native(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
-    kind, block, fp4 = _NATIVE[q.scheme]
-    width = q.weight.shape[1] * (2 if fp4 else 1)  # K as stored, padded to the block for MX/NVFP4
+    kind, block, element = _NATIVE[q.scheme]
+    width = q.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)  # K as stored (padded for MX/NVFP4)
     if width % 16 or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     gemv = x.shape[0] <= GEMV_MAX_M
@@ -67,7 +70,8 @@ def _native(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
     global_scale = float(q.global_scale) if q.global_scale is not None else 1.0
     scale = q.scale.view(torch.uint8) if kind >= 3 else q.scale
     op = native.qgemv if gemv else native.qgemm
-    return op(xs.contiguous(), q.weight.view(torch.uint8), scale, global_scale, kind, block or width, fp4).to(x.dtype)
+    return op(xs.contiguous(), q.weight.view(torch.uint8), scale, global_scale, kind, block or width,
+              element).to(x.dtype)
 
 
 def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:

@@ -2,9 +2,8 @@
 //
 // qgemv (a few activation rows): the weight is decoded 16 elements at a time straight into
 // registers and never written back, so it is read once per call, as in a bf16 GEMV. qgemm (more
-// rows): the weight is decoded into cache-sized tiles that torch's GEMM multiplies. Elements: e4m3
-// bytes (the FP8 schemes and MXFP8) or packed e2m1 nibbles (MXFP4, NVFP4), low nibble first.
-// Scales: see ScaleKind. The pure torch path in kernels/linear.py is the reference for both.
+// rows): the weight is decoded into cache-sized tiles that torch's GEMM multiplies. Elements: see
+// Element; scales: see ScaleKind. The pure torch path in kernels/linear.py is the reference for both.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,6 +20,12 @@ namespace {
 constexpr int kMaxRows = 16;
 constexpr int64_t kTileBytes = int64_t(4) << 20;  // qgemm: dequantized rows per GEMM call
 
+enum Element : int {
+  kE4M3 = 0,  // one byte per element (the FP8 schemes, MXFP8)
+  kE2M1 = 1,  // two per byte, low nibble first (MXFP4, NVFP4)
+  kInt8 = 2,  // one signed byte per element (INT8)
+};
+
 enum ScaleKind : int64_t {
   kPerTensor = 0,   // float32 scalar
   kPerRow = 1,      // float32 [N]
@@ -36,6 +41,11 @@ inline __m512 decode_e4m3(const uint8_t* p) {
   __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
   __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
   return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(sign, mag)), _mm512_set1_ps(256.0f));
+}
+
+// 16 int8 -> 16 floats.
+inline __m512 decode_int8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // 8 bytes of packed e2m1 -> 16 floats, through a 16-entry table held in a register.
@@ -111,15 +121,17 @@ struct RowScales {
   }
 };
 
-template <bool kFp4>
+template <int kElem>
 inline __m512 decode(const uint8_t* w, int64_t vector, __m512 table) {
-  return kFp4 ? decode_e2m1(w + vector * 8, table) : decode_e4m3(w + vector * 16);
+  if constexpr (kElem == kE2M1) return decode_e2m1(w + vector * 8, table);
+  else if constexpr (kElem == kInt8) return decode_int8(w + vector * 16);
+  else return decode_e4m3(w + vector * 16);
 }
 
 // R output rows for M activation rows (GEMV). Each x load feeds R rows and each decoded weight
 // vector feeds M rows, so neither the loads nor the decoding dominate; the R x M accumulators are
 // independent FMA chains. M and R are template parameters so that the accumulators stay in registers.
-template <bool kFp4, int M, int R>
+template <int kElem, int M, int R>
 void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, const Scales& scales, int64_t n,
                __m512 table, float* y, int64_t y_stride) {
   __m512 acc[R][M];
@@ -131,7 +143,7 @@ void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, c
   for (int64_t j = 0; j < k / 16; ++j) {
     __m512 v[R];
     for (int r = 0; r < R; ++r) {
-      v[r] = decode<kFp4>(w + r * row_bytes, j, table);
+      v[r] = decode<kElem>(w + r * row_bytes, j, table);
       if (per_block) v[r] = _mm512_mul_ps(v[r], _mm512_set1_ps(block[r].at(j)));
     }
     for (int m = 0; m < M; ++m) {
@@ -151,17 +163,53 @@ constexpr int rows_for(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 1; }
 using RowsFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const Scales&, int64_t, __m512, float*,
                         int64_t);
 
-template <bool kFp4, int... Ms>
-std::pair<RowsFn, RowsFn> pick(int64_t m_rows, std::integer_sequence<int, Ms...>) {
-  RowsFn blocked[] = {&gemv_rows<kFp4, Ms + 1, rows_for(Ms + 1)>...};
-  RowsFn single[] = {&gemv_rows<kFp4, Ms + 1, 1>...};
+template <int kElem, int... Ms>
+std::pair<RowsFn, RowsFn> pick_rows(int64_t m_rows, std::integer_sequence<int, Ms...>) {
+  RowsFn blocked[] = {&gemv_rows<kElem, Ms + 1, rows_for(Ms + 1)>...};
+  RowsFn single[] = {&gemv_rows<kElem, Ms + 1, 1>...};
   return {blocked[m_rows - 1], single[m_rows - 1]};
 }
 
-void check_weight(const at::Tensor& weight, int64_t k, int64_t block_size, bool fp4) {
-  TORCH_CHECK(weight.is_contiguous() && weight.element_size() == 1, "weight must be contiguous bytes");
-  TORCH_CHECK(k % 16 == 0 && block_size % 16 == 0, "K and the block size must be multiples of 16");
-  TORCH_CHECK(weight.size(1) == (fp4 ? k / 2 : k), "weight width does not match K");
+std::pair<RowsFn, RowsFn> pick(int64_t element, int64_t m_rows) {
+  auto ms = std::make_integer_sequence<int, kMaxRows>{};
+  if (element == kE2M1) return pick_rows<kE2M1>(m_rows, ms);
+  if (element == kInt8) return pick_rows<kInt8>(m_rows, ms);
+  return pick_rows<kE4M3>(m_rows, ms);
+}
+
+// Everything the kernels index is checked here: a bad shape is an error, never a stray read.
+void check_inputs(const at::Tensor& weight, const at::Tensor& scale, int64_t scale_kind, int64_t k, int64_t block,
+                  int64_t element) {
+  TORCH_CHECK(element == kE4M3 || element == kE2M1 || element == kInt8, "unknown element format ", element);
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.element_size() == 1,
+              "weight must be contiguous bytes [N, K]");
+  TORCH_CHECK(k % 16 == 0 && block % 16 == 0, "K and the block size must be multiples of 16");
+  bool per_block = scale_kind == kBlock128 || scale_kind == kE8M0Per32 || scale_kind == kE4M3Per16;
+  TORCH_CHECK(!per_block || (block & (block - 1)) == 0, "block sizes must be powers of two");
+  TORCH_CHECK(weight.size(1) == (element == kE2M1 ? k / 2 : k), "weight width does not match K");
+  TORCH_CHECK(scale.is_contiguous(), "scale must be contiguous");
+  int64_t n = weight.size(0);
+  switch (scale_kind) {
+    case kPerTensor:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "per-tensor scale: one float32");
+      break;
+    case kPerRow:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n, "per-row scale: N float32");
+      break;
+    case kBlock128:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && block == 128 && scale.dim() == 2 &&
+                  scale.size(0) == (n + 127) / 128 && scale.size(1) == (k + 127) / 128,
+                  "block scale: float32 [ceil(N/128), ceil(K/128)]");
+      break;
+    case kE8M0Per32:
+    case kE4M3Per16:
+      TORCH_CHECK(scale.element_size() == 1 && scale.dim() == 2 && scale.size(0) == n &&
+                  scale.size(1) == k / block && block == (scale_kind == kE8M0Per32 ? 32 : 16),
+                  "MX/NVFP4 scale: bytes [N, K / block]");
+      break;
+    default:
+      TORCH_CHECK(false, "unknown scale kind ", scale_kind);
+  }
 }
 
 __m512 e2m1_table() {
@@ -169,17 +217,16 @@ __m512 e2m1_table() {
   return _mm512_load_ps(values);
 }
 
-// x: float32 [M <= 16, K] (K = the stored, padded width); weight: uint8 [N, K] (e4m3) or [N, K/2] (e2m1).
+// x: float32 [M <= 16, K] (K = the stored, padded width); weight: bytes [N, K], or [N, K/2] for e2m1.
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, double global_scale,
-                 int64_t scale_kind, int64_t block_size, bool fp4) {
+                 int64_t scale_kind, int64_t block_size, int64_t element) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [M, K]");
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "1 to ", kMaxRows, " activation rows");
   int64_t m_rows = x.size(0), k = x.size(1), n_total = weight.size(0);
-  check_weight(weight, k, block_size, fp4);
+  check_inputs(weight, scale, scale_kind, k, block_size, element);
   Scales scales(scale, global_scale, scale_kind, block_size);
   __m512 table = e2m1_table();
-  auto [blocked, single] = fp4 ? pick<true>(m_rows, std::make_integer_sequence<int, kMaxRows>{})
-                               : pick<false>(m_rows, std::make_integer_sequence<int, kMaxRows>{});
+  auto [blocked, single] = pick(element, m_rows);
   int64_t step = rows_for(static_cast<int>(m_rows)), row_bytes = weight.size(1);
   at::Tensor y = at::empty({m_rows, n_total}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -204,7 +251,7 @@ inline __m256i to_bf16(__m512 v) {
 }
 
 // Rows [begin, end) of the weight, dequantized into out ([end - begin, K], float32 or bfloat16).
-template <bool kFp4>
+template <int kElem>
 void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k, const Scales& scales, int64_t begin, int64_t end,
                   at::Tensor& out) {
   __m512 table = e2m1_table();
@@ -216,7 +263,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k, const Scales& 
     const uint8_t* row = w + n * row_bytes;
     char* dst = static_cast<char*>(out.data_ptr()) + (n - begin) * k * out.element_size();
     for (int64_t j = 0; j < k / 16; ++j) {
-      __m512 v = _mm512_mul_ps(decode<kFp4>(row, j, table), _mm512_set1_ps(per_block ? block.at(j) : row_scale));
+      __m512 v = _mm512_mul_ps(decode<kElem>(row, j, table), _mm512_set1_ps(per_block ? block.at(j) : row_scale));
       if (bf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst) + j, to_bf16(v));
       else _mm512_storeu_ps(reinterpret_cast<float*>(dst) + j * 16, v);
     }
@@ -227,11 +274,11 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t k, const Scales& 
 // the weight is dequantized in tiles of rows that stay in cache, and each tile is multiplied by
 // torch's own GEMM. Returns [M, N] in x's dtype.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, double global_scale,
-                 int64_t scale_kind, int64_t block_size, bool fp4) {
+                 int64_t scale_kind, int64_t block_size, int64_t element) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be float32 or bfloat16 [M, K]");
   int64_t k = x.size(1), n_total = weight.size(0);
-  check_weight(weight, k, block_size, fp4);
+  check_inputs(weight, scale, scale_kind, k, block_size, element);
   Scales scales(scale, global_scale, scale_kind, block_size);
   int64_t tile = std::max<int64_t>(16, kTileBytes / (k * x.element_size()));
   at::Tensor buffer = at::empty({std::min(tile, n_total), k}, x.options());
@@ -242,8 +289,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
     at::Tensor slice = buffer.narrow(0, 0, rows);
     at::parallel_for(start, start + rows, 8, [&](int64_t begin, int64_t end) {
       at::Tensor part = slice.narrow(0, begin - start, end - begin);
-      if (fp4) dequant_rows<true>(wp, weight.size(1), k, scales, begin, end, part);
-      else dequant_rows<false>(wp, weight.size(1), k, scales, begin, end, part);
+      if (element == kE2M1) dequant_rows<kE2M1>(wp, weight.size(1), k, scales, begin, end, part);
+      else if (element == kInt8) dequant_rows<kInt8>(wp, weight.size(1), k, scales, begin, end, part);
+      else dequant_rows<kE4M3>(wp, weight.size(1), k, scales, begin, end, part);
     });
     y.narrow(1, start, rows).copy_(at::mm(x, slice.t()));
   }
@@ -254,9 +302,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 
 TORCH_LIBRARY(preload, m) {
   m.def("qgemv(Tensor x, Tensor weight, Tensor scale, float global_scale, int scale_kind, int block_size, "
-        "bool fp4) -> Tensor");
+        "int element) -> Tensor");
   m.def("qgemm(Tensor x, Tensor weight, Tensor scale, float global_scale, int scale_kind, int block_size, "
-        "bool fp4) -> Tensor");
+        "int element) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(preload, CPU, m) {
