@@ -31,12 +31,12 @@ def run(args) -> int:
     model_path = pathlib.Path(args.model).resolve() if args.model else default_model_path()
     ids = Tokenizer(model_path).encode(PROMPT)
     n = args.new_tokens
-    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path))))
+    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path), quantization=args.quantization)))
     engine = Engine(CausalLM(ModelConfig.from_hf(weights.config), weights.tensors), max_batch=args.batch,
                     max_len=len(ids) + n + 1).start()
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weights.tensors[
-        "model.embed_tokens.weight"].dtype).eval()
+        "model.embed_tokens.weight"].dtype).eval()  # transformers runs the unquantized checkpoint
     prompt = torch.tensor([ids])
 
     def ours() -> float:
@@ -66,11 +66,12 @@ def run(args) -> int:
     medians = {k: statistics.median(v) for k, v in rows.items()}
     ratio = medians["preload engine, 1 request"] / medians["transformers generate, 1 request"]
     if args.json:
-        print(json.dumps({"model": str(model_path), "new_tokens": n, "tokens_per_s": rows, "medians": medians,
-                          "ours_over_transformers": ratio, "threads": torch.get_num_threads()}, indent=2))
+        print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
+                          "tokens_per_s": rows, "medians": medians, "ours_over_transformers": ratio,
+                          "threads": torch.get_num_threads()}, indent=2))
     else:
-        print(f"preload bench decode — {model_path.name}, {n} new tokens, greedy, median of {args.repeats}, "
-              f"{torch.get_num_threads()} threads")
+        print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
+              f"{args.repeats}, {torch.get_num_threads()} threads")
         for name, value in medians.items():
             print(f"{name:<36} {value:>8.1f} tokens/s")
         print(f"{'ours / transformers (1 request)':<36} {ratio:>8.2f}x")
@@ -82,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
     parser.add_argument("--json", action="store_true")
 
 

@@ -128,12 +128,18 @@ inline __m512 decode(const uint8_t* w, int64_t vector, __m512 table) {
   else return decode_e4m3(w + vector * 16);
 }
 
+__m512 e2m1_table() {
+  alignas(64) static const float values[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
+  return _mm512_load_ps(values);
+}
+
 // R output rows for M activation rows (GEMV). Each x load feeds R rows and each decoded weight
 // vector feeds M rows, so neither the loads nor the decoding dominate; the R x M accumulators are
 // independent FMA chains. M and R are template parameters so that the accumulators stay in registers.
 template <int kElem, int M, int R>
 void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, const Scales& scales, int64_t n,
-               __m512 table, float* y, int64_t y_stride) {
+               float* y, int64_t y_stride) {
+  __m512 table = e2m1_table();
   __m512 acc[R][M];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -160,8 +166,7 @@ void gemv_rows(const float* x, int64_t k, const uint8_t* w, int64_t row_bytes, c
 // Rows per step for M activation rows: at most 16 accumulators, and at least 4 chains.
 constexpr int rows_for(int m) { return m <= 4 ? 4 : m <= 8 ? 2 : 1; }
 
-using RowsFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const Scales&, int64_t, __m512, float*,
-                        int64_t);
+using RowsFn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const Scales&, int64_t, float*, int64_t);
 
 template <int kElem, int... Ms>
 std::pair<RowsFn, RowsFn> pick_rows(int64_t m_rows, std::integer_sequence<int, Ms...>) {
@@ -212,10 +217,6 @@ void check_inputs(const at::Tensor& weight, const at::Tensor& scale, int64_t sca
   }
 }
 
-__m512 e2m1_table() {
-  alignas(64) static const float values[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};
-  return _mm512_load_ps(values);
-}
 
 // x: float32 [M <= 16, K] (K = the stored, padded width); weight: bytes [N, K], or [N, K/2] for e2m1.
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, double global_scale,
@@ -225,7 +226,6 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   int64_t m_rows = x.size(0), k = x.size(1), n_total = weight.size(0);
   check_inputs(weight, scale, scale_kind, k, block_size, element);
   Scales scales(scale, global_scale, scale_kind, block_size);
-  __m512 table = e2m1_table();
   auto [blocked, single] = pick(element, m_rows);
   int64_t step = rows_for(static_cast<int>(m_rows)), row_bytes = weight.size(1);
   at::Tensor y = at::empty({m_rows, n_total}, x.options());
@@ -235,7 +235,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   at::parallel_for(0, (n_total + step - 1) / step, 4, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin * step; n < std::min(end * step, n_total);) {
       bool whole = n + step <= n_total;
-      (whole ? blocked : single)(xp, k, wp + n * row_bytes, row_bytes, scales, n, table, yp + n, n_total);
+      (whole ? blocked : single)(xp, k, wp + n * row_bytes, row_bytes, scales, n, yp + n, n_total);
       n += whole ? step : 1;
     }
   });
