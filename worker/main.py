@@ -17,7 +17,7 @@ from worker.engine import Engine, SamplingParams
 from worker.loader import LoadedWeights, LoadRequest, load_weights
 from worker.model import CausalLM, ModelConfig
 from worker.server import build_app
-from worker.state import WorkerState
+from worker.state import WorkerState, process_start_time
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ def cmd_engine(args) -> int:
 
 def cmd_generate(args) -> int:
     path = model_path(args)
-    process_start = WorkerState(args.name or path.name, args.load_format).process_start
+    process_start = process_start_time()
     weights, engine, tokenizer = build(args, path)
     ready = time.time()
     if tokenizer is None:
