@@ -4,7 +4,7 @@ reading the same checkpoint cold, for synthetic checkpoints of about 0.1, 1 and 
 Every sample runs in its own new process (imports not timed). Cold reads first drop the files from
 the page cache (posix_fadvise DONTNEED), so they include the disk. One daemon holds all sizes.
 
-    python scripts/bench_attach.py [--sizes-gb 0.1,1,4] [--repeats 5] [--json]
+    preload bench attach [--sizes-gb 0.1,1,4] [--repeats 5] [--json]
 """
 
 import argparse
@@ -152,12 +152,7 @@ def machine() -> str:
            f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # one sample, in a fresh process: `python bench_attach.py --child KIND ARGS...`
     sys.path.insert(0, str(ROOT))
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        kind, rest = sys.argv[2], sys.argv[3:]
-        print(json.dumps({"attach": child_attach, "cold": child_cold, "raw": child_raw}[kind](*rest)))
-        sys.exit(0)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
+    kind, rest = sys.argv[2], sys.argv[3:]
+    print(json.dumps({"attach": child_attach, "cold": child_cold, "raw": child_raw}[kind](*rest)))

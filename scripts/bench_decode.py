@@ -2,18 +2,16 @@
 same checkpoint, prompt and dtype, greedy, both in this process; plus our aggregate tokens/s with
 several requests batched.
 
-    python scripts/bench_decode.py [MODEL] [--new-tokens 64] [--repeats 5] [--json]
+    preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--repeats 5] [--json]
 """
 
 import argparse
 import json
 import pathlib
 import statistics
-import sys
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPT = "The history of the printing press begins"
 
 
@@ -86,9 +84,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
     parser.add_argument("--json", action="store_true")
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))

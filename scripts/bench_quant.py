@@ -5,7 +5,7 @@ fixed public-domain passage (tests/assets/passage.txt), greedy agreement with bf
 and perplexity on the passage. Speed: the quantized linear layer against a bf16 matmul on this CPU,
 at decode (M = 1..16) and prefill (M = 512) sizes, for 2048x2048 and 4096x4096 weights.
 
-    python scripts/bench_quant.py [MODEL] [--skip-speed] [--skip-quality] [--json]
+    preload bench quant [MODEL] [--skip-speed] [--skip-quality] [--json]
 """
 
 import argparse
@@ -131,9 +131,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--json", action="store_true")
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))

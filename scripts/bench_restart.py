@@ -4,7 +4,7 @@
 Runs alternate cold and warm so that drift hits both alike. Cold runs read the checkpoint from the
 page cache (a restart on the same host); `--drop-cache` adds cold runs that read it from disk.
 
-    python scripts/bench_restart.py [MODEL] [--repeats 5] [--drop-cache] [--json]
+    preload bench restart [MODEL] [--repeats 5] [--drop-cache] [--json]
 """
 
 import argparse
@@ -132,9 +132,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drop-cache", action="store_true", help="also time cold starts that read from disk")
     parser.add_argument("--json", action="store_true")
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))

@@ -2,19 +2,15 @@
 into it, start an engine cold and then warm (three times each), print the restart table, ask the
 warm engine a real question, and clean up.
 
-    python scripts/demo.py [--repeats 3] [--question TEXT]
+    preload demo [--repeats 3] [--question TEXT]
 """
 
 import argparse
 import json
 import pathlib
-import sys
 import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts.bench_restart import Engine, measure, summarise, table, with_daemon  # noqa: E402
+from scripts.bench_restart import Engine, measure, summarise, table, with_daemon
 
 
 def ask(engine: Engine, model: pathlib.Path, question: str) -> str:
@@ -51,8 +47,3 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--question", default="What is the capital of France? Answer in one sentence.")
 
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    sys.exit(run(parser.parse_args()))
