@@ -9,7 +9,6 @@ page cache (a restart on the same host); `--drop-cache` adds cold runs that read
 
 import argparse
 import json
-import os
 import pathlib
 import shutil
 import statistics
@@ -17,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from scripts.bench_attach import drop_page_cache
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -41,13 +42,6 @@ class Engine:
         if self.proc.poll() is None:
             self.proc.terminate()
         self.proc.communicate(timeout=30)
-
-
-def drop_page_cache(model: pathlib.Path) -> None:
-    for f in model.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_cache: bool = False) -> dict:
