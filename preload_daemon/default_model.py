@@ -40,10 +40,10 @@ def gguf_path() -> pathlib.Path:
     return path
 
 
-def default_model_path(build: bool = True) -> pathlib.Path:
+def default_model_path() -> pathlib.Path:
     """The converted default model's directory, converting it first if needed."""
     target = cache_dir() / "models" / NAME
-    if (target / "config.json").exists() or not build:
+    if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{NAME}.lock", "w") as lock:
