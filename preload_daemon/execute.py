@@ -61,9 +61,9 @@ class _Reader:
     def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
         """Writes one planned tensor, converting its dtype if needed, into `out` (its slab bytes)."""
         info = self.checkpoint.tensors[entry.source]
-        if info.dtype == entry.dtype and (entry.shard is None or entry.shard.dim == 0):
-            # Same dtype, contiguous rows: from the file to its place in one read.
-            skip = entry.shard.start * (info.nbytes // info.shape[0]) if entry.shard else 0
+        rows, skip, _ = _row_range(info, entry.shard)
+        if info.dtype == entry.dtype and entry.shard is rows:
+            # Same dtype, whole tensor or contiguous rows: from the file to its place in one read.
             self.checkpoint.read_into(entry.source, out, skip)
             return
         out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
@@ -71,14 +71,21 @@ class _Reader:
     def read(self, name: str, shard) -> torch.Tensor:
         """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read."""
         info = self.checkpoint.tensors[name]
-        rows = shard if shard is not None and shard.dim == 0 else None
-        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
-        length = rows.length * row_bytes if rows else info.nbytes
+        rows, skip, length = _row_range(info, shard)
         if self.scratch.numel() < length:
             self.scratch = torch.empty(length, dtype=torch.uint8)
-        self.checkpoint.read_into(name, self.scratch[:length], rows.start * row_bytes if rows else 0)
+        self.checkpoint.read_into(name, self.scratch[:length], skip)
         src = self.scratch[:length].view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
         if shard is not None and rows is None:
             src = src.narrow(shard.dim, shard.start, shard.length)
         return src
 
+
+def _row_range(info, shard):
+    """(the shard if it takes whole rows, else None; its first byte; its byte length) within a stored
+    tensor: a dim-0 shard is one contiguous byte range, so only those rows need reading."""
+    rows = shard if shard is not None and shard.dim == 0 else None
+    row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
+    if rows is None:
+        return None, 0, info.nbytes
+    return rows, rows.start * row_bytes, rows.length * row_bytes
