@@ -118,13 +118,18 @@ def test_bad_quantization_requests_leave_the_daemon_serving(daemon, wide_model, 
 
 
 def test_quantizing_load_needs_no_unquantized_copy(daemon, tmp_path):
-    """Peak memory of a quantizing load stays far below one unquantized copy of the model."""
+    """Peak memory of a quantizing load is bounded by one layer's temporaries, far below one
+    unquantized copy of the model."""
     ckpt = synthetic_checkpoint(tmp_path / "synth", 0.4, hidden=512)
-    checkpoint_bytes = Checkpoint(ckpt).nbytes
+    checkpoint = Checkpoint(ckpt)
+    checkpoint_bytes = checkpoint.nbytes
+    largest_fp32 = max(4 * t.nbytes // t.dtype.itemsize for n, t in checkpoint.tensors.items() if "proj" in n)
     proc = psutil.Process(daemon.proc.pid)
     before = proc.memory_info().rss  # VmHWM below is an RSS peak too
     info = daemon.client.load(LoadSpec(path=str(ckpt), quantization="mxfp4"))
     with open(f"/proc/{daemon.proc.pid}/status") as f:
         peak = int(next(line for line in f if line.startswith("VmHWM")).split()[1]) * 1024
-    # The slab itself is resident (and counted); the rest of the peak is per-tensor scratch.
-    assert peak - before - info.slab_bytes < 0.1 * checkpoint_bytes, (peak, before, info.slab_bytes, checkpoint_bytes)
+    # The slab itself is resident (and counted); the rest of the peak is the float32 temporaries of
+    # quantizing one projection (about ten of them), here ~40 MB against a 400 MB checkpoint.
+    excess = peak - before - info.slab_bytes
+    assert excess < 16 * largest_fp32 < 0.2 * checkpoint_bytes, (excess, largest_fp32, checkpoint_bytes)
