@@ -1,5 +1,37 @@
+"""The bare daemon process: `python -m preload_daemon --device cpu:0`. One per device, in the
+foreground, until SIGTERM/SIGINT. `preload serve` starts these; users normally run `preload daemon`."""
+
+import argparse
+import logging
+import pathlib
 import sys
 
-from preload_daemon.cli import main
+from preload_daemon import daemon
+from preload_daemon.config import DaemonConfig, default_runtime_dir
+from preload_daemon.errors import PreloadError
 
-sys.exit(main())
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m preload_daemon",
+                                     description="Run one per-device weight-cache daemon in the foreground.")
+    parser.add_argument("--device", default="cpu:0", help="cpu:N or cuda:N (default cpu:0)")
+    parser.add_argument("--runtime-dir", type=pathlib.Path, default=None,
+                        help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
+                             "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--http-port", type=int, default=None, help="also serve HTTP /health and /ready on this port")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    try:
+        return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir or default_runtime_dir(),
+                                       http_port=args.http_port)) or 0
+    except PreloadError as e:
+        print(f"preload daemon: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,6 @@
-"""`preload serve`: start (or reuse) one daemon per device, load each rank's shard with a progress
-bar, wait until every rank is ready, then watch the daemons in the foreground."""
+"""What `preload serve` does: start (or reuse) one daemon per device, load each rank's shard with a
+progress bar, wait until every rank is ready, then watch the daemons in the foreground. The CLI
+layer parses the arguments and calls serve()."""
 
 import logging
 import os
@@ -30,8 +31,8 @@ class DaemonProcess:
         self.config = DaemonConfig(device=device, runtime_dir=runtime_dir)
         self.log_file = open(self.config.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "preload_daemon", "daemon", "--device", device,
-             "--runtime-dir", str(runtime_dir), "--log-level", log_level],
+            [sys.executable, "-m", "preload_daemon", "--device", device, "--runtime-dir", str(runtime_dir),
+             "--log-level", log_level],
             stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT)
 
     def wait_started(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -126,34 +127,39 @@ def load_all(specs: list[LoadSpec], devices: list[str], runtime_dir: pathlib.Pat
     return results
 
 
-def cmd_serve(args) -> int:
-    model = args.model or str(default_model_path())
-    devices = resolve_devices(args.devices, args.tp_size)
-    specs = [LoadSpec(path=os.path.abspath(model), name=args.name, dtype=args.dtype, quantization=args.quantization,
-                      tp_size=args.tp_size, tp_rank=r) for r in range(args.tp_size)]
+def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str = "", dtype: str = "auto",
+          quantization: str = "none", runtime_dir: pathlib.Path, log_level: str = "INFO",
+          supervise: bool = True) -> int:
+    """Starts (or reuses) one daemon per device, loads rank r of `model` (default: the embedded default
+    model) on device r, and then, if `supervise`, watches the daemons until SIGINT/SIGTERM; otherwise
+    returns once loaded and leaves them running. 0 on success, 1 when a supervised daemon dies."""
+    model = model or str(default_model_path())
+    device_list = resolve_devices(devices, tp_size)
+    specs = [LoadSpec(path=os.path.abspath(model), name=name, dtype=dtype, quantization=quantization,
+                      tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
     started: list[DaemonProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        for device in devices:
-            daemon = ensure_daemon(device, args.runtime_dir, args.log_level)
+        for device in device_list:
+            daemon = ensure_daemon(device, runtime_dir, log_level)
             if daemon is not None:
                 started.append(daemon)
-        infos = load_all(specs, devices, args.runtime_dir)
-        for device, info in zip(devices, infos):
+        infos = load_all(specs, device_list, runtime_dir)
+        for device, info in zip(device_list, infos):
             print(f"ready: {info.name} v{info.version} on {device} ({info.num_tensors} tensors, "
                   f"{info.slab_bytes / 2**20:.1f} MiB, loaded in {info.load_seconds:.2f}s)", flush=True)
-        if args.no_supervise:
+        if not supervise:
             started.clear()  # leave them running
             return 0
-        return supervise(started, devices, args.runtime_dir, stop)
+        return watch(started, device_list, runtime_dir, stop)
     finally:
         for daemon in started:
             daemon.stop()
 
 
-def supervise(started: list[DaemonProcess], devices: list[str], runtime_dir, stop: threading.Event) -> int:
+def watch(started: list[DaemonProcess], devices: list[str], runtime_dir, stop: threading.Event) -> int:
     """Watches every rank's daemon until SIGINT/SIGTERM; a dead daemon ends serve with exit code 1."""
     print(f"serving on {', '.join(devices)}; Ctrl-C stops the daemons this command started", flush=True)
     while not stop.wait(1.0):

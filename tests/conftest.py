@@ -12,11 +12,11 @@ import time
 import pytest
 import torch
 
+from preload_cli.models import tiny_model
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError
-from scripts.build_models import tiny_model
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,12 +67,12 @@ def runtime_dir():
 
 
 class DaemonHandle:
-    """A real `preload daemon` process."""
+    """A real daemon process (`python -m preload_daemon`)."""
 
     def __init__(self, runtime_dir: pathlib.Path, device: str = "cpu:0", http_port: int | None = None):
         self.config = DaemonConfig(device=device, runtime_dir=runtime_dir, http_port=http_port)
-        cmd = [sys.executable, "-m", "preload_daemon", "daemon", "--device", device, "--runtime-dir",
-               str(runtime_dir), "--log-level", "DEBUG"]
+        cmd = [sys.executable, "-m", "preload_daemon", "--device", device, "--runtime-dir", str(runtime_dir),
+               "--log-level", "DEBUG"]
         if http_port is not None:
             cmd += ["--http-port", str(http_port)]
         self.log = open(runtime_dir / f"test-{device.replace(':', '-')}.log", "w+")
@@ -127,5 +127,5 @@ def daemon(start_daemon) -> DaemonHandle:
 def run_preload(*args, runtime_dir=None, timeout=120, check=False, env_extra=None) -> subprocess.CompletedProcess:
     """Runs the `preload` console script as a user would."""
     env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {}), **(env_extra or {})}
-    cmd = [sys.executable, "-m", "worker.cli", *map(str, args)]
+    cmd = [sys.executable, "-m", "preload_cli", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO, check=check)

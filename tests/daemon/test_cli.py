@@ -65,7 +65,7 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     """serve --tp-size 2 starts two daemons, loads both ranks and watches them; a killed daemon ends
     serve with exit code 1, and Ctrl-C on a healthy serve stops the daemons it started."""
     env = {**os.environ, "PRELOAD_RUNTIME_DIR": str(runtime_dir)}
-    cmd = [sys.executable, "-m", "worker.cli", "serve", str(tiny_llama), "--tp-size", "2"]
+    cmd = [sys.executable, "-m", "preload_cli", "serve", str(tiny_llama), "--tp-size", "2"]
 
     def start():
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)

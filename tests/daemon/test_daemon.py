@@ -16,9 +16,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
+from preload_cli.models import synthetic_checkpoint
 from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
 from preload_daemon.plan import LoadSpec
-from scripts.build_models import synthetic_checkpoint
 from tests.conftest import REPO, copy_checkpoint
 
 

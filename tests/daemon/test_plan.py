@@ -4,11 +4,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from preload_cli.models import tiny_model
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.execute import execute
 from preload_daemon.plan import ALIGNMENT, LoadSpec, build_plan, classify
-from scripts.build_models import tiny_model
 
 
 def materialise(path, **spec):

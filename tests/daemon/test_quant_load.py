@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels.quant import SCHEMES, quantize
+from preload_cli.models import synthetic_checkpoint, tiny_model
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.plan import LoadSpec, build_plan
-from scripts.build_models import synthetic_checkpoint, tiny_model
 from worker.loader import LoadRequest, load_ipc_cache, load_safetensors
 
 

@@ -11,7 +11,7 @@ class EngineProcess:
     """A real `preload engine` process on a free port; `ready` is its readiness JSON line."""
 
     def __init__(self, model, load_format: str, runtime_dir, *extra: str, wait: bool = True):
-        cmd = [sys.executable, "-m", "worker.cli", "engine", str(model), "--load-format", load_format,
+        cmd = [sys.executable, "-m", "preload_cli", "engine", str(model), "--load-format", load_format,
                "--port", "0", "--runtime-dir", str(runtime_dir), "--max-batch", "4", "--max-model-len", "256", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
         self.ready = json.loads(self.proc.stdout.readline() or "{}") if wait else {}

@@ -4,11 +4,11 @@ import pytest
 import torch
 import transformers
 
+from preload_cli.models import tiny_model
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.execute import execute
 from preload_daemon.plan import LoadSpec, build_plan
 from preload_daemon.buffers import typed_view
-from scripts.build_models import tiny_model
 from worker.model import CausalLM, KVCache, ModelConfig
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

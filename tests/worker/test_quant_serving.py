@@ -2,8 +2,8 @@
 
 import torch
 
+from preload_cli.models import tiny_model
 from preload_daemon.plan import LoadSpec
-from scripts.build_models import tiny_model
 from tests.worker.test_server import complete
 
 

@@ -86,7 +86,7 @@ def test_stale_checkpoint_is_never_served_warm(daemon, tiny_llama, tmp_path, sta
 
 def test_ready_is_not_200_before_ready(runtime_dir, tmp_path, start_engine):
     """While a cold load is in flight, /health answers 200 and /ready 503 with a reason."""
-    from scripts.build_models import synthetic_checkpoint
+    from preload_cli.models import synthetic_checkpoint
     ckpt = synthetic_checkpoint(tmp_path / "synth", 0.3, hidden=512)
     engine = start_engine(ckpt, "safetensors", "--port", "0", wait=False)
     seen = []

@@ -1,8 +1,8 @@
 """Model builders for tests and benchmarks: small random Hugging Face checkpoints made with
 `transformers` on the fly, and large synthetic Llama-shaped checkpoints written with safetensors.
 
-    python scripts/build_models.py tiny llama /tmp/tiny-llama
-    python scripts/build_models.py synthetic 4 /tmp/synth-4g
+    python -m preload_cli.models tiny llama /tmp/tiny-llama
+    python -m preload_cli.models synthetic 4 /tmp/synth-4g
 """
 
 import argparse

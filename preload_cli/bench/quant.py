@@ -15,7 +15,7 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PASSAGE = ROOT / "tests" / "assets" / "passage.txt"
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "The three primary colors are"]
 GREEDY_TOKENS = 24

@@ -17,9 +17,9 @@ import sys
 import tempfile
 import time
 
-from scripts.bench_attach import drop_page_cache
+from preload_cli.bench.attach import drop_page_cache
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class Engine:
@@ -28,7 +28,7 @@ class Engine:
     def __init__(self, model: pathlib.Path, load_format: str, runtime_dir: pathlib.Path, *extra: str):
         self.spawned = time.time()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "engine", str(model), "--load-format", load_format, "--port", "0",
+            [sys.executable, "-m", "preload_cli", "engine", str(model), "--load-format", load_format, "--port", "0",
              "--runtime-dir", str(runtime_dir), "--log-level", "WARNING", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         line = self.proc.stdout.readline()

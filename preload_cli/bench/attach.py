@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def child_attach(socket_path: str, model: str) -> dict:
@@ -65,7 +65,8 @@ def drop_page_cache(path: pathlib.Path) -> None:
 
 
 def sample(*args: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([sys.executable, "-m", "preload_cli.bench.attach", "--child", *args], capture_output=True,
+                         text=True, cwd=ROOT)
     if out.returncode:
         raise RuntimeError(f"benchmark child {args} failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -87,13 +88,13 @@ def digest_throughput(nbytes: int = 1 << 30) -> dict:
 def run(args) -> int:
     from preload_daemon.client import DaemonClient
     from preload_daemon.plan import LoadSpec
-    from scripts.build_models import synthetic_checkpoint
+    from preload_cli.models import synthetic_checkpoint
 
     sizes = [float(s) for s in args.sizes_gb.split(",")]
     work = pathlib.Path(os.environ.get("PRELOAD_BENCH_DIR", "/tmp/preload-bench"))
     runtime = pathlib.Path(tempfile.mkdtemp(prefix="plb-", dir="/tmp"))
-    daemon = subprocess.Popen([sys.executable, "-m", "preload_daemon", "daemon", "--runtime-dir", str(runtime),
-                               "--log-level", "WARNING"], cwd=ROOT)
+    daemon = subprocess.Popen([sys.executable, "-m", "preload_daemon", "--runtime-dir", str(runtime), "--log-level",
+                               "WARNING"], cwd=ROOT)
     rows = []
     try:
         socket_path = runtime / "daemon-cpu-0.sock"
@@ -152,7 +153,6 @@ def machine() -> str:
            f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
-if __name__ == "__main__":  # one sample, in a fresh process: `python bench_attach.py --child KIND ARGS...`
-    sys.path.insert(0, str(ROOT))
+if __name__ == "__main__":  # one sample in a fresh process: `python -m preload_cli.bench.attach --child KIND ARGS`
     kind, rest = sys.argv[2], sys.argv[3:]
     print(json.dumps({"attach": child_attach, "cold": child_cold, "raw": child_raw}[kind](*rest)))

@@ -10,7 +10,7 @@ import json
 import pathlib
 import urllib.request
 
-from scripts.bench_restart import Engine, measure, summarise, table, with_daemon
+from preload_cli.bench.restart import Engine, measure, summarise, table, with_daemon
 
 
 def ask(engine: Engine, model: pathlib.Path, question: str) -> str:

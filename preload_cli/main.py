@@ -1,0 +1,141 @@
+"""The `preload` console script: one parser with every command, and main(). The commands live in
+daemon_commands (daemon, serve, status, wait-ready, evict, default-model), engine_commands (engine,
+generate), demo and bench/ (attach, restart, decode, quant)."""
+
+import argparse
+import logging
+import pathlib
+import sys
+from types import ModuleType
+
+from preload_cli import daemon_commands as dc
+from preload_cli import demo, engine_commands
+from preload_cli.bench import attach, decode, quant, restart
+from preload_cli.engine_commands import add_model_args, device_arg
+from preload_daemon.config import default_runtime_dir
+from preload_daemon.errors import PreloadError
+from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
+
+RAW = argparse.RawDescriptionHelpFormatter
+EPILOG_SERVE = """examples:
+  preload serve /models/Qwen3-8B                       # one daemon on cpu:0 (or reuse it)
+  preload serve /models/llama --tp-size 2 --devices cpu:0,cpu:1
+  preload serve /models/llama --dtype float32 --name llama-fp32
+"""
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--runtime-dir", type=pathlib.Path, default=None,
+                        help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
+                             "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def add_module_command(parser: argparse.ArgumentParser, module: ModuleType) -> None:
+    """A benchmark or the demo: its docstring is the description, add_arguments(parser) and run(args)."""
+    parser.description = module.__doc__
+    parser.formatter_class = RAW
+    module.add_arguments(parser)
+    parser.set_defaults(func=module.run)
+
+
+def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Weight-cache daemons and engine workers that attach "
+                                     "to them zero-copy.", formatter_class=RAW)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("daemon", help="run one bare per-device daemon in the foreground",
+                       epilog="examples:\n  preload daemon --device cpu:0\n  preload daemon --device cpu:1 "
+                              "--http-port 8101", formatter_class=RAW)
+    p.add_argument("--device", default="cpu:0", type=device_arg, help="cpu:N or cuda:N (default cpu:0)")
+    p.add_argument("--http-port", type=int, default=None, help="also serve HTTP /health and /ready on this port")
+    p.set_defaults(func=dc.cmd_daemon)
+
+    p = sub.add_parser("serve", help="start (or reuse) daemons, load a model on every rank, supervise",
+                       epilog=EPILOG_SERVE, formatter_class=RAW)
+    p.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
+    p.add_argument("--name", default="", help="model name in the daemon (default: the directory's name)")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--devices", default="", help="comma-separated, one per rank (default cpu:0..cpu:TP-1)")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    p.add_argument("--quantization", default="none", choices=SCHEMES,
+                   help="scheme of the attention and MLP projections (embeddings, norms and lm_head keep --dtype)")
+    p.add_argument("--no-supervise", action="store_true", help="exit once loaded, leaving the daemons running")
+    p.set_defaults(func=dc.cmd_serve)
+
+    p = sub.add_parser("status", help="daemons, models, versions, leases",
+                       epilog="examples:\n  preload status\n  preload status --json | jq .daemons[0].models",
+                       formatter_class=RAW)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=dc.cmd_status)
+
+    p = sub.add_parser("wait-ready", help="exit 0 once daemons are serving (and MODEL loaded)",
+                       epilog="examples:\n  preload wait-ready --timeout 600\n  preload wait-ready --model llama",
+                       formatter_class=RAW)
+    p.add_argument("--model", default="", help="also require this model to be ready")
+    p.add_argument("--device", default="", help="only this daemon (default: every daemon found)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    p.set_defaults(func=dc.cmd_wait_ready)
+
+    p = sub.add_parser("evict", help="free a model (all versions, or MODEL@VERSION)",
+                       epilog="examples:\n  preload evict llama\n  preload evict llama@3 --force",
+                       formatter_class=RAW)
+    p.add_argument("target", metavar="MODEL[@VERSION]")
+    p.add_argument("--device", default="", help="only on this daemon (default: every daemon holding it)")
+    p.add_argument("--force", action="store_true", help="evict even if leased (mapped workers keep their pages)")
+    p.set_defaults(func=dc.cmd_evict)
+
+    p = sub.add_parser("default-model", help="print the embedded default model's path (converting it once)",
+                       epilog="examples:\n  preload default-model\n  preload serve \"$(preload default-model)\"",
+                       formatter_class=RAW)
+    p.set_defaults(func=dc.cmd_default_model)
+
+    p = sub.add_parser("demo", help="the whole story on the default model: daemon, cold and warm engines, an answer")
+    add_module_command(p, demo)
+
+    p = sub.add_parser("bench", help="benchmarks: attach time, engine restarts, decode speed, quantization")
+    bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    add_module_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), attach)
+    add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
+    add_module_command(bench.add_parser("decode", help="decode tokens/s: our engine vs transformers"), decode)
+    add_module_command(bench.add_parser("quant", help="quantization schemes: bytes, quality, linear speed"), quant)
+
+    p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
+                       epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
+    p.set_defaults(func=engine_commands.cmd_engine)
+
+    p = sub.add_parser("generate", help="one-shot generation, JSON on stdout", epilog=engine_commands.EPILOG_GENERATE,
+                       formatter_class=RAW)
+    add_model_args(p)
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=engine_commands.cmd_generate)
+
+    for p in [*sub.choices.values(), *bench.choices.values()]:
+        add_common(p)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    args.runtime_dir = args.runtime_dir or default_runtime_dir()
+    try:
+        return args.func(args) or 0
+    except PreloadError as e:
+        print(f"preload {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

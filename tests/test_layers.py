@@ -1,0 +1,59 @@
+"""Imports flow one way: preload_cli -> worker -> preload_daemon -> kernels."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+LOWER = ("preload_daemon", "kernels")
+
+
+def forbidden_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """'path:line: what' for every import under `package` of a module in `forbidden`, and every
+    load of code by path or by computed name."""
+    found = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        source = path.read_text()
+        where = path.relative_to(REPO)
+        for node in ast.walk(ast.parse(source, str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{where}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in forbidden]
+        for needle in ("spec_from_file_location", "import_module("):
+            if needle in source:
+                found.append(f"{where}: uses {needle}")
+    return found
+
+
+def test_lower_layers_import_without_upper_layers():
+    """Importing every module of preload_daemon and kernels loads nothing from worker, scripts or preload_cli."""
+    code = (
+        "import importlib, pkgutil, sys\n"
+        f"for name in {LOWER!r}:\n"
+        "    package = importlib.import_module(name)\n"
+        "    for info in pkgutil.walk_packages(package.__path__, name + '.'):\n"
+        "        if not info.name.endswith('.__main__'):\n"
+        "            importlib.import_module(info.name)\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'worker', 'scripts', 'preload_cli'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_daemon_and_kernels_do_not_import_upper_layers():
+    """No module in preload_daemon/ or kernels/ imports worker, scripts or preload_cli, or loads code by path."""
+    found = [f for package in LOWER for f in forbidden_imports(package, ("worker", "scripts", "preload_cli"))]
+    assert not found, "\n".join(found)
+
+
+def test_worker_does_not_import_the_cli():
+    """No module in worker/ imports preload_cli or scripts, or loads code by path."""
+    found = forbidden_imports("worker", ("preload_cli", "scripts"))
+    assert not found, "\n".join(found)
