@@ -116,6 +116,38 @@ def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
     raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
 
 
+def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:
+    """Rows (dim 0) or input columns (dim 1) [start, start + length) of a quantized weight, as the
+    parts a quantization of that slice alone would have if it used the whole weight's scales: the
+    slice must fall on the scheme's block boundaries (128 for fp8_block, 32 for MX, 16 for NVFP4)."""
+    n, k = q.shape
+    if dim not in (0, 1) or not (0 <= start and length > 0 and start + length <= q.shape[dim]):
+        raise ValueError(f"bad slice [{start}, {start + length}) of dim {dim} of a {list(q.shape)} weight")
+    row_block, col_block = {"fp8_block": (FP8_BLOCK, FP8_BLOCK), "mxfp8": (1, MX_BLOCK), "mxfp4": (1, MX_BLOCK),
+                            "nvfp4": (1, NV_BLOCK)}.get(q.scheme, (1, 1))
+    if start == 0 and length == q.shape[dim]:
+        return q
+    block = row_block if dim == 0 else col_block
+    if start % block or length % block:
+        raise ValueError(f"slice [{start}, {start + length}) of dim {dim} does not fall on {q.scheme}'s "
+                         f"{block}-element blocks")
+    packed = 2 if q.scheme in ("mxfp4", "nvfp4") else 1
+    if dim == 0:
+        weight = q.weight[start:start + length]
+    else:
+        weight = q.weight[:, start // packed:(start + length) // packed]
+    scale = q.scale
+    if q.scheme == "fp8_block":
+        blocks = slice(start // FP8_BLOCK, -(-(start + length) // FP8_BLOCK))
+        scale = scale[blocks] if dim == 0 else scale[:, blocks]
+    elif scale.dim() >= 1 and dim == 0:
+        scale = scale[start:start + length]
+    elif scale.dim() == 2:  # MX / NVFP4 block scales along K
+        scale = scale[:, start // block:(start + length) // block]
+    shape = (length, k) if dim == 0 else (n, length)
+    return QuantizedWeight(q.scheme, weight.contiguous(), scale.contiguous(), q.global_scale, shape)
+
+
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
     """The [N, K] weight (or the `rows` slice of it) in `dtype`."""
     n, k = q.shape

@@ -1,20 +1,36 @@
 """The engine commands of `preload`: engine and generate. The engine's imports (model, tokenizer,
-HTTP server) load only when one of these runs, so the daemon commands stay quick to start."""
+HTTP server) load only when one of these runs, so the daemon commands stay quick to start.
+
+Process trees: with --tp-size N, this process is rank 0 and starts ranks 1..N-1 as the same
+command plus the hidden --tp-rank/--rendezvous-port flags (under torchrun, which sets RANK and
+WORLD_SIZE, it starts nothing). With --dp-size M, this process is a router that starts M replicas,
+each the same command with --dp-size 1 and a Unix socket to listen on."""
 
 import argparse
+import os
+import pathlib
+import secrets
+import subprocess
+import sys
 
-from preload_daemon.config import parse_device
-from preload_daemon.errors import PreloadError
+from preload_daemon.config import ensure_private_dir, parse_device
+from preload_daemon.default_model import default_model_path
+from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
+from preload_daemon.supervisor import resolve_devices
 
 EPILOG_ENGINE = """examples:
   preload engine --load-format ipc_cache --port 8000          # the default model, warm from the daemon
   preload engine /models/llama --load-format safetensors      # cold, no daemon needed
   preload engine /models/llama --load-format ipc_cache --no-fallback
+  preload engine /models/llama --tp-size 2                    # ranks on cpu:0 and cpu:1 (see `preload serve --tp-size`)
+  preload engine /models/llama --dp-size 4                    # 4 replicas behind one port, one copy of the weights
+  torchrun --nproc-per-node 2 -m preload_cli engine /models/llama --tp-size 2
 """
 EPILOG_GENERATE = """examples:
   preload generate --prompt "What is the capital of France?" --chat --max-tokens 32
   preload generate /models/llama --prompt "Once upon a time" --temperature 0.8 --seed 1
+  preload generate /models/llama --prompt "Once upon a time" --tp-size 2 --load-format safetensors
 """
 
 
@@ -33,19 +49,106 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ipc_cache attaches to the daemon (falling back to a cold load); safetensors loads cold")
     p.add_argument("--no-fallback", action="store_true", help="with ipc_cache, fail instead of loading cold")
     p.add_argument("--name", default="", help="model name in the daemon (default: the directory's name)")
-    p.add_argument("--device", default="cpu:0", type=device_arg)
+    p.add_argument("--device", default="cpu:0", type=device_arg, help="the device at TP 1 (default cpu:0)")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each (default 1)")
+    p.add_argument("--devices", default="", help="comma-separated, one per TP rank (default cpu:0..cpu:TP-1); "
+                                                 "rank r attaches to the daemon of device r")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--quantization", default="none", choices=SCHEMES,
                    help="scheme of the attention and MLP projections; must match what the daemon loaded")
     p.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (KV cache slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads per process (default: the cores divided among the processes)")
+    # Set by the engine itself on the processes it starts.
+    p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rendezvous-port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--replica", type=int, default=0, help=argparse.SUPPRESS)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--dp-size", type=int, default=1,
+                   help="data-parallel replicas behind the port; with ipc_cache they share one copy of the weights")
+    p.add_argument("--uds", default="", help=argparse.SUPPRESS)
+
+
+def engine_config(args):
+    """The EngineConfig of this process, from the flags and (under torchrun) RANK/WORLD_SIZE."""
+    from worker.config import EngineConfig
+    if args.tp_size < 1:
+        raise InvalidRequestError(f"--tp-size must be at least 1, got {args.tp_size}")
+    rank, torchrun = args.tp_rank, False
+    if rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, torchrun = int(os.environ["RANK"]), True
+        if int(os.environ["WORLD_SIZE"]) != args.tp_size:
+            raise InvalidRequestError(f"torchrun started {os.environ['WORLD_SIZE']} processes for --tp-size "
+                                      f"{args.tp_size}; give torchrun --nproc-per-node {args.tp_size}")
+    devices = (args.device,) if args.tp_size == 1 and not args.devices else \
+        tuple(resolve_devices(args.devices, args.tp_size))
+    cores = os.cpu_count() or 1
+    processes = args.tp_size * getattr(args, "dp_size", 1)
+    threads = args.threads or (max(1, cores // processes) if processes > 1 else 0)
+    config = EngineConfig(
+        model=pathlib.Path(os.path.abspath(args.model)) if args.model else default_model_path(), name=args.name,
+        load_format=args.load_format, fallback=not args.no_fallback, devices=devices, dtype=args.dtype,
+        quantization=args.quantization, runtime_dir=args.runtime_dir, max_batch=args.max_batch,
+        max_model_len=args.max_model_len, tp_size=args.tp_size, tp_rank=rank or 0,
+        rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
+        rendezvous_env=torchrun, replica=args.replica, num_threads=threads)
+    return config
+
+
+def follower_spawner(args):
+    """Starts TP ranks 1..N-1 as this same command, told their rank and rank 0's store port."""
+    from worker.main import spawn_child
+
+    def spawn(port: int) -> list[tuple[int, subprocess.Popen]]:
+        return [(rank, spawn_child([sys.executable, "-m", "preload_cli", *args.argv, "--tp-rank", str(rank),
+                                    "--rendezvous-port", str(port)], stdout=subprocess.DEVNULL))
+                for rank in range(1, args.tp_size)]
+    return spawn
+
+
+def replica_spawner(args):
+    """Starts DP replica i as this same command listening on a Unix socket, its stdout piped."""
+    from worker.main import spawn_child
+
+    def spawn(index: int, uds: str) -> subprocess.Popen:
+        return spawn_child([sys.executable, "-m", "preload_cli", *args.argv, "--dp-size", "1", "--replica", str(index),
+                            "--uds", uds], stdout=subprocess.PIPE, text=True)
+    return spawn
 
 
 def cmd_engine(args) -> int:
     from worker import main as worker_main  # the engine's imports, paid only by engine commands
-    return worker_main.cmd_engine(args)
+    if args.dp_size < 1:
+        raise InvalidRequestError(f"--dp-size must be at least 1, got {args.dp_size}")
+    config = engine_config(args)
+    if args.dp_size > 1:
+        from worker.router import run_router
+        worker_main.check_fits(config)
+        sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            return run_router(args.dp_size, sockets, replica_spawner(args), host=args.host, port=args.port)
+        finally:
+            for path in sockets.glob("replica-*.sock"):
+                path.unlink(missing_ok=True)
+            sockets.rmdir()
+    if config.tp_rank > 0:
+        return worker_main.run_follower(config)
+    spawn = follower_spawner(args) if config.tp_size > 1 and not config.rendezvous_env else None
+    return worker_main.run_engine(config, host=args.host, port=args.port, uds=args.uds, spawn=spawn)
 
 
 def cmd_generate(args) -> int:
     from worker import main as worker_main
-    return worker_main.cmd_generate(args)
+    from worker.engine import SamplingParams
+    config = engine_config(args)
+    if config.tp_rank > 0:
+        return worker_main.run_follower(config)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    spawn = follower_spawner(args) if config.tp_size > 1 and not config.rendezvous_env else None
+    return worker_main.run_generate(config, args.prompt if args.prompt is not None else args.prompt_ids, params,
+                                    chat=args.chat, spawn=spawn)

@@ -11,7 +11,7 @@ from types import ModuleType
 from preload_cli import daemon_commands as dc
 from preload_cli import demo, engine_commands
 from preload_cli.bench import attach, decode, quant, restart
-from preload_cli.engine_commands import add_model_args, device_arg
+from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import PreloadError
 from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
@@ -22,6 +22,13 @@ EPILOG_SERVE = """examples:
   preload serve /models/llama --tp-size 2 --devices cpu:0,cpu:1
   preload serve /models/llama --dtype float32 --name llama-fp32
 """
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, e.g. 1,2,3") from None
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -103,14 +110,16 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
                        epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)
     add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
+    add_engine_args(p)
     p.set_defaults(func=engine_commands.cmd_engine)
 
     p = sub.add_parser("generate", help="one-shot generation, JSON on stdout", epilog=engine_commands.EPILOG_GENERATE,
                        formatter_class=RAW)
     add_model_args(p)
-    p.add_argument("--prompt", required=True)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-ids", type=token_ids, metavar="ID,ID,...",
+                        help="the prompt as token ids (for checkpoints without a tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -124,7 +133,9 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = build_parser().parse_args(argv)
+    args.argv = argv  # engines start their other ranks and replicas as the same command
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
     args.runtime_dir = args.runtime_dir or default_runtime_dir()

@@ -42,7 +42,11 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
 def _quantize_into(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor) -> None:
     first = group[0]
     try:
-        q = quant.quantize(reader.read(first.source, first.shard), first.quant_scheme)
+        # The whole weight, then this rank's slice: scales that span the slice (per tensor, per row
+        # of a row-parallel shard) are the whole weight's, so TP ranks hold exactly TP=1's parts.
+        q = quant.quantize(reader.read(first.source, None), first.quant_scheme)
+        if first.shard is not None:
+            q = quant.narrow(q, first.shard.dim, first.shard.start, first.shard.length)
     except ValueError as e:
         raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
     parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}

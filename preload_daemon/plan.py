@@ -3,19 +3,17 @@ offset. Written once and used by both the daemon (destination: a shared slab) an
 path (destination: private memory), which is why the two produce identical bytes."""
 
 import dataclasses
-import re
 
 import torch
 
 from kernels import quant
+from preload_daemon.arch import IGNORED, ArchSpec, Shard, TensorKind, classify
 from preload_daemon.buffers import DTYPES
 from preload_daemon.checkpoint import Checkpoint
-from preload_daemon.dims import ModelDims, Shard
 from preload_daemon.errors import CheckpointError, PlanError
 
 ALIGNMENT = 256
-FORMAT_VERSION = 1
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 SCHEMES = ("none", *quant.SCHEMES)
 # What the manifest records of each scheme besides its name.
@@ -77,52 +75,25 @@ class PlanEntry:
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadPlan:
     spec: LoadSpec
-    architecture: str
+    arch: ArchSpec
     dtype: torch.dtype
     entries: tuple[PlanEntry, ...]
     total_bytes: int
+
+    @property
+    def architecture(self) -> str:
+        return self.arch.architecture
 
     @property
     def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
 
 
-# (pattern, role, parallel style). The first match wins.
-_RULES: list[tuple[re.Pattern, str, str]] = [
-    (re.compile(p), role, style) for p, role, style in [
-        (r"(^|\.)embed_tokens\.weight$", "embedding", "vocab"),
-        (r"(^lm_head|shared_head\.head)\.weight$", "lm_head", "vocab"),
-        (r"norm\.weight$", "norm", "replicated"),
-        (r"self_attn\.q_proj\.weight$", "linear", "column"),
-        (r"self_attn\.q_proj\.bias$", "bias", "column"),
-        (r"self_attn\.[kv]_proj\.weight$", "linear", "kv"),
-        (r"self_attn\.[kv]_proj\.bias$", "bias", "kv"),
-        (r"self_attn\.o_proj\.weight$", "linear", "row"),
-        (r"mlp\.(gate|up)_proj\.weight$", "linear", "column"),
-        (r"mlp\.down_proj\.weight$", "linear", "row"),
-        (r"eh_proj\.weight$", "linear", "replicated"),
-    ]
-]
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-
-
-def classify(name: str) -> tuple[str, str]:
-    """(role, parallel style) of a checkpoint tensor, from its Hugging Face name."""
-    for pattern, role, style in _RULES:
-        if pattern.search(name):
-            return role, style
-    return "other", "replicated"
-
-
 def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
     """The ordered tensors this rank materialises, with aligned slab offsets."""
-    arch = checkpoint.architecture
-    if arch not in ARCHITECTURES:
-        raise PlanError(f"{checkpoint.path}: architecture {arch!r} is not supported; supported: "
-                        f"{', '.join(ARCHITECTURES)}")
-    dims = ModelDims.from_config(checkpoint.config, checkpoint.path)
-    dims.check_tp(spec.tp_size)
-    target = _target_dtype(checkpoint, spec)
+    arch = ArchSpec.from_config(checkpoint.config, f"{checkpoint.path}/config.json")
+    arch.check_tp(spec.tp_size, spec.quantization)
+    target = _target_dtype(arch, spec)
     prequantized = _prequantized_scheme(checkpoint)
     if prequantized and spec.quantization != prequantized:
         raise PlanError(f"{checkpoint.path} holds pre-quantized {prequantized} weights (its config.json "
@@ -137,19 +108,16 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         entries.append(PlanEntry(offset=offset, nbytes=nbytes, **fields))
         offset = _align(offset + nbytes)
 
-    for name in _component_tensors(checkpoint, dims, spec.component):
-        if prequantized and name.endswith(".weight_scale_inv"):
-            continue  # planned with its weight
+    for name, kind in _component_tensors(checkpoint, arch, spec.component):
         info = checkpoint.tensors[name]
-        role, style = classify(name)
-        dims.check_shape(name, role, info.shape)
-        shard = dims.shard(style, info.shape, spec.tp_size, spec.tp_rank)
+        arch.check_shape(name, kind, info.shape)
+        shard = arch.shard(kind, info.shape, spec.tp_size, spec.tp_rank)
         shape = list(info.shape)
         if shard is not None:
             shape[shard.dim] = shard.length
-        if role == "linear" and spec.quantization != "none":
+        if kind.quantizable and spec.quantization != "none":
             params = tuple(sorted({**SCHEME_PARAMS.get(spec.quantization, {}), "in_features": str(shape[1])}.items()))
-            common = dict(role=role, quant_scheme=spec.quantization, quant_params=params)
+            common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
             stem = name.removesuffix(".weight")
             if prequantized:
                 scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard)
@@ -162,7 +130,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
                         quantize=True, **common)
             continue
         dtype = target if info.dtype.is_floating_point and info.dtype.itemsize > 1 else info.dtype
-        add(name=name, role=role, dtype=dtype, shape=tuple(shape), shard=shard, source=name)
+        add(name=name, role=kind.role, dtype=dtype, shape=tuple(shape), shard=shard, source=name)
     return LoadPlan(spec, arch, target, tuple(entries), max(offset, ALIGNMENT))
 
 
@@ -201,31 +169,47 @@ def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None):
     return scale_name, scale_shard, tuple(scale_shape)
 
 
-def _target_dtype(checkpoint: Checkpoint, spec: LoadSpec) -> torch.dtype:
+def _target_dtype(arch: ArchSpec, spec: LoadSpec) -> torch.dtype:
     if spec.dtype != "auto":
         return DTYPES[spec.dtype]
-    name = checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16"
+    name = arch.torch_dtype or "bfloat16"
     if name not in DTYPE_CHOICES[1:]:
-        raise CheckpointError(f"{checkpoint.path}/config.json: torch_dtype {name!r} is not one of "
+        raise CheckpointError(f"{arch.source}: torch_dtype {name!r} is not one of "
                               f"{', '.join(DTYPE_CHOICES[1:])}; pass --dtype explicitly")
     return DTYPES[name]
 
 
-def _component_tensors(checkpoint: Checkpoint, dims: ModelDims, component: str) -> list[str]:
-    """Tensor names of the component in a stable order: MTP layers (index >= num_hidden_layers)
-    belong to the draft, everything else to the main model."""
-    def layer(name: str) -> int | None:
-        match = _LAYER_RE.match(name)
-        return int(match.group(1)) if match else None
-
-    names = sorted(checkpoint.tensors, key=lambda n: (layer(n) if layer(n) is not None else -1, n))
+def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -> list[tuple[str, TensorKind]]:
+    """(name, kind) of the component's tensors in a stable order: MTP layers (index >=
+    num_hidden_layers) belong to the draft, everything else to the main model. A tensor no kind
+    matches is refused, and so is a main component that lacks a tensor the config needs."""
+    known, unknown = [], []
+    for name in checkpoint.tensors:
+        if IGNORED.search(name) or name.endswith(".weight_scale_inv"):  # scales are planned with their weight
+            continue
+        found = classify(name)
+        if found is None:
+            unknown.append(name)
+            continue
+        kind, layer = found
+        is_draft = layer is not None and layer >= arch.num_layers
+        if kind.mtp and not is_draft:
+            unknown.append(name)
+        elif is_draft == (component == "draft"):
+            known.append((-1 if layer is None else layer, name, kind))
+    if unknown:
+        raise CheckpointError(f"{checkpoint.path}: {len(unknown)} tensor(s) of no kind {arch.architecture} has, e.g. "
+                              f"{', '.join(sorted(unknown)[:3])}; is config.json's architecture right?")
+    names = {name for _, name, _ in known}
     if component == "main":
-        return [n for n in names if layer(n) is None or layer(n) < dims.num_layers]
-    draft = [n for n in names if layer(n) is not None and layer(n) >= dims.num_layers]
-    if not draft:
+        missing = [n for n in arch.required() if n not in names]
+        if missing:
+            raise CheckpointError(f"{checkpoint.path}: {len(missing)} tensor(s) that config.json needs are missing, "
+                                  f"e.g. {', '.join(missing[:3])}; the checkpoint is incomplete")
+    elif not known:
         raise PlanError(f"{checkpoint.path}: component 'draft' asked for, but the checkpoint has no MTP layers "
                         "(num_nextn_predict_layers is 0 or absent)")
-    return draft
+    return [(name, kind) for _, name, kind in sorted(known, key=lambda t: (t[0], t[1]))]
 
 
 def _numel(shape) -> int:

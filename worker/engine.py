@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from preload_daemon.errors import InvalidRequestError
-from worker.model import CausalLM, KVCache
+from worker.model import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,8 @@ class Result:
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048):
         self.model = model
-        self.max_len = min(max_len, model.config.max_position_embeddings)
-        self.cache = KVCache(model.config, max_batch, self.max_len, model.dtype)
+        self.max_len = min(max_len, model.spec.max_position_embeddings)
+        self.cache = model.new_cache(max_batch, self.max_len)
         self._pending: queue.Queue[Request | None] = queue.Queue()
         self._free = list(range(max_batch))
         self._running: list[Request] = []
@@ -86,10 +86,10 @@ class Engine:
         if len(prompt) + params.max_tokens > self.max_len:
             raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                       f"engine's max length {self.max_len}; shorten one of them")
-        vocab = self.model.config.vocab_size
+        vocab = self.model.spec.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.config.eos_token_ids))
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
         self._pending.put(request)

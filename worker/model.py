@@ -14,58 +14,22 @@ from kernels.linear import linear
 from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight
 from kernels.rope import apply_rope, cos_sin, inv_freq
+from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import CheckpointError
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 Weight = torch.Tensor | QuantizedWeight  # the attention and MLP projections may be quantized
 
 
-@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
-class ModelConfig:
-    """The numbers of config.json the forward pass needs."""
+class SingleRank:
+    """The tensor-parallel group of a model that is not split: rank 0 of 1, nothing to exchange."""
 
-    architecture: str
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    num_layers: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    """Qwen2 (and Llama with attention_bias) add biases to q, k and v."""
-    qk_norm: bool
-    """Qwen3 normalises each head of q and k before the rotation."""
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
+    rank, size = 0, 1
 
-    @classmethod
-    def from_hf(cls, config: dict) -> "ModelConfig":
-        arch = (config.get("architectures") or [""])[0]
-        if arch not in ARCHITECTURES:
-            raise CheckpointError(f"architecture {arch!r} is not supported by the engine; supported: "
-                                  f"{', '.join(ARCHITECTURES)}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        scaling = dict(rope) if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
-        if scaling is not None:
-            scaling.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-        eos = config.get("eos_token_id")
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        return cls(
-            architecture=arch, hidden_size=hidden, num_heads=heads,
-            num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads, intermediate_size=config["intermediate_size"],
-            vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM", max_position_embeddings=config.get("max_position_embeddings", 4096),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []))
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,55 +55,55 @@ class KVCache:
     It lives in one anonymous mapping, whose pages the kernel zero-fills on first touch: a large
     cache costs nothing at start-up, and unwritten positions read as zeros, never garbage."""
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype):
-        shape = (num_slots, config.num_kv_heads, max_len, config.head_dim)
-        per_tensor = num_slots * config.num_kv_heads * max_len * config.head_dim
-        self._mapping = mmap.mmap(-1, 2 * config.num_layers * per_tensor * dtype.itemsize)
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
+                 dtype: torch.dtype):
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        per_tensor = num_slots * num_kv_heads * max_len * head_dim
+        self._mapping = mmap.mmap(-1, 2 * num_layers * per_tensor * dtype.itemsize)
         flat = torch.frombuffer(self._mapping, dtype=dtype)
-        views = [flat[i * per_tensor:(i + 1) * per_tensor].view(shape) for i in range(2 * config.num_layers)]
+        views = [flat[i * per_tensor:(i + 1) * per_tensor].view(shape) for i in range(2 * num_layers)]
         self.k, self.v = views[0::2], views[1::2]
         self.num_slots = num_slots
         self.max_len = max_len
 
 
 class CausalLM:
-    def __init__(self, config: ModelConfig, weights: Mapping[str, Weight]):
-        self.config = config
-        missing = [n for n in self._required(weights) if n not in weights]
+    """The decoder of one tensor-parallel rank (all of it when `tp` is a SingleRank): its weights
+    are this rank's shards as the load plan laid them out (kernels are unchanged), and the group
+    exchanges partial sums after the row-parallel projections and the vocabulary-parallel
+    embedding, and gathers the vocabulary-parallel logits."""
+
+    def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
+        self.spec = spec
+        self.tp = tp or SingleRank()
+        missing = [n for n in spec.required() if n not in weights]
         if missing:
             raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the model needs, e.g. "
                                   f"{', '.join(missing[:3])}; refusing to build a model with uninitialised weights")
-        self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = weights.get("lm_head.weight", self.embed) if config.tie_word_embeddings \
-            else weights["lm_head.weight"]
-        self.norm = weights["model.norm.weight"]
+        self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
+        self.embed = weights[spec.name("embed")]
+        self.lm_head = weights.get(spec.name("lm_head"), self.embed) if spec.tie_word_embeddings \
+            else weights[spec.name("lm_head")]
+        self.vocab_start = self.tp.rank * self.embed.shape[0]
+        self.norm = weights[spec.name("norm")]
         self.dtype = self.embed.dtype
-        self.layers = [self._layer(weights, f"model.layers.{i}.") for i in range(config.num_layers)]
-        self.inv_freq = inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+        self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
 
-    def _required(self, weights) -> list[str]:
-        names = ["model.embed_tokens.weight", "model.norm.weight"]
-        if not self.config.tie_word_embeddings:
-            names.append("lm_head.weight")
-        for i in range(self.config.num_layers):
-            p = f"model.layers.{i}."
-            names += [p + s for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                      "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")]
-            names += [p + f"self_attn.{x}_proj.weight" for x in "qkvo"]
-            if self.config.qkv_bias:
-                names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-            if self.config.qk_norm:
-                names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
-        return names
+    @classmethod
+    def from_config(cls, config: dict, weights: Mapping[str, Weight], tp=None) -> "CausalLM":
+        """The model for a config.json document over `weights`."""
+        return cls(ArchSpec.from_config(config), weights, tp)
 
-    def _layer(self, w, p: str) -> Layer:
-        a = p + "self_attn."
-        return Layer(
-            input_norm=w[p + "input_layernorm.weight"], post_norm=w[p + "post_attention_layernorm.weight"],
-            q=w[a + "q_proj.weight"], k=w[a + "k_proj.weight"], v=w[a + "v_proj.weight"], o=w[a + "o_proj.weight"],
-            gate=w[p + "mlp.gate_proj.weight"], up=w[p + "mlp.up_proj.weight"], down=w[p + "mlp.down_proj.weight"],
-            q_bias=w.get(a + "q_proj.bias"), k_bias=w.get(a + "k_proj.bias"), v_bias=w.get(a + "v_proj.bias"),
-            q_norm=w.get(a + "q_norm.weight"), k_norm=w.get(a + "k_norm.weight"))
+    def _layer(self, w, i: int) -> Layer:
+        def get(key: str):
+            return w.get(self.spec.name(key, i))
+        return Layer(input_norm=get("input_norm"), post_norm=get("post_norm"), q=get("q"), k=get("k"), v=get("v"),
+                     o=get("o"), gate=get("gate"), up=get("up"), down=get("down"), q_bias=get("q_bias"),
+                     k_bias=get("k_bias"), v_bias=get("v_bias"), q_norm=get("q_norm"), k_norm=get("k_norm"))
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.spec.num_layers, self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
@@ -147,28 +111,37 @@ class CausalLM:
         """input_ids, positions: [B, T]; slots: [B] cache slots. Writes the new keys and values into
         the cache and returns float32 logits for the last position of each row ([B, V]), or for every
         position ([B, T, V]) with all_logits."""
-        cfg = self.config
-        x = F.embedding(input_ids, self.embed)
+        eps = self.spec.rms_norm_eps
+        x = self._embed(input_ids)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
         length = int(positions.max()) + 1
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = rms_norm(x, layer.input_norm, eps)
             x = x + self._attention(layer, h, cos, sin, positions, cache, i, slots, length)
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            x = x + linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down)
+            h = rms_norm(x, layer.post_norm, eps)
+            x = x + self.tp.all_reduce(linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down))
         if not all_logits:
             x = x[:, -1]
-        return F.linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head).float()
+        return self.tp.gather_last(F.linear(rms_norm(x, self.norm, eps), self.lm_head).float())
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.embed)
+        # This rank holds rows [vocab_start, vocab_start + local): look those up, zeros elsewhere, sum.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[..., None], 0)
+        return self.tp.all_reduce(x)
 
     def _attention(self, layer: Layer, h, cos, sin, positions, cache: KVCache, index: int, slots, length: int):
-        cfg = self.config
+        eps, head_dim = self.spec.rms_norm_eps, self.spec.head_dim
         batch, t, _ = h.shape
-        q = linear(h, layer.q, layer.q_bias).view(batch, t, cfg.num_heads, cfg.head_dim)
-        k = linear(h, layer.k, layer.k_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
-        v = linear(h, layer.v, layer.v_bias).view(batch, t, cfg.num_kv_heads, cfg.head_dim)
+        q = linear(h, layer.q, layer.q_bias).view(batch, t, self.num_heads, head_dim)
+        k = linear(h, layer.k, layer.k_bias).view(batch, t, self.num_kv_heads, head_dim)
+        v = linear(h, layer.v, layer.v_bias).view(batch, t, self.num_kv_heads, head_dim)
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-            k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = rms_norm(q, layer.q_norm, eps)
+            k = rms_norm(k, layer.k_norm, eps)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
@@ -183,4 +156,4 @@ class CausalLM:
             v_cache[slots, :, positions[:, 0]] = v[:, :, 0]
             keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
         out = attention(q, keys, values, positions)
-        return linear(out.transpose(1, 2).reshape(batch, t, cfg.num_heads * cfg.head_dim), layer.o)
+        return self.tp.all_reduce(linear(out.transpose(1, 2).reshape(batch, t, self.num_heads * head_dim), layer.o))

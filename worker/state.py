@@ -25,9 +25,11 @@ def process_start_time() -> float:
 
 
 class WorkerState:
-    def __init__(self, name: str, requested_format: str):
+    def __init__(self, name: str, requested_format: str, replica: int = 0):
         self.name = name
         self.requested_format = requested_format
+        self.replica = replica
+        self.ranks: list[dict] = []
         self.process_start = process_start_time()
         self.timings: dict[str, float] = {"process_start": self.process_start}
         self.engine: Engine | None = None
@@ -36,8 +38,10 @@ class WorkerState:
         self.failure = ""
         self._ready = threading.Event()
 
-    def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None) -> dict:
-        self.weights, self.engine, self.tokenizer = weights, engine, tokenizer
+    def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None,
+                  ranks: list[dict]) -> dict:
+        """`ranks`: every TP rank's readiness document (rank, device, load format, timings)."""
+        self.weights, self.engine, self.tokenizer, self.ranks = weights, engine, tokenizer, ranks
         self.timings.update(weights_start=weights.started, weights_done=weights.finished, ready=time.time())
         self._ready.set()
         return self.readiness()
@@ -51,10 +55,12 @@ class WorkerState:
     def readiness(self) -> dict:
         """The /ready body: a status, and the timestamps process_start, weights_start, weights_done, ready."""
         status = "ready" if self.is_ready() else "failed" if self.failure else "loading"
-        body = {"status": status, "model": self.name, **self.timings, "requested_load_format": self.requested_format}
+        body = {"status": status, "model": self.name, **self.timings, "requested_load_format": self.requested_format,
+                "replica": self.replica, "pid": os.getpid()}
         if self.weights is not None:
-            body.update(load_format=self.weights.load_format, fallback_reason=self.weights.fallback_reason,
-                        cache_key_digest=self.weights.key.content_digest)
+            formats = {r.get("load_format") for r in self.ranks} or {self.weights.load_format}
+            body.update(load_format=formats.pop() if len(formats) == 1 else "mixed", fallback_reason=self.weights.fallback_reason,
+                        cache_key_digest=self.weights.key.content_digest, tp_size=len(self.ranks), ranks=self.ranks)
         if status != "ready":
             body["reason"] = self.not_ready_reason()
         return body
@@ -87,17 +93,16 @@ class WorkerState:
 
     def metrics_text(self) -> str:
         stats = self.engine.stats if self.engine else {}
-        lines = [
-            "# TYPE preload_engine_ready gauge", f'preload_engine_ready{{model="{self.name}"}} {int(self.is_ready())}',
-        ]
+        labels = f'model="{self.name}",replica="{self.replica}"'
+        lines = ["# TYPE preload_engine_ready gauge", f"preload_engine_ready{{{labels}}} {int(self.is_ready())}"]
         if "weights_done" in self.timings:
-            fmt = self.weights.load_format
+            fmt = f'{labels},load_format="{self.weights.load_format}"'
             lines += ["# TYPE preload_engine_weights_seconds gauge",
-                      f'preload_engine_weights_seconds{{model="{self.name}",load_format="{fmt}"}} '
+                      f"preload_engine_weights_seconds{{{fmt}}} "
                       f'{self.timings["weights_done"] - self.timings["weights_start"]:.6f}',
                       "# TYPE preload_engine_start_to_ready_seconds gauge",
-                      f'preload_engine_start_to_ready_seconds{{model="{self.name}",load_format="{fmt}"}} '
+                      f"preload_engine_start_to_ready_seconds{{{fmt}}} "
                       f'{self.timings["ready"] - self.timings["process_start"]:.6f}']
         for key, value in stats.items():
-            lines += [f"# TYPE preload_engine_{key}_total counter", f'preload_engine_{key}_total{{model="{self.name}"}} {value}']
+            lines += [f"# TYPE preload_engine_{key}_total counter", f"preload_engine_{key}_total{{{labels}}} {value}"]
         return "\n".join(lines) + "\n"

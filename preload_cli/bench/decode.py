@@ -23,14 +23,14 @@ def run(args) -> int:
     from preload_daemon.plan import LoadSpec
     from worker.engine import Engine, SamplingParams
     from worker.loader import LoadRequest, load_safetensors
-    from worker.model import CausalLM, ModelConfig
+    from worker.model import CausalLM
     from worker.tokenizer import Tokenizer
 
     model_path = pathlib.Path(args.model).resolve() if args.model else default_model_path()
     ids = Tokenizer(model_path).encode(PROMPT)
     n = args.new_tokens
     weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path), quantization=args.quantization)))
-    engine = Engine(CausalLM(ModelConfig.from_hf(weights.config), weights.tensors), max_batch=args.batch,
+    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=args.batch,
                     max_len=len(ids) + n + 1).start()
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weights.tensors[

@@ -27,7 +27,7 @@ def quality(model_path: pathlib.Path) -> list[dict]:
     from preload_daemon.plan import LoadSpec, SCHEMES
     from worker.engine import Engine, SamplingParams
     from worker.loader import LoadRequest, load_safetensors
-    from worker.model import CausalLM, KVCache, ModelConfig
+    from worker.model import CausalLM
     from worker.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(model_path)
@@ -35,8 +35,8 @@ def quality(model_path: pathlib.Path) -> list[dict]:
     rows, reference = [], {}
     for scheme in SCHEMES:
         weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path), quantization=scheme)))
-        model = CausalLM(ModelConfig.from_hf(weights.config), weights.tensors)
-        cache = KVCache(model.config, 1, passage.shape[1], model.dtype)
+        model = CausalLM.from_config(weights.config, weights.tensors)
+        cache = model.new_cache(1, passage.shape[1])
         logits = model.forward(passage, torch.arange(passage.shape[1])[None], cache, torch.tensor([0]),
                                all_logits=True)[0]
         nll = torch.nn.functional.cross_entropy(logits[:-1], passage[0, 1:])

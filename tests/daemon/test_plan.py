@@ -5,10 +5,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from preload_cli.models import tiny_model
+from preload_daemon.arch import ArchSpec, classify
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.execute import execute
-from preload_daemon.plan import ALIGNMENT, LoadSpec, build_plan, classify
+from preload_daemon.plan import ALIGNMENT, LoadSpec, build_plan
 
 
 def materialise(path, **spec):
@@ -70,11 +71,6 @@ def test_tp_shards_reassemble_the_full_tensors(tiny_llama, tp):
             assert torch.equal(s[k], ref[k][head * head_dim:(head + 1) * head_dim])
 
 
-def test_tp_that_does_not_divide_heads(tiny_llama):
-    with pytest.raises(PlanError, match="tp_size 3 does not divide num_attention_heads=4"):
-        build_plan(Checkpoint(tiny_llama), LoadSpec(path=str(tiny_llama), tp_size=3))
-
-
 @pytest.mark.parametrize("kwargs, message", [
     ({"quantization": "fp9"}, "unknown quantization scheme 'fp9'"),
     ({"dtype": "float64"}, "unknown dtype 'float64'"),
@@ -122,11 +118,55 @@ def test_mtp_layers_form_the_draft_component(tmp_path, tiny_llama):
 
 
 def test_roles():
-    assert classify("model.layers.3.self_attn.k_proj.weight") == ("linear", "kv")
-    assert classify("model.layers.3.mlp.down_proj.weight") == ("linear", "row")
-    assert classify("lm_head.weight") == ("lm_head", "vocab")
-    assert classify("model.layers.3.self_attn.q_norm.weight") == ("norm", "replicated")
-    assert classify("model.layers.3.self_attn.q_proj.bias") == ("bias", "column")
+    """The architecture spec's one table gives each tensor kind its role, parallel style and layer."""
+    def role(name):
+        kind, layer = classify(name)
+        return kind.role, kind.style, layer
+    assert role("model.layers.3.self_attn.k_proj.weight") == ("linear", "kv", 3)
+    assert role("model.layers.3.mlp.down_proj.weight") == ("linear", "row", 3)
+    assert role("lm_head.weight") == ("lm_head", "vocab", None)
+    assert role("model.layers.3.self_attn.q_norm.weight") == ("norm", "replicated", 3)
+    assert role("model.layers.3.self_attn.q_proj.bias") == ("bias", "column", 3)
+    assert classify("model.layers.3.mlp.experts.0.w1.weight") is None
+
+
+def test_unknown_and_missing_tensors_are_refused(tmp_path, tiny_llama):
+    """A tensor of no known kind, or a checkpoint lacking one the config needs, fails before loading."""
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    save_file({**tensors, "model.layers.0.mlp.router.weight": torch.ones(4, 64)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="tensor.s. of no kind LlamaForCausalLM has, e.g. "
+                                              "model.layers.0.mlp.router.weight"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="1 tensor.s. that config.json needs are missing, e.g. "
+                                              "model.layers.1.mlp.up_proj.weight"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"rope_scaling": [1]}, "rope_scaling must be an object"),
+    ({"eos_token_id": "x"}, "eos_token_id must be an integer or a list"),
+])
+def test_bad_config_fields_name_the_field(tiny_llama, config, message):
+    base = json.loads((tiny_llama / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=message):
+        ArchSpec.from_config({**base, **config})
+
+
+@pytest.mark.parametrize("tp, scheme, message", [
+    (3, "none", "num_attention_heads=4 is not divisible by 3.*TP sizes that fit: 1, 2, 4"),
+    (2, "fp8_block", "q_proj rows per rank = 32, not a multiple of fp8_block's 128-row block.*TP sizes that fit: 1$"),
+    (4, "mxfp4", "o_proj columns per rank = 16, not a multiple of mxfp4's 32-element block.*TP sizes that fit: 1, 2$"),
+])
+def test_tp_sizes_that_do_not_fit_name_the_numbers(tiny_llama, tp, scheme, message):
+    """A TP size that does not divide the heads, or cuts a quantization block, fails before loading
+    and says which sizes would work."""
+    with pytest.raises(PlanError, match=message):
+        build_plan(Checkpoint(tiny_llama), LoadSpec(path=str(tiny_llama), tp_size=tp, quantization=scheme))
 
 
 def test_qwen2_bias_and_qwen3_norm_shapes(checkpoints):

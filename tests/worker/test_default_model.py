@@ -9,7 +9,7 @@ import transformers
 from preload_daemon.plan import LoadSpec
 from worker.engine import Engine, SamplingParams
 from worker.loader import LoadRequest, load_safetensors
-from worker.model import CausalLM, ModelConfig
+from worker.model import CausalLM
 from worker.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
@@ -46,13 +46,13 @@ def test_tokenizer_matches_transformers(default_model, hf_tokenizer):
 
 def test_greedy_continuations_match_transformers(default_model, reference, hf_tokenizer):
     weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(default_model))))
-    engine = Engine(CausalLM(ModelConfig.from_hf(weights.config), weights.tensors), max_batch=2, max_len=256).start()
+    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=2, max_len=256).start()
     try:
         for prompt in PROMPTS:
             ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
             expected = reference.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
             ours = engine.generate(ids[0].tolist(), SamplingParams(max_tokens=16)).tokens
-            eos = engine.model.config.eos_token_ids
+            eos = engine.model.spec.eos_token_ids
             # transformers ends with the eos token it emitted; we end before it (an eos is not text).
             if any(t in eos for t in expected):
                 expected = expected[:min(expected.index(t) for t in eos if t in expected)]

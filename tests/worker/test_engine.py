@@ -7,14 +7,14 @@ import pytest
 from preload_daemon.errors import InvalidRequestError
 from worker.engine import Engine, SamplingParams
 from worker.loader import LoadRequest, load_safetensors
-from worker.model import CausalLM, ModelConfig
+from worker.model import CausalLM
 from preload_daemon.plan import LoadSpec
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
     weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(tiny_llama))))
-    engine = Engine(CausalLM(ModelConfig.from_hf(weights.config), weights.tensors), max_batch=4, max_len=128)
+    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=4, max_len=128)
     yield engine.start()
     engine.stop()
 

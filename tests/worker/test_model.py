@@ -9,7 +9,7 @@ from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.execute import execute
 from preload_daemon.plan import LoadSpec, build_plan
 from preload_daemon.buffers import typed_view
-from worker.model import CausalLM, KVCache, ModelConfig
+from worker.model import CausalLM
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -28,7 +28,7 @@ def load(path, dtype="auto"):
     dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
     execute(plan, ckpt, dest)
     weights = {e.name: typed_view(dest, e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
-    return CausalLM(ModelConfig.from_hf(ckpt.config), weights)
+    return CausalLM.from_config(ckpt.config, weights)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -39,7 +39,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, case):
     model = load(path)
     prompt = torch.tensor([[5, 17, 99, 3, 200, 41, 7, 8, 150, 2, 33]])
 
-    cache = KVCache(model.config, num_slots=1, max_len=64, dtype=torch.float32)
+    cache = model.new_cache(1, 64)
     ours = model.forward(prompt, torch.arange(prompt.shape[1])[None], cache, torch.tensor([0]), all_logits=True)
     with torch.no_grad():
         theirs = ref(prompt).logits
@@ -47,7 +47,7 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, case):
 
     # Greedy decoding through the cache, one token at a time, against transformers.generate.
     tokens, ids = [], prompt
-    cache = KVCache(model.config, num_slots=1, max_len=64, dtype=torch.float32)
+    cache = model.new_cache(1, 64)
     logits = model.forward(ids, torch.arange(ids.shape[1])[None], cache, torch.tensor([0]))
     for step in range(12):
         tokens.append(int(logits.argmax(-1)))
@@ -61,7 +61,7 @@ def test_batched_decode_equals_one_by_one(tiny_llama):
     """Rows of different lengths decoded together give the same logits as each alone."""
     model = load(tiny_llama)
     prompts = [[1, 2, 3, 4, 5, 6], [9, 8], [100, 101, 102]]
-    cache = KVCache(model.config, num_slots=3, max_len=32, dtype=torch.float32)
+    cache = model.new_cache(3, 32)
     last = []
     for slot, p in enumerate(prompts):
         logits = model.forward(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
@@ -69,7 +69,7 @@ def test_batched_decode_equals_one_by_one(tiny_llama):
     batched = model.forward(torch.tensor(last)[:, None], torch.tensor([[len(p)] for p in prompts]), cache,
                             torch.tensor([0, 1, 2]))
     for slot, p in enumerate(prompts):
-        alone = KVCache(model.config, num_slots=1, max_len=32, dtype=torch.float32)
+        alone = model.new_cache(1, 32)
         model.forward(torch.tensor([p]), torch.arange(len(p))[None], alone, torch.tensor([0]))
         single = model.forward(torch.tensor([[last[slot]]]), torch.tensor([[len(p)]]), alone, torch.tensor([0]))
         torch.testing.assert_close(batched[slot], single[0], rtol=1e-5, atol=1e-5)
@@ -79,4 +79,4 @@ def test_missing_weights_are_refused(tiny_llama):
     ckpt = Checkpoint(tiny_llama)
     weights = {n: ckpt.read(n) for n in ckpt.tensors if "layers.1.mlp.up_proj" not in n}
     with pytest.raises(Exception, match="lack 1 tensor.*layers.1.mlp.up_proj.weight.*uninitialised"):
-        CausalLM(ModelConfig.from_hf(ckpt.config), weights)
+        CausalLM.from_config(ckpt.config, weights)

@@ -131,7 +131,7 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
     assert [c["index"] for c in batch["choices"]] == [0, 1]
     assert batch["usage"]["completion_tokens"] == 24
     metrics = urllib.request.urlopen(engine.url + "/metrics").read().decode()
-    assert 'preload_engine_ready{model="tiny-llama"} 1' in metrics
+    assert 'preload_engine_ready{model="tiny-llama",replica="0"} 1' in metrics
 
 
 def test_openai_client_against_the_default_model(runtime_dir, default_model, start_engine):

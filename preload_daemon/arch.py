@@ -1,0 +1,287 @@
+"""One architecture spec per checkpoint: config.json read once into typed numbers, plus one table
+of tensor kinds (name pattern, role, parallel style, expected full shape, quantizable). The load
+plan, the shape checks and the engine's model all read this module; adding an architecture or a
+tensor kind means editing it alone."""
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+from preload_daemon.errors import CheckpointError, PlanError
+
+# Block sizes (along a weight's rows, along its columns) that a TP shard of a quantized projection
+# must fall on, so that every rank's parts are exactly the TP=1 parts sliced (kernels/quant.py).
+QUANT_BLOCKS = {"fp8_block": (128, 128), "mxfp8": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16)}
+MAX_TP = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Architecture:
+    """What distinguishes one supported Hugging Face model class from another."""
+
+    qkv_bias: bool
+    """q, k and v projections carry biases (Qwen2)."""
+    qk_norm: bool
+    """q and k are RMS-normalised per head before the rotation (Qwen3)."""
+
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": Architecture(qkv_bias=False, qk_norm=False),
+    "Qwen2ForCausalLM": Architecture(qkv_bias=True, qk_norm=False),
+    "Qwen3ForCausalLM": Architecture(qkv_bias=False, qk_norm=True),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shard:
+    """The slice of a stored tensor one rank keeps: `length` rows/columns from `start` along `dim`."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorKind:
+    """One kind of checkpoint tensor. `template` is its Hugging Face name with `{layer}` where the
+    layer index goes; `style` says how TP splits it: "column" (output rows), "row" (input columns),
+    "kv" (rows by kv head, replicated when there are fewer kv heads than ranks), "vocab" (rows by
+    vocabulary) or "replicated"."""
+
+    key: str
+    template: str
+    role: str
+    style: str
+    shape: Callable[["ArchSpec"], tuple[int, ...]]
+    quantizable: bool = False
+    mtp: bool = False
+    """Part of a DeepSeek-V3-style MTP layer only (the draft component)."""
+
+    @property
+    def pattern(self) -> re.Pattern:
+        return _pattern(self.template)
+
+
+def _hidden(s):
+    return (s.hidden_size,)
+
+
+_LAYER = "model.layers.{layer}."
+KINDS: tuple[TensorKind, ...] = (
+    TensorKind("embed", "model.embed_tokens.weight", "embedding", "vocab", lambda s: (s.vocab_size, s.hidden_size)),
+    TensorKind("lm_head", "lm_head.weight", "lm_head", "vocab", lambda s: (s.vocab_size, s.hidden_size)),
+    TensorKind("norm", "model.norm.weight", "norm", "replicated", _hidden),
+    TensorKind("input_norm", _LAYER + "input_layernorm.weight", "norm", "replicated", _hidden),
+    TensorKind("post_norm", _LAYER + "post_attention_layernorm.weight", "norm", "replicated", _hidden),
+    TensorKind("q", _LAYER + "self_attn.q_proj.weight", "linear", "column", lambda s: (s.q_size, s.hidden_size), True),
+    TensorKind("k", _LAYER + "self_attn.k_proj.weight", "linear", "kv", lambda s: (s.kv_size, s.hidden_size), True),
+    TensorKind("v", _LAYER + "self_attn.v_proj.weight", "linear", "kv", lambda s: (s.kv_size, s.hidden_size), True),
+    TensorKind("o", _LAYER + "self_attn.o_proj.weight", "linear", "row", lambda s: (s.hidden_size, s.q_size), True),
+    TensorKind("q_bias", _LAYER + "self_attn.q_proj.bias", "bias", "column", lambda s: (s.q_size,)),
+    TensorKind("k_bias", _LAYER + "self_attn.k_proj.bias", "bias", "kv", lambda s: (s.kv_size,)),
+    TensorKind("v_bias", _LAYER + "self_attn.v_proj.bias", "bias", "kv", lambda s: (s.kv_size,)),
+    TensorKind("q_norm", _LAYER + "self_attn.q_norm.weight", "norm", "replicated", lambda s: (s.head_dim,)),
+    TensorKind("k_norm", _LAYER + "self_attn.k_norm.weight", "norm", "replicated", lambda s: (s.head_dim,)),
+    TensorKind("gate", _LAYER + "mlp.gate_proj.weight", "linear", "column",
+               lambda s: (s.intermediate_size, s.hidden_size), True),
+    TensorKind("up", _LAYER + "mlp.up_proj.weight", "linear", "column",
+               lambda s: (s.intermediate_size, s.hidden_size), True),
+    TensorKind("down", _LAYER + "mlp.down_proj.weight", "linear", "row",
+               lambda s: (s.hidden_size, s.intermediate_size), True),
+    # DeepSeek-V3 MTP layers (model.layers.{L+i}): these plus one full decoder layer.
+    TensorKind("mtp_embed", _LAYER + "embed_tokens.weight", "embedding", "vocab",
+               lambda s: (s.vocab_size, s.hidden_size), mtp=True),
+    TensorKind("enorm", _LAYER + "enorm.weight", "norm", "replicated", _hidden, mtp=True),
+    TensorKind("hnorm", _LAYER + "hnorm.weight", "norm", "replicated", _hidden, mtp=True),
+    TensorKind("eh_proj", _LAYER + "eh_proj.weight", "linear", "replicated",
+               lambda s: (s.hidden_size, 2 * s.hidden_size), True, mtp=True),
+    TensorKind("head_norm", _LAYER + "shared_head.norm.weight", "norm", "replicated", _hidden, mtp=True),
+    TensorKind("head", _LAYER + "shared_head.head.weight", "lm_head", "vocab",
+               lambda s: (s.vocab_size, s.hidden_size), mtp=True),
+)
+KIND = {kind.key: kind for kind in KINDS}
+# Stored by some exporters, derived at run time by everyone: never loaded.
+IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
+
+
+_PATTERNS = [(kind, _pattern(kind.template)) for kind in KINDS]
+
+
+def classify(name: str) -> tuple[TensorKind, int | None] | None:
+    """(kind, layer index or None) of a checkpoint tensor name, or None if no kind matches."""
+    for kind, pattern in _PATTERNS:
+        match = pattern.match(name)
+        if match:
+            return kind, int(match.group(1)) if match.groups() else None
+    return None
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class ArchSpec:
+    """The numbers of config.json that shapes, sharding and the forward pass depend on."""
+
+    source: str
+    """Where the config came from, for messages."""
+    architecture: str
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    num_layers: int
+    num_mtp_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = ""
+    """config.json's torch_dtype (or dtype), "" when absent."""
+
+    @classmethod
+    def from_config(cls, config: dict, source: str = "config.json") -> "ArchSpec":
+        arch = config.get("architectures")
+        arch = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else ""
+        if arch not in ARCHITECTURES:
+            raise PlanError(f"{source}: architecture {arch or 'missing'!r} is not supported; supported: "
+                            f"{', '.join(ARCHITECTURES)}")
+        hidden = _int(config, "hidden_size", source)
+        heads = _int(config, "num_attention_heads", source)
+        for key in ("rope_parameters", "rope_scaling"):
+            if config.get(key) is not None and not isinstance(config[key], dict):
+                raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        scaling = dict(rope) if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
+        max_pos = _int(config, "max_position_embeddings", source, 4096)
+        if scaling is not None:
+            scaling.setdefault("original_max_position_embeddings", max_pos)
+        eos = config.get("eos_token_id")
+        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise CheckpointError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+        dtype = config.get("torch_dtype") or config.get("dtype") or ""
+        return cls(
+            source=source, architecture=arch, hidden_size=hidden, num_heads=heads,
+            num_kv_heads=_int(config, "num_key_value_heads", source, heads),
+            head_dim=_int(config, "head_dim", source, hidden // heads if hidden % heads == 0 else 0),
+            intermediate_size=_int(config, "intermediate_size", source), vocab_size=_int(config, "vocab_size", source),
+            num_layers=_int(config, "num_hidden_layers", source),
+            num_mtp_layers=_int(config, "num_nextn_predict_layers", source, 0, minimum=0),
+            rms_norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
+            rope_theta=_float(rope, "rope_theta", source, _float(config, "rope_theta", source, 10000.0)),
+            rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=str(dtype))
+
+    # -- derived numbers -----------------------------------------------------------------------
+
+    @property
+    def flags(self) -> Architecture:
+        return ARCHITECTURES[self.architecture]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def local_heads(self, tp: int) -> tuple[int, int]:
+        """(query heads, kv heads) one of `tp` ranks holds: kv heads are replicated when there are
+        fewer of them than ranks."""
+        return self.num_heads // tp, max(1, self.num_kv_heads // tp)
+
+    # -- tensors -------------------------------------------------------------------------------
+
+    def name(self, key: str, layer: int | None = None) -> str:
+        """The Hugging Face name of tensor kind `key` (in decoder layer `layer`)."""
+        return KIND[key].template.format(layer=layer)
+
+    def required(self) -> list[str]:
+        """Every tensor the main component needs."""
+        names = [self.name("embed"), self.name("norm")]
+        if not self.tie_word_embeddings:
+            names.append(self.name("lm_head"))
+        keys = ["input_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down"]
+        keys += ["q_bias", "k_bias", "v_bias"] if self.flags.qkv_bias else []
+        keys += ["q_norm", "k_norm"] if self.flags.qk_norm else []
+        return names + [self.name(k, i) for i in range(self.num_layers) for k in keys]
+
+    def check_shape(self, name: str, kind: TensorKind, shape: tuple[int, ...]) -> None:
+        expected = kind.shape(self)
+        if tuple(shape) != expected:
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(shape)} but config.json implies "
+                                  f"{list(expected)}; the config does not belong to these weights")
+
+    # -- tensor parallelism --------------------------------------------------------------------
+
+    def tp_problems(self, tp: int, quantization: str = "none") -> list[str]:
+        """Why `tp` ranks cannot split this model (quantized with `quantization`); empty if they can."""
+        problems = []
+        for what, n in (("num_attention_heads", self.num_heads), ("intermediate_size", self.intermediate_size),
+                        ("vocab_size", self.vocab_size)):
+            if n % tp:
+                problems.append(f"{what}={n} is not divisible by {tp}")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            problems.append(f"num_key_value_heads={self.num_kv_heads} neither divides nor is divisible by {tp}")
+        rows, cols = QUANT_BLOCKS.get(quantization, (1, 1))
+        if problems or tp == 1 or (rows, cols) == (1, 1):
+            return problems
+        heads, kv_heads = self.local_heads(tp)
+        shards = {"q_proj rows": heads * self.head_dim, "k/v_proj rows": kv_heads * self.head_dim,
+                  "gate/up_proj rows": self.intermediate_size // tp}
+        for what, n in shards.items():
+            if n % rows:
+                problems.append(f"{what} per rank = {n}, not a multiple of {quantization}'s {rows}-row block")
+        for what, n in {"o_proj columns": heads * self.head_dim,
+                        "down_proj columns": self.intermediate_size // tp}.items():
+            if n % cols:
+                problems.append(f"{what} per rank = {n}, not a multiple of {quantization}'s {cols}-element block")
+        return problems
+
+    def check_tp(self, tp: int, quantization: str = "none") -> None:
+        if tp < 1:
+            raise PlanError(f"tp_size must be at least 1, got {tp}")
+        problems = self.tp_problems(tp, quantization)
+        if problems:
+            fits = [n for n in range(1, MAX_TP + 1) if not self.tp_problems(n, quantization)]
+            raise PlanError(f"{self.source}: tp_size {tp} does not fit this model"
+                            f"{'' if quantization == 'none' else ' quantized with ' + quantization}: "
+                            f"{'; '.join(problems)}; TP sizes that fit: {', '.join(map(str, fits))}")
+
+    def shard(self, kind: TensorKind, shape: tuple[int, ...], tp: int, rank: int) -> Shard | None:
+        """The part of a stored tensor rank `rank` of `tp` keeps; None for all of it."""
+        if tp == 1 or kind.style == "replicated" or (kind.style == "row" and len(shape) < 2):
+            return None
+        if kind.style in ("column", "vocab"):
+            return Shard(0, rank * shape[0] // tp, shape[0] // tp)
+        if kind.style == "row":
+            return Shard(1, rank * shape[1] // tp, shape[1] // tp)
+        if self.num_kv_heads >= tp:  # kv
+            return Shard(0, rank * shape[0] // tp, shape[0] // tp)
+        head = rank * self.num_kv_heads // tp
+        return Shard(0, head * self.head_dim, self.head_dim)
+
+
+def _int(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:
+    value = config.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise CheckpointError(f"{source}: missing field {key!r}; a {key} is needed to lay out the weights")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value > 1 << 40:
+        raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(config: dict, key: str, source: str, default: float) -> float:
+    value = config.get(key)
+    value = default if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise CheckpointError(f"{source}: {key} must be a positive number, got {value!r}")
+    return float(value)

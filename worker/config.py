@@ -1,0 +1,58 @@
+"""The engine worker's configuration: one frozen dataclass per process, resolved once by the CLI."""
+
+import dataclasses
+import pathlib
+
+from preload_daemon.errors import InvalidRequestError
+from preload_daemon.plan import LoadSpec
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine process (one TP rank of one DP replica) needs to know."""
+
+    model: pathlib.Path
+    """Checkpoint directory (the cold path reads it; ipc_cache derives the cache key from it)."""
+    name: str = ""
+    """Model name in the daemon; defaults to the directory's base name."""
+    load_format: str = "ipc_cache"
+    fallback: bool = True
+    """With ipc_cache: load cold when the daemon cannot serve the weights."""
+    devices: tuple[str, ...] = ("cpu:0",)
+    """One device per TP rank; rank r attaches to the daemon of devices[r]."""
+    dtype: str = "auto"
+    quantization: str = "none"
+    runtime_dir: pathlib.Path | None = None
+    max_batch: int = 8
+    """Concurrent sequences (KV cache slots)."""
+    max_model_len: int = 2048
+    tp_size: int = 1
+    tp_rank: int = 0
+    rendezvous_addr: str = "127.0.0.1"
+    rendezvous_port: int = 0
+    """Rank 0's TCP store; 0 on rank 0 picks a free port that the other ranks are then given."""
+    rendezvous_env: bool = False
+    """Started by torchrun: join through its environment (env://) instead."""
+    replica: int = 0
+    """Index of this data-parallel replica (for logs and metrics)."""
+    num_threads: int = 0
+    """Compute threads for this process; 0 leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise InvalidRequestError(f"TP rank {self.tp_rank} is not in [0, --tp-size {self.tp_size})")
+        if len(self.devices) != self.tp_size or len(set(self.devices)) != self.tp_size:
+            raise InvalidRequestError(f"--devices lists {len(self.devices)} device(s) ({','.join(self.devices)}) "
+                                      f"for --tp-size {self.tp_size}; give one distinct device per rank")
+        if self.max_batch < 1 or self.max_model_len < 2:
+            raise InvalidRequestError("--max-batch must be >= 1 and --max-model-len >= 2")
+        if not self.name:
+            object.__setattr__(self, "name", self.model.name)
+
+    @property
+    def device(self) -> str:
+        return self.devices[self.tp_rank]
+
+    def load_spec(self) -> LoadSpec:
+        return LoadSpec(path=str(self.model), name=self.name, dtype=self.dtype, quantization=self.quantization,
+                        tp_size=self.tp_size, tp_rank=self.tp_rank)

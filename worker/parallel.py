@@ -1,0 +1,164 @@
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA devices).
+
+Rank 0 tokenizes, schedules and serves; every forward it runs is first announced to the other
+ranks (`Leader.forward` broadcasts the step), which run the same forward on their shards (`follow`)
+so that the group's all-reduces and all-gathers line up. Nothing crosses the group but tensors:
+small JSON documents (readiness, timings) travel as uint8 tensors, never pickled.
+"""
+
+import dataclasses
+import datetime
+import json
+import logging
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+STOP, FORWARD = 0, 1
+HEADER = 4  # op, batch, tokens per row, all_logits
+JSON_BYTES = 1 << 16
+# Followers wait in a broadcast while the engine is idle, which may last days; a dead peer ends the
+# wait at once (its connections close), so this bound only catches a peer that hangs while alive.
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+
+
+class ParallelError(RuntimeError):
+    """The tensor-parallel group broke (a rank died or hung)."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class Rendezvous:
+    """Where the ranks of one engine meet: rank 0 hosts a TCP store on loopback (port 0 picks one)."""
+
+    rank: int
+    size: int
+    addr: str = "127.0.0.1"
+    port: int = 0
+    env: bool = False
+    """Join through torchrun's environment (MASTER_ADDR, MASTER_PORT) instead."""
+
+
+class TPGroup:
+    """One rank's membership of the group: the collectives the model needs, plus the step channel."""
+
+    def __init__(self, rendezvous: Rendezvous, device: str = "cpu"):
+        self.rank, self.size = rendezvous.rank, rendezvous.size
+        self.device = torch.device("cuda", int(device.split(":")[1])) if device.startswith("cuda") else \
+            torch.device("cpu")
+        self.store = None if rendezvous.env else dist.TCPStore(
+            rendezvous.addr, rendezvous.port, self.size, is_master=self.rank == 0, wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120))
+        self.port = self.store.port if self.store else 0
+
+    def join(self) -> "TPGroup":
+        """Blocks until every rank has joined (call after starting the others with `self.port`)."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        how = {"store": self.store} if self.store else {"init_method": "env://"}
+        dist.init_process_group(backend, rank=self.rank, world_size=self.size, timeout=IDLE_TIMEOUT, **how)
+        return self
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # -- what the model calls ------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        return x
+
+    def gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenates every rank's `x` along the last dimension (vocabulary-parallel logits)."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    # -- coordination ----------------------------------------------------------------------------
+
+    def exchange(self, document: dict) -> list[dict]:
+        """Every rank's JSON `document`, by rank."""
+        data = json.dumps(document).encode()
+        if len(data) > JSON_BYTES - 8:
+            raise ValueError(f"document of {len(data)} bytes exceeds the {JSON_BYTES}-byte limit")
+        buffer = torch.zeros(JSON_BYTES, dtype=torch.uint8, device=self.device)
+        buffer[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = [torch.empty_like(buffer) for _ in range(self.size)]
+        dist.all_gather(parts, buffer)
+        out = []
+        for part in parts:
+            raw = part.cpu().numpy().tobytes()
+            out.append(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+        return out
+
+    def send_step(self, op: int, input_ids=None, positions=None, slots=None, all_logits: bool = False) -> None:
+        if op == STOP:
+            dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), 0)
+            return
+        batch, t = input_ids.shape
+        dist.broadcast(torch.tensor([FORWARD, batch, t, int(all_logits)], device=self.device), 0)
+        dist.broadcast(torch.cat([input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1)])
+                       .to(torch.int64).to(self.device), 0)
+
+    def receive_step(self):
+        """(op, input_ids, positions, slots, all_logits) as rank 0 sent it."""
+        header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+        dist.broadcast(header, 0)
+        op, batch, t, all_logits = header.tolist()
+        if op == STOP:
+            return STOP, None, None, None, False
+        data = torch.empty(2 * batch * t + batch, dtype=torch.int64, device=self.device)
+        dist.broadcast(data, 0)
+        data = data.cpu()
+        n = batch * t
+        return op, data[:n].view(batch, t), data[n:2 * n].view(batch, t), data[2 * n:], bool(all_logits)
+
+
+class Leader:
+    """Rank 0's model: what the engine sees. Each forward is announced to the followers first."""
+
+    def __init__(self, model, group: TPGroup):
+        self.model, self.group = model, group
+        self.spec, self.dtype = model.spec, model.dtype
+        self.closed = False
+        self.on_broken: Callable[[str], None] = lambda reason: None
+        """Called once the group is found broken: the engine cannot serve any more."""
+
+    def new_cache(self, num_slots: int, max_len: int):
+        return self.model.new_cache(num_slots, max_len)
+
+    def forward(self, input_ids, positions, cache, slots, all_logits: bool = False) -> torch.Tensor:
+        try:
+            self.group.send_step(FORWARD, input_ids, positions, slots, all_logits)
+            return self.model.forward(input_ids, positions, cache, slots, all_logits)
+        except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
+            reason = f"the tensor-parallel group broke: {e}"
+            self.on_broken(reason)
+            raise ParallelError(reason) from e
+
+    def close(self) -> None:
+        """Tells the followers to exit (once)."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.group.send_step(STOP)
+            except RuntimeError as e:
+                log.warning("could not tell the other ranks to stop: %s", e)
+
+
+def follow(model, group: TPGroup, num_slots: int, max_len: int) -> None:
+    """A follower rank's life after loading: run every forward rank 0 announces, until it says stop."""
+    cache = model.new_cache(num_slots, max_len)
+    while True:
+        try:
+            op, input_ids, positions, slots, all_logits = group.receive_step()
+        except RuntimeError as e:
+            raise ParallelError(f"rank {group.rank} lost rank 0: {e}") from e
+        if op == STOP:
+            return
+        model.forward(input_ids, positions, cache, slots, all_logits)
