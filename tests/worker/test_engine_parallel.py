@@ -1,0 +1,166 @@
+"""`preload engine|generate --tp-size N --dp-size M` as real process trees on real sockets."""
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from preload_daemon.config import DaemonConfig
+from tests.conftest import run_preload
+
+PROMPT = [5, 17, 99, 3, 200, 41]
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def complete(url: str) -> dict:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=60))
+
+
+def gone(pids, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def stop_daemons(runtime_dir) -> None:
+    """Stops the daemons `preload serve --no-supervise` left running."""
+    for d in json.loads(run_preload("status", "--json", runtime_dir=runtime_dir).stdout)["daemons"]:
+        if "pid" in d:
+            os.kill(d["pid"], signal.SIGTERM)
+
+
+def generate(model, runtime_dir, *extra) -> dict:
+    out = run_preload("generate", model, "--prompt-ids", "5,17,99,3", "--max-tokens", "8", "--runtime-dir",
+                      runtime_dir, *extra, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_generate_tp2_cold_and_warm_equals_tp1(runtime_dir, tiny_llama):
+    """The same tokens at TP 1, TP 2 cold, and TP 2 attached to the two daemons `serve` started."""
+    tp1 = generate(tiny_llama, runtime_dir, "--load-format", "safetensors")
+    cold = generate(tiny_llama, runtime_dir, "--load-format", "safetensors", "--tp-size", "2")
+    assert cold["token_ids"] == tp1["token_ids"] and [r["load_format"] for r in cold["ranks"]] == ["safetensors"] * 2
+    served = run_preload("serve", tiny_llama, "--tp-size", "2", "--no-supervise", runtime_dir=runtime_dir)
+    assert served.returncode == 0, served.stderr
+    try:
+        warm = generate(tiny_llama, runtime_dir, "--tp-size", "2", "--no-fallback")
+        assert warm["token_ids"] == tp1["token_ids"]
+        assert [(r["rank"], r["device"], r["load_format"]) for r in warm["ranks"]] == \
+            [(0, "cpu:0", "ipc_cache"), (1, "cpu:1", "ipc_cache")]
+        wrong = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--tp-size", "2", "--devices", "cpu:1,cpu:0",
+                            "--no-fallback", "--runtime-dir", runtime_dir, timeout=300)
+        assert wrong.returncode == 1
+        assert "tp_rank (1 here, 0 expected)" in wrong.stderr and "tp_rank (0 here, 1 expected)" in wrong.stderr
+    finally:
+        stop_daemons(runtime_dir)
+
+
+def test_tp_size_that_does_not_fit_fails_before_loading(runtime_dir, tiny_llama):
+    out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--tp-size", "3", "--load-format", "safetensors",
+                      "--runtime-dir", runtime_dir)
+    assert out.returncode == 1
+    assert "tp_size 3 does not fit" in out.stderr and "TP sizes that fit: 1, 2, 4" in out.stderr
+
+
+@pytest.mark.slow
+def test_killing_a_tp_rank_ends_the_engine_without_orphans(start_engine, runtime_dir, tiny_llama):
+    engine = start_engine(tiny_llama, "safetensors", "--tp-size", "2")
+    assert engine.ready["event"] == "ready", engine.stop()
+    status, body = get(engine.url + "/ready")
+    assert status == 200 and [r["rank"] for r in body["ranks"]] == [0, 1]
+    assert all(r["weights_done"] >= r["weights_start"] > 0 for r in body["ranks"])
+    assert complete(engine.url)["choices"][0]["text"] is not None
+    follower = body["ranks"][1]["pid"]
+    os.kill(follower, signal.SIGKILL)
+    assert engine.proc.wait(15) == 1
+    assert "TP rank 1" in engine.proc.stdout.read() + engine.stop()
+    assert gone([follower, engine.proc.pid])
+
+
+@pytest.mark.slow
+def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir, default_model):
+    """Two replicas behind one port map the daemon's slab (its pages counted once across them, in
+    PSS); a killed replica leaves the endpoint answering and comes back warm."""
+    served = run_preload("serve", default_model, "--no-supervise", runtime_dir=runtime_dir, timeout=300)
+    assert served.returncode == 0, served.stderr
+    try:
+        engine = start_engine(default_model, "ipc_cache", "--dp-size", "2", "--no-fallback")
+        assert engine.ready["event"] == "ready", engine.stop()
+        status, body = get(engine.url + "/ready")
+        assert status == 200 and body["status"] == "ready" and body["replicas_ready"] == 2
+        for _ in range(4):
+            assert complete(engine.url)["choices"][0]["finish_reason"] in ("length", "stop")
+        replicas = [r["engine"]["pid"] for r in body["replicas"]]
+        shm = DaemonConfig(runtime_dir=runtime_dir).shm_dir
+        slab_pss = [slab_memory(pid, shm) for pid in replicas]
+        slab_size = sum(f.stat().st_size for f in shm.iterdir())
+        for pss, private, rss in slab_pss:
+            assert rss > 0.5 * slab_size, "a replica does not map the slab"
+            assert private == 0, "a replica holds private copies of slab pages"
+        daemon_pid = next(d["pid"] for d in json.loads(run_preload("status", "--json", runtime_dir=runtime_dir)
+                                                        .stdout)["daemons"])
+        total = sum(p for p, _, _ in slab_pss) + slab_memory(daemon_pid, shm)[0]
+        assert total <= 1.02 * slab_size, f"{total} bytes of slab PSS for a {slab_size}-byte slab: more than one copy"
+        for p in replicas:
+            assert psutil.Process(p).memory_full_info().uss < slab_size, "a replica's own memory holds the weights"
+
+        os.kill(replicas[0], signal.SIGKILL)
+        for _ in range(3):
+            assert complete(engine.url)["choices"][0]["text"] is not None
+        deadline = time.monotonic() + 60
+        while True:
+            status, body = get(engine.url + "/ready")
+            if body["status"] == "ready":
+                break
+            assert status == 200 and body["status"] == "degraded" and time.monotonic() < deadline, body
+            time.sleep(0.2)
+        back = body["replicas"][0]
+        assert back["restarts"] == 1 and back["engine"]["pid"] != replicas[0]
+        assert back["engine"]["load_format"] == "ipc_cache"
+        metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=30).read().decode()
+        assert f'preload_engine_ready{{model="{default_model.name}",replica="1"}} 1' in metrics
+        assert 'preload_router_replica_restarts_total{replica="0"} 1' in metrics
+        router = engine.proc.pid
+        children = [c.pid for c in psutil.Process(router).children(recursive=True)]
+        engine.stop()
+        assert gone(children)
+    finally:
+        stop_daemons(runtime_dir)
+
+
+def slab_memory(pid: int, shm_dir) -> tuple[int, int, int]:
+    """(PSS, private bytes, RSS) of the process's mappings of slab files, from /proc/PID/smaps."""
+    pss = private = rss = 0
+    inside = False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                inside = len(fields) >= 6 and fields[5].startswith(str(shm_dir))
+            elif inside and fields[0] == "Pss:":
+                pss += int(fields[1]) * 1024
+            elif inside and fields[0] in ("Private_Clean:", "Private_Dirty:"):
+                private += int(fields[1]) * 1024
+            elif inside and fields[0] == "Rss:":
+                rss += int(fields[1]) * 1024
+    return pss, private, rss
