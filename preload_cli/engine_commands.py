@@ -1,12 +1,15 @@
 """The engine commands of `preload`: engine and generate. The engine's imports (model, tokenizer,
 HTTP server) load only when one of these runs, so the daemon commands stay quick to start.
 
-Process trees: with --tp-size N, this process is rank 0 and starts ranks 1..N-1 as the same
-command plus the hidden --tp-rank/--rendezvous-port flags (under torchrun, which sets RANK and
+Process trees: with --tp-size N, this process is rank 0 and starts ranks 1..N-1 first thing, as the
+same command plus the hidden --tp-rank/--rendezvous-port flags (under torchrun, which sets RANK and
 WORLD_SIZE, it starts nothing). With --dp-size M, this process is a router that starts M replicas,
-each the same command with --dp-size 1 and a Unix socket to listen on."""
+each the same command with --dp-size 1 and a Unix socket to listen on; the router itself is a lean
+process (worker/router.py) this one execs into."""
 
 import argparse
+import dataclasses
+import json
 import os
 import pathlib
 import secrets
@@ -100,55 +103,56 @@ def engine_config(args):
     return config
 
 
-def follower_spawner(args):
-    """Starts TP ranks 1..N-1 as this same command, told their rank and rank 0's store port."""
-    from worker.main import spawn_child
+def start_followers(args, config):
+    """Rank 0 of a TP engine: starts ranks 1..N-1 at once, as this same command told their rank and
+    rank 0's rendezvous port, so their imports overlap rank 0's own. Returns the config with that
+    port and [(rank, process)]."""
+    if config.tp_size == 1 or config.rendezvous_env:
+        return config, []
+    from worker.procs import free_port, spawn_child
+    config.check_fits()  # before any process starts
+    port = free_port()
+    followers = [(rank, spawn_child([sys.executable, "-m", "preload_cli", *args.argv, "--tp-rank", str(rank),
+                                     "--rendezvous-port", str(port)], stdout=subprocess.DEVNULL))
+                 for rank in range(1, config.tp_size)]
+    return dataclasses.replace(config, rendezvous_port=port), followers
 
-    def spawn(port: int) -> list[tuple[int, subprocess.Popen]]:
-        return [(rank, spawn_child([sys.executable, "-m", "preload_cli", *args.argv, "--tp-rank", str(rank),
-                                    "--rendezvous-port", str(port)], stdout=subprocess.DEVNULL))
-                for rank in range(1, args.tp_size)]
-    return spawn
 
-
-def replica_spawner(args):
-    """Starts DP replica i as this same command listening on a Unix socket, its stdout piped."""
-    from worker.main import spawn_child
-
-    def spawn(index: int, uds: str) -> subprocess.Popen:
-        return spawn_child([sys.executable, "-m", "preload_cli", *args.argv, "--dp-size", "1", "--replica", str(index),
-                            "--uds", uds], stdout=subprocess.PIPE, text=True)
-    return spawn
+def become_router(args, config) -> None:
+    """Replaces this process with the lean DP router (no torch in it), which runs each replica as
+    this same command with --dp-size 1."""
+    sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
+    settings = {"replicas": args.dp_size, "socket_dir": str(sockets), "host": args.host, "port": args.port,
+                "log_level": args.log_level,
+                "command": [sys.executable, "-m", "preload_cli", *args.argv, "--dp-size", "1"]}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "worker.router", json.dumps(settings)])
 
 
 def cmd_engine(args) -> int:
-    from worker import main as worker_main  # the engine's imports, paid only by engine commands
     if args.dp_size < 1:
         raise InvalidRequestError(f"--dp-size must be at least 1, got {args.dp_size}")
     config = engine_config(args)
     if args.dp_size > 1:
-        from worker.router import run_router
-        worker_main.check_fits(config)
-        sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
-        try:
-            return run_router(args.dp_size, sockets, replica_spawner(args), host=args.host, port=args.port)
-        finally:
-            for path in sockets.glob("replica-*.sock"):
-                path.unlink(missing_ok=True)
-            sockets.rmdir()
+        config.check_fits()
+        become_router(args, config)
+    if config.tp_rank == 0:
+        config, followers = start_followers(args, config)
+    from worker import main as worker_main  # the engine's imports, paid only by engine commands
     if config.tp_rank > 0:
         return worker_main.run_follower(config)
-    spawn = follower_spawner(args) if config.tp_size > 1 and not config.rendezvous_env else None
-    return worker_main.run_engine(config, host=args.host, port=args.port, uds=args.uds, spawn=spawn)
+    return worker_main.run_engine(config, host=args.host, port=args.port, uds=args.uds, followers=followers)
 
 
 def cmd_generate(args) -> int:
+    config = engine_config(args)
+    if config.tp_rank == 0:
+        config, followers = start_followers(args, config)
     from worker import main as worker_main
     from worker.engine import SamplingParams
-    config = engine_config(args)
     if config.tp_rank > 0:
         return worker_main.run_follower(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    spawn = follower_spawner(args) if config.tp_size > 1 and not config.rendezvous_env else None
     return worker_main.run_generate(config, args.prompt if args.prompt is not None else args.prompt_ids, params,
-                                    chat=args.chat, spawn=spawn)
+                                    chat=args.chat, followers=followers)

@@ -3,6 +3,8 @@
 import dataclasses
 import pathlib
 
+from preload_daemon.arch import ArchSpec
+from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.plan import LoadSpec
 
@@ -52,6 +54,15 @@ class EngineConfig:
     @property
     def device(self) -> str:
         return self.devices[self.tp_rank]
+
+    def check_fits(self) -> None:
+        """Refuses a TP size the model cannot be split into, before any process starts or byte loads."""
+        checkpoint = Checkpoint(self.model)
+        try:
+            ArchSpec.from_config(checkpoint.config, f"{self.model}/config.json").check_tp(self.tp_size,
+                                                                                        self.quantization)
+        finally:
+            checkpoint.close()
 
     def load_spec(self) -> LoadSpec:
         return LoadSpec(path=str(self.model), name=self.name, dtype=self.dtype, quantization=self.quantization,

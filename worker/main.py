@@ -2,7 +2,6 @@
 `run_follower` (a TP rank other than 0). All build the same way: join the TP group, load this
 rank's weights, tell the group how it went, build the model on them, start the engine."""
 
-import ctypes
 import dataclasses
 import json
 import logging
@@ -12,13 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 import uvicorn
 
 from preload_daemon.arch import ArchSpec
-from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import InvalidRequestError, PreloadError
 from worker.config import EngineConfig
 from worker.engine import Engine, SamplingParams
@@ -30,9 +28,8 @@ from worker.state import WorkerState, process_start_time
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-# Starts TP ranks 1..N-1 of this engine given rank 0's store port: [(rank, process)].
-PR_SET_PDEATHSIG = 1
-SpawnFollowers = Callable[[int], list[tuple[int, subprocess.Popen]]]
+# The processes of TP ranks 1..N-1 that this engine started: [(rank, process)].
+Followers = Sequence[tuple[int, subprocess.Popen]]
 
 
 class RankFailedError(PreloadError):
@@ -48,28 +45,12 @@ class Built:
     """Every rank's readiness document (rank, device, load format, timings), by rank."""
 
 
-def check_fits(config: EngineConfig) -> None:
-    """Refuses a TP size the model cannot be split into before any process starts or byte is read."""
-    checkpoint = Checkpoint(config.model)
-    try:
-        ArchSpec.from_config(checkpoint.config, f"{config.model}/config.json").check_tp(config.tp_size,
-                                                                                          config.quantization)
-    finally:
-        checkpoint.close()
-
-
-def open_group(config: EngineConfig, spawn: SpawnFollowers | None = None,
-               followers: list | None = None) -> TPGroup | None:
-    """This rank's TP group (None at TP 1). Rank 0 hosts the rendezvous and, given `spawn`, starts
-    the other ranks, recording them in `followers`. Call it from a thread that outlives the
-    followers: they are told to die with the thread that started them."""
+def open_group(config: EngineConfig) -> TPGroup | None:
+    """This rank's TP group (None at TP 1); rank 0 hosts the rendezvous on config.rendezvous_port."""
     if config.tp_size == 1:
         return None
-    group = TPGroup(Rendezvous(rank=config.tp_rank, size=config.tp_size, addr=config.rendezvous_addr,
-                               port=config.rendezvous_port, env=config.rendezvous_env), config.device)
-    if spawn is not None:
-        followers.extend(spawn(group.port))
-    return group
+    return TPGroup(Rendezvous(rank=config.tp_rank, size=config.tp_size, addr=config.rendezvous_addr,
+                              port=config.rendezvous_port, env=config.rendezvous_env), config.device)
 
 
 def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> Built:
@@ -92,9 +73,7 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
     doc["error"] = error
     ranks = group.exchange(doc) if group is not None else [doc]
     failed = [r for r in ranks if r["error"]]
-    if failed:
-        if group is not None:
-            group.close()
+    if failed:  # the group stays open: rank 0 reports, then ends the others (see run_follower)
         raise RankFailedError("; ".join(f"TP rank {r['rank']} on {r['device']}: {r['error']}" for r in failed))
     model = CausalLM(ArchSpec.from_config(weights.config, f"{config.model}/config.json"), weights.tensors, group)
     return Built(weights, Leader(model, group) if group is not None and group.rank == 0 else model, group, ranks)
@@ -108,10 +87,17 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
 
 def run_follower(config: EngineConfig) -> int:
     """TP rank > 0: load, report, then run the forwards rank 0 announces until it says stop."""
+    group = open_group(config)
     try:
-        built = build(config, process_start_time(), open_group(config))
+        built = build(config, process_start_time(), group)
     except RankFailedError as e:
+        # Rank 0 saw the same and reports it; exiting first would race its report with the news of
+        # a dead rank, so wait until it ends this process (or the group).
         log.error("rank %d: %s", config.tp_rank, e)
+        try:
+            group.receive_step()
+        except RuntimeError:
+            pass
         return 1
     try:
         follow(built.model, built.group, config.max_batch, min(config.max_model_len,
@@ -124,18 +110,11 @@ def run_follower(config: EngineConfig) -> int:
     return 0
 
 
-def die_with_parent() -> None:
-    """preexec_fn of child processes: the kernel kills the child when the thread that started it
-    ends (with its process), so no rank or replica outlives its engine, even after kill -9."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def spawn_child(argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent, **popen)
-
-
-def watch_followers(followers: list[tuple[int, subprocess.Popen]], stopping: threading.Event) -> None:
+def watch_followers(followers: Followers, stopping: threading.Event) -> None:
     """If a TP rank dies, the engine cannot go on: say which one, end the others, exit non-zero."""
+    if not followers:
+        return
+
     def watch() -> None:
         while not stopping.wait(0.2):
             for rank, proc in followers:
@@ -149,7 +128,7 @@ def watch_followers(followers: list[tuple[int, subprocess.Popen]], stopping: thr
     threading.Thread(target=watch, name="rank-watch", daemon=True).start()
 
 
-def stop_followers(followers: list[tuple[int, subprocess.Popen]], timeout: float = 5.0) -> None:
+def stop_followers(followers: Followers, timeout: float = 5.0) -> None:
     for _, proc in followers:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -163,14 +142,14 @@ def stop_followers(followers: list[tuple[int, subprocess.Popen]], timeout: float
 
 
 def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, uds: str = "",
-               spawn: SpawnFollowers | None = None) -> int:
-    """Rank 0: the HTTP server. Ready once every rank has loaded and the engine has warmed up."""
-    check_fits(config)
+               followers: Followers = ()) -> int:
+    """Rank 0: the HTTP server. Ready once every rank has loaded and the engine has warmed up.
+    `followers`: the processes of ranks 1..N-1 when this engine started them."""
+    config.check_fits()
     state = WorkerState(config.name, config.load_format, config.replica)
     listen = {"uds": uds} if uds else {"host": host, "port": port}
     server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off", **listen))
     outcome = {"code": 0}
-    followers: list[tuple[int, subprocess.Popen]] = []
     stopping = threading.Event()
     leaders: list[Leader] = []
 
@@ -179,7 +158,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         outcome["code"] = 1
         server.should_exit = True
 
-    group = open_group(config, spawn, followers)
+    group = open_group(config)
 
     def start() -> None:
         try:
@@ -204,8 +183,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             print(json.dumps({"event": "failed", "model": state.name, "error": reason}), flush=True)
             fail(reason)
 
-    if spawn is not None and config.tp_size > 1:
-        watch_followers(followers, stopping)
+    watch_followers(followers, stopping)
     threading.Thread(target=start, name="engine-start", daemon=True).start()
     try:
         server.run()
@@ -220,10 +198,10 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
 
 
 def run_generate(config: EngineConfig, prompt: str | list[int], params: SamplingParams, chat: bool = False,
-                 spawn: SpawnFollowers | None = None) -> int:
+                 followers: Followers = ()) -> int:
     """One request, JSON on stdout. `prompt` is text, or token ids for checkpoints without a tokenizer."""
     process_start = process_start_time()
-    check_fits(config)
+    config.check_fits()
     tokenizer = Tokenizer.load(config.model)
     if tokenizer is None and isinstance(prompt, str):
         raise InvalidRequestError(f"{config.model} has no tokenizer.json; pass the prompt as --prompt-ids")
@@ -231,12 +209,10 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt)
     else:
         ids = prompt
-    followers: list[tuple[int, subprocess.Popen]] = []
     stopping = threading.Event()
-    if spawn is not None and config.tp_size > 1:
-        watch_followers(followers, stopping)
+    watch_followers(followers, stopping)
     try:
-        built = build(config, process_start, open_group(config, spawn, followers))
+        built = build(config, process_start, open_group(config))
         engine = start_engine(config, built)
         ready = time.time()
         result = engine.generate(ids, params)

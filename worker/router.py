@@ -6,6 +6,9 @@ restarts a replica that dies (warm: it attaches to the daemon again) while the o
 
 /ready is 200 with status "ready" when every replica is ready and "degraded" while at least one is
 (the others restarting); 503 before the first start completes, or when none is ready.
+
+The router runs as its own lean process (`python -m worker.router SETTINGS_JSON`, which the engine
+command execs into): it never imports torch, so it costs tens of MB, not an engine's hundreds.
 """
 
 import asyncio
@@ -13,9 +16,9 @@ import json
 import logging
 import pathlib
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable
 
 import httpx
 import uvicorn
@@ -25,17 +28,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from worker.procs import spawn_child
+
 log = logging.getLogger(__name__)
-# Starts replica `index` listening on the Unix socket `uds`, its stdout piped.
-SpawnReplica = Callable[[int, str], subprocess.Popen]
 RESTART_DELAY_S = 1.0
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate"}
 
 
 class Replica:
-    def __init__(self, index: int, uds: pathlib.Path, spawn: SpawnReplica):
-        self.index, self.uds, self._spawn = index, uds, spawn
+    def __init__(self, index: int, uds: pathlib.Path, command: list[str]):
+        self.index, self.uds, self.command = index, uds, command
         self.proc: subprocess.Popen | None = None
         self.ready_doc: dict = {}
         self.failure = ""
@@ -52,7 +55,8 @@ class Replica:
     def start(self) -> None:
         self.uds.unlink(missing_ok=True)
         self.ready_doc, self.failure = {}, ""
-        self.proc = self._spawn(self.index, str(self.uds))
+        self.proc = spawn_child([*self.command, "--replica", str(self.index), "--uds", str(self.uds)],
+                                stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_events, args=(self.proc,), name=f"replica-{self.index}",
                          daemon=True).start()
 
@@ -80,8 +84,8 @@ class Replica:
 
 
 class Router:
-    def __init__(self, num_replicas: int, socket_dir: pathlib.Path, spawn: SpawnReplica):
-        self.replicas = [Replica(i, socket_dir / f"replica-{i}.sock", spawn) for i in range(num_replicas)]
+    def __init__(self, num_replicas: int, socket_dir: pathlib.Path, command: list[str]):
+        self.replicas = [Replica(i, socket_dir / f"replica-{i}.sock", command) for i in range(num_replicas)]
         self.started = time.time()
         self.failure = ""
         self.stopping = threading.Event()
@@ -203,10 +207,11 @@ async def _metrics_of(replica: Replica) -> str:
         return ""
 
 
-def run_router(num_replicas: int, socket_dir: pathlib.Path, spawn: SpawnReplica, *, host: str = "127.0.0.1",
+def run_router(num_replicas: int, socket_dir: pathlib.Path, command: list[str], *, host: str = "127.0.0.1",
                port: int = 8000) -> int:
-    """Serves `num_replicas` engine replicas on host:port until SIGINT/SIGTERM; returns the exit code."""
-    router = Router(num_replicas, socket_dir, spawn)
+    """Serves `num_replicas` engine replicas on host:port until SIGINT/SIGTERM; returns the exit code.
+    Replica i runs `command` plus `--replica i --uds SOCKET` (an engine command with --dp-size 1)."""
+    router = Router(num_replicas, socket_dir, command)
     server = uvicorn.Server(uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
                                            lifespan="off"))
     outcome = {"code": 0}
@@ -230,3 +235,23 @@ def run_router(num_replicas: int, socket_dir: pathlib.Path, spawn: SpawnReplica,
     finally:
         router.stop()
     return outcome["code"]
+
+
+def main() -> int:
+    """`python -m worker.router '{"replicas": M, "socket_dir": DIR, "command": [...], "host": H,
+    "port": P, "log_level": L}'`: the router, with its socket directory removed on exit."""
+    settings = json.loads(sys.argv[1])
+    logging.basicConfig(level=settings.get("log_level", "INFO"), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    socket_dir = pathlib.Path(settings["socket_dir"])
+    try:
+        return run_router(settings["replicas"], socket_dir, settings["command"], host=settings["host"],
+                          port=settings["port"])
+    finally:
+        for path in socket_dir.glob("replica-*.sock"):
+            path.unlink(missing_ok=True)
+        socket_dir.rmdir()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

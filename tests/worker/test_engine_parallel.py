@@ -2,7 +2,10 @@
 
 import json
 import os
+import pathlib
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -11,7 +14,7 @@ import psutil
 import pytest
 
 from preload_daemon.config import DaemonConfig
-from tests.conftest import run_preload
+from tests.conftest import REPO, run_preload
 
 PROMPT = [5, 17, 99, 3, 200, 41]
 
@@ -164,3 +167,17 @@ def slab_memory(pid: int, shm_dir) -> tuple[int, int, int]:
             elif inside and fields[0] == "Rss:":
                 rss += int(fields[1]) * 1024
     return pss, private, rss
+
+
+@pytest.mark.slow
+def test_ranks_started_by_torchrun(runtime_dir, tiny_llama):
+    """torchrun starts both ranks itself (RANK/WORLD_SIZE): the engine joins its group and spawns nothing."""
+    tp1 = generate(tiny_llama, runtime_dir, "--load-format", "safetensors")
+    torchrun = pathlib.Path(sys.executable).parent / "torchrun"
+    out = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "preload_cli", "generate",
+                          str(tiny_llama), "--prompt-ids", "5,17,99,3", "--max-tokens", "8", "--load-format",
+                          "safetensors", "--tp-size", "2", "--runtime-dir", str(runtime_dir)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout[out.stdout.index("{"):])
+    assert result["token_ids"] == tp1["token_ids"] and [r["rank"] for r in result["ranks"]] == [0, 1]
