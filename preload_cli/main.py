@@ -10,7 +10,7 @@ from types import ModuleType
 
 from preload_cli import daemon_commands as dc
 from preload_cli import demo, engine_commands
-from preload_cli.bench import attach, decode, quant, restart
+from preload_cli.bench import attach, decode, quant, replicas, restart
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import PreloadError
@@ -106,6 +106,8 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
     add_module_command(bench.add_parser("decode", help="decode tokens/s: our engine vs transformers"), decode)
     add_module_command(bench.add_parser("quant", help="quantization schemes: bytes, quality, linear speed"), quant)
+    add_module_command(bench.add_parser("replicas", help="memory of M DP replicas: warm (one slab) vs cold"),
+                       replicas)
 
     p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
                        epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)

@@ -147,9 +147,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def machine() -> str:
+    """The machine a figure was measured on: architecture, cores, widest SIMD, memory."""
     import platform
     import psutil
-    return f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, " \
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, {simd}, " \
            f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 

@@ -4,7 +4,10 @@
 Runs alternate cold and warm so that drift hits both alike. Cold runs read the checkpoint from the
 page cache (a restart on the same host); `--drop-cache` adds cold runs that read it from disk.
 
-    preload bench restart [MODEL] [--repeats 5] [--drop-cache] [--json]
+With `--tp-size N`, N daemons (cpu:0..cpu:N-1) hold one rank's shard each and every engine runs N
+rank processes; start -> ready is rank 0's, the weights phase the slowest rank's.
+
+    preload bench restart [MODEL] [--repeats 5] [--drop-cache] [--tp-size N] [--json]
 """
 
 import argparse
@@ -44,7 +47,8 @@ class Engine:
         self.proc.communicate(timeout=30)
 
 
-def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_cache: bool = False) -> dict:
+def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_cache: bool = False,
+            tp_size: int = 1) -> dict:
     """{variant: [{"start_to_ready", "weights"}...]} for cold, warm (and cold from disk)."""
     variants = {"cold (safetensors)": ("safetensors", False), "warm (ipc_cache)": ("ipc_cache", False)}
     if drop_cache:
@@ -55,10 +59,11 @@ def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_c
             if drop:
                 drop_page_cache(model)
             extra = ("--no-fallback",) if fmt == "ipc_cache" else ()
-            engine = Engine(model, fmt, runtime_dir, *extra)
+            engine = Engine(model, fmt, runtime_dir, "--tp-size", str(tp_size), *extra)
             r = engine.ready
             samples[name].append({"start_to_ready": r["ready"] - r["process_start"],
-                                  "weights": r["weights_done"] - r["weights_start"], "load_format": r["load_format"]})
+                                  "weights": max(k["weights_done"] - k["weights_start"] for k in r["ranks"]),
+                                  "load_format": r["load_format"]})
             engine.stop()
     return samples
 
@@ -84,21 +89,31 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def with_daemon(model: pathlib.Path, name: str = ""):
-    """A private daemon holding `model`, for the length of a `with` block."""
+def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
+    """Private daemons (cpu:0..cpu:TP-1) holding `model`'s ranks, for the length of a `with` block."""
     from preload_daemon.plan import LoadSpec
     from preload_daemon.supervisor import DaemonProcess, load_all
 
     class Daemon:
         def __enter__(self):
             self.runtime_dir = pathlib.Path(tempfile.mkdtemp(prefix="plr-", dir="/tmp"))
-            self.process = DaemonProcess("cpu:0", self.runtime_dir, "WARNING")
-            self.process.wait_started()
-            self.info = load_all([LoadSpec(path=str(model), name=name)], ["cpu:0"], self.runtime_dir)[0]
+            devices = [f"cpu:{r}" for r in range(tp_size)]
+            self.processes = []
+            try:
+                for device in devices:
+                    self.processes.append(DaemonProcess(device, self.runtime_dir, "WARNING"))
+                    self.processes[-1].wait_started()
+                specs = [LoadSpec(path=str(model), name=name, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+                self.infos = load_all(specs, devices, self.runtime_dir)
+            except BaseException:
+                self.__exit__()
+                raise
+            self.info = self.infos[0]
             return self
 
-        def __exit__(self, *exc):
-            self.process.stop()
+        def __exit__(self, *exc) -> None:
+            for process in self.processes:
+                process.stop()
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     return Daemon()
@@ -106,16 +121,24 @@ def with_daemon(model: pathlib.Path, name: str = ""):
 
 def run(args) -> int:
     from preload_daemon.default_model import default_model_path
-    model = pathlib.Path(args.model).resolve() if args.model else default_model_path()
-    with with_daemon(model) as daemon:
-        samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache)
-    summary = summarise(samples)
-    if args.json:
-        print(json.dumps({"model": str(model), "slab_bytes": daemon.info.slab_bytes, "repeats": args.repeats,
-                          "summary": summary, "samples": samples}, indent=2))
+    if args.synthetic_gb:
+        from preload_cli.models import synthetic_checkpoint
+        model = pathlib.Path(tempfile.gettempdir()) / f"preload-bench-synthetic-{args.synthetic_gb:g}gb"
+        if not (model / "config.json").exists():
+            print(f"building a {args.synthetic_gb:g} GB synthetic checkpoint in {model} ...", file=sys.stderr)
+            synthetic_checkpoint(model, args.synthetic_gb)
     else:
-        print(f"preload bench restart — {model.name} ({daemon.info.slab_bytes / 2**30:.2f} GiB), "
-              f"median of {args.repeats}")
+        model = pathlib.Path(args.model).resolve() if args.model else default_model_path()
+    with with_daemon(model, tp_size=args.tp_size) as daemon:
+        samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache, args.tp_size)
+    summary = summarise(samples)
+    slab_bytes = sum(info.slab_bytes for info in daemon.infos)
+    if args.json:
+        print(json.dumps({"model": str(model), "slab_bytes": slab_bytes, "tp_size": args.tp_size,
+                          "repeats": args.repeats, "summary": summary, "samples": samples}, indent=2))
+    else:
+        print(f"preload bench restart — {model.name} ({slab_bytes / 2**30:.2f} GiB over {args.tp_size} rank(s)), "
+              f"TP={args.tp_size}, median of {args.repeats}")
         print(table(summary))
     return 0
 
@@ -124,5 +147,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--drop-cache", action="store_true", help="also time cold starts that read from disk")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks per engine (default 1; the "
+                        "default model's 9 heads and 3 kv heads fit TP 1 and 3)")
+    parser.add_argument("--synthetic-gb", type=float, default=0.0,
+                        help="instead of MODEL, a synthetic Llama-shaped checkpoint of this size (built once)")
     parser.add_argument("--json", action="store_true")
 
