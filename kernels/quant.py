@@ -1,4 +1,4 @@
-"""Weight quantization schemes (DESIGN.md section 5), vectorised, pure torch. Each scheme turns an
+"""Weight quantization schemes (see docs/architecture.md), vectorised, pure torch. Each scheme turns an
 [N, K] weight into named parts (`weight`, `weight_scale`, and for nvfp4 `weight_global_scale`) and
 back. `layout` gives the parts' dtypes and shapes before any data exists, for slab planning.
 

@@ -1,4 +1,4 @@
-"""The cache key (DESIGN.md section 4): everything that decides the bytes of a slab. A mismatch is
+"""The cache key (docs/architecture.md, Protocol): everything that decides the bytes of a slab. A mismatch is
 reported by naming the fields that differ."""
 
 import dataclasses

@@ -33,7 +33,7 @@ class LoadSpec:
     dtype: str = "auto"
     """Target dtype of floating tensors; "auto" keeps config.json's torch_dtype."""
     quantization: str = "none"
-    """Scheme for the linear projections (DESIGN.md section 5)."""
+    """Scheme for the linear projections (kernels/quant.py), or "none"."""
     tp_size: int = 1
     tp_rank: int = 0
     component: str = "main"
