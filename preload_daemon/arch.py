@@ -78,6 +78,8 @@ KINDS: tuple[TensorKind, ...] = (
     TensorKind("v", _LAYER + "self_attn.v_proj.weight", "linear", "kv", lambda s: (s.kv_size, s.hidden_size), True),
     TensorKind("o", _LAYER + "self_attn.o_proj.weight", "linear", "row", lambda s: (s.hidden_size, s.q_size), True),
     TensorKind("q_bias", _LAYER + "self_attn.q_proj.bias", "bias", "column", lambda s: (s.q_size,)),
+    # Added once, after the row-parallel o_proj's all-reduce (attention_bias).
+    TensorKind("o_bias", _LAYER + "self_attn.o_proj.bias", "bias", "replicated", _hidden),
     TensorKind("k_bias", _LAYER + "self_attn.k_proj.bias", "bias", "kv", lambda s: (s.kv_size,)),
     TensorKind("v_bias", _LAYER + "self_attn.v_proj.bias", "bias", "kv", lambda s: (s.kv_size,)),
     TensorKind("q_norm", _LAYER + "self_attn.q_norm.weight", "norm", "replicated", lambda s: (s.head_dim,)),
@@ -143,6 +145,8 @@ class ArchSpec:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = ""
     """config.json's torch_dtype (or dtype), "" when absent."""
+    attention_bias: bool = False
+    """q, k, v and o projections carry biases (config.json's attention_bias, Llama and Qwen3)."""
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "ArchSpec":
@@ -176,7 +180,9 @@ class ArchSpec:
             rms_norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
             rope_theta=_float(rope, "rope_theta", source, _float(config, "rope_theta", source, 10000.0)),
             rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=str(dtype))
+            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=str(dtype),
+            # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
+            attention_bias=arch != "Qwen2ForCausalLM" and config.get("attention_bias") is True)
 
     # -- derived numbers -----------------------------------------------------------------------
 
@@ -209,7 +215,8 @@ class ArchSpec:
         if not self.tie_word_embeddings:
             names.append(self.name("lm_head"))
         keys = ["input_norm", "post_norm", "q", "k", "v", "o", "gate", "up", "down"]
-        keys += ["q_bias", "k_bias", "v_bias"] if self.flags.qkv_bias else []
+        keys += ["q_bias", "k_bias", "v_bias"] if self.flags.qkv_bias or self.attention_bias else []
+        keys += ["o_bias"] if self.attention_bias else []
         keys += ["q_norm", "k_norm"] if self.flags.qk_norm else []
         return names + [self.name(k, i) for i in range(self.num_layers) for k in keys]
 

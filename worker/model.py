@@ -46,6 +46,7 @@ class Layer:
     q_bias: torch.Tensor | None = None
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
@@ -100,7 +101,8 @@ class CausalLM:
             return w.get(self.spec.name(key, i))
         return Layer(input_norm=get("input_norm"), post_norm=get("post_norm"), q=get("q"), k=get("k"), v=get("v"),
                      o=get("o"), gate=get("gate"), up=get("up"), down=get("down"), q_bias=get("q_bias"),
-                     k_bias=get("k_bias"), v_bias=get("v_bias"), q_norm=get("q_norm"), k_norm=get("k_norm"))
+                     k_bias=get("k_bias"), v_bias=get("v_bias"), o_bias=get("o_bias"), q_norm=get("q_norm"),
+                     k_norm=get("k_norm"))
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(self.spec.num_layers, self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
@@ -156,4 +158,5 @@ class CausalLM:
             v_cache[slots, :, positions[:, 0]] = v[:, :, 0]
             keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
         out = attention(q, keys, values, positions)
-        return self.tp.all_reduce(linear(out.transpose(1, 2).reshape(batch, t, self.num_heads * head_dim), layer.o))
+        out = self.tp.all_reduce(linear(out.transpose(1, 2).reshape(batch, t, self.num_heads * head_dim), layer.o))
+        return out + layer.o_bias if layer.o_bias is not None else out

@@ -16,6 +16,7 @@ ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "lo
 CASES = {
     "llama-gqa": ("llama", {}),
     "llama-tied-llama3-rope": ("llama", {"tie_word_embeddings": True, "rope_parameters": ROPE_LLAMA3}),
+    "llama-attention-bias": ("llama", {"attention_bias": True}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3": ("qwen3", {"head_dim": 32}),

@@ -22,6 +22,7 @@ CASES = {
     "llama-gqa": ("llama", {}, "none", (2, 4)),  # 2 kv heads: at TP 4 each is replicated on two ranks
     "llama-tied": ("llama", {"tie_word_embeddings": True}, "none", (2, 4)),
     "qwen2-bias": ("qwen2", {}, "none", (2, 4)),
+    "llama-attention-bias": ("llama", {"attention_bias": True}, "none", (2,)),  # o_proj's bias after the all-reduce
     "qwen3-qk-norm": ("qwen3", {"head_dim": 32}, "none", (2, 4)),
     "nvfp4": ("llama", {}, "nvfp4", (2, 4)),
     "fp8-block": ("llama", {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4}, "fp8_block",
