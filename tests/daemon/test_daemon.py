@@ -210,13 +210,16 @@ def test_other_uid_cannot_use_the_socket(daemon, tiny_llama):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as nobody")
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
-    # Imports happen as root (the interpreter lives under /root); the client runs as nobody.
+    # Imports happen as root (the interpreter and the checkout may be readable by root alone: grpc
+    # imports parts of itself when the first channel is made, so the client is made as root too);
+    # the connection and the call run as nobody.
     script = (
         "import os, sys\n"
         "from preload_daemon.client import DaemonClient\n"
         "from preload_daemon.errors import PreloadError\n"
+        "client = DaemonClient(%r, timeout=5)\n"
         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
-        "try:\n    DaemonClient(%r, timeout=5).attach('tiny-llama')\n    print('ATTACHED')\n"
+        "try:\n    client.attach('tiny-llama')\n    print('ATTACHED')\n"
         "except PreloadError as e:\n    print(type(e).__name__, e)\n"
     ) % str(daemon.config.socket_path)
 
