@@ -70,7 +70,7 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
                    weights_version=weights.attached.version if weights.attached else 0)
     except (PreloadError, OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
-    doc["error"] = error
+    doc["error"] = error[:4000]
     ranks = group.exchange(doc) if group is not None else [doc]
     failed = [r for r in ranks if r["error"]]
     if failed:  # the group stays open: rank 0 reports, then ends the others (see run_follower)
@@ -158,11 +158,9 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         outcome["code"] = 1
         server.should_exit = True
 
-    group = open_group(config)
-
     def start() -> None:
         try:
-            built = build(config, state.process_start, group)
+            built = build(config, state.process_start, open_group(config))
             if isinstance(built.model, Leader):
                 built.model.on_broken = fail
                 leaders.append(built.model)

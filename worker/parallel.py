@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from preload_daemon.errors import PreloadError
+
 log = logging.getLogger(__name__)
 
 STOP, FORWARD = 0, 1
@@ -25,8 +27,8 @@ JSON_BYTES = 1 << 16
 IDLE_TIMEOUT = datetime.timedelta(days=30)
 
 
-class ParallelError(RuntimeError):
-    """The tensor-parallel group broke (a rank died or hung)."""
+class ParallelError(PreloadError):
+    """The tensor-parallel group could not form, or broke (a rank died or hung)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -48,9 +50,13 @@ class TPGroup:
         self.rank, self.size = rendezvous.rank, rendezvous.size
         self.device = torch.device("cuda", int(device.split(":")[1])) if device.startswith("cuda") else \
             torch.device("cpu")
-        self.store = None if rendezvous.env else dist.TCPStore(
-            rendezvous.addr, rendezvous.port, self.size, is_master=self.rank == 0, wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=120))
+        try:
+            self.store = None if rendezvous.env else dist.TCPStore(
+                rendezvous.addr, rendezvous.port, self.size, is_master=self.rank == 0, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=120))
+        except RuntimeError as e:
+            raise ParallelError(f"rank {self.rank} could not reach the rendezvous at {rendezvous.addr}:"
+                                f"{rendezvous.port}: {e}") from e
         self.port = self.store.port if self.store else 0
 
     def join(self) -> "TPGroup":
