@@ -12,16 +12,13 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from kernels.formats import BLOCKS, FP8_BLOCK, MX_BLOCK, NV_BLOCK, SCHEMES
 from kernels.fp4 import E2M1_MAX, decode_packed, e2m1_encode, pack
 
 E4M3 = torch.float8_e4m3fn
 E8M0 = torch.float8_e8m0fnu
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
-FP8_BLOCK = 128
-MX_BLOCK = 32
-NV_BLOCK = 16
-SCHEMES = ("fp8_per_tensor", "fp8_per_channel", "fp8_block", "int8", "mxfp8", "mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,8 +120,7 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     n, k = q.shape
     if dim not in (0, 1) or not (0 <= start and length > 0 and start + length <= q.shape[dim]):
         raise ValueError(f"bad slice [{start}, {start + length}) of dim {dim} of a {list(q.shape)} weight")
-    row_block, col_block = {"fp8_block": (FP8_BLOCK, FP8_BLOCK), "mxfp8": (1, MX_BLOCK), "mxfp4": (1, MX_BLOCK),
-                            "nvfp4": (1, NV_BLOCK)}.get(q.scheme, (1, 1))
+    row_block, col_block = BLOCKS.get(q.scheme, (1, 1))
     if start == 0 and length == q.shape[dim]:
         return q
     block = row_block if dim == 0 else col_block

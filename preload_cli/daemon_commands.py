@@ -7,7 +7,6 @@ import pathlib
 import sys
 import time
 
-from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, parse_device
 from preload_daemon.errors import PreloadError
 
@@ -41,6 +40,7 @@ def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
 
 def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str, object]]:
     """(device, Stats or the error that stopped us reading them) per daemon."""
+    from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
     rows = []
     for dev, path in daemon_sockets(runtime_dir):
         if device and dev != device:
@@ -123,6 +123,7 @@ def not_ready_reason(runtime_dir: pathlib.Path, device: str, model: str) -> str 
 
 
 def cmd_evict(args) -> int:
+    from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
     name, _, version = args.target.partition("@")
     if version and not version.isdigit():
         print(f"preload evict: bad version {version!r} in {args.target!r}; use MODEL@N, e.g. llama@2", file=sys.stderr)

@@ -16,11 +16,10 @@ import secrets
 import subprocess
 import sys
 
-from preload_daemon.config import ensure_private_dir, parse_device
+from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
+from preload_daemon.config import ensure_private_dir, parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
-from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
-from preload_daemon.supervisor import resolve_devices
 
 EPILOG_ENGINE = """examples:
   preload engine --load-format ipc_cache --port 8000          # the default model, warm from the daemon

@@ -14,7 +14,7 @@ from preload_cli.bench import attach, decode, quant, replicas, restart
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import PreloadError
-from preload_daemon.plan import DTYPE_CHOICES, SCHEMES
+from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 
 RAW = argparse.RawDescriptionHelpFormatter
 EPILOG_SERVE = """examples:

@@ -4,15 +4,19 @@ plan, the shape checks and the engine's model all read this module; adding an ar
 tensor kind means editing it alone."""
 
 import dataclasses
+import json
+import os
+import pathlib
 import re
 from collections.abc import Callable
 
+from kernels import formats
 from preload_daemon.errors import CheckpointError, PlanError
 
-# Block sizes (along a weight's rows, along its columns) that a TP shard of a quantized projection
-# must fall on, so that every rank's parts are exactly the TP=1 parts sliced (kernels/quant.py).
-QUANT_BLOCKS = {"fp8_block": (128, 128), "mxfp8": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16)}
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+SCHEMES = ("none", *formats.SCHEMES)
 MAX_TP = 64
+CONFIG_MAX_BYTES = 4 << 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,7 +241,9 @@ class ArchSpec:
                 problems.append(f"{what}={n} is not divisible by {tp}")
         if self.num_kv_heads % tp and tp % self.num_kv_heads:
             problems.append(f"num_key_value_heads={self.num_kv_heads} neither divides nor is divisible by {tp}")
-        rows, cols = QUANT_BLOCKS.get(quantization, (1, 1))
+        # A TP shard of a quantized projection falls on whole blocks, so every rank's parts are
+        # exactly the TP=1 parts sliced (kernels.quant.narrow).
+        rows, cols = formats.BLOCKS.get(quantization, (1, 1))
         if problems or tp == 1 or (rows, cols) == (1, 1):
             return problems
         heads, kv_heads = self.local_heads(tp)
@@ -274,6 +280,28 @@ class ArchSpec:
             return Shard(0, rank * shape[0] // tp, shape[0] // tp)
         head = rank * self.num_kv_heads // tp
         return Shard(0, head * self.head_dim, self.head_dim)
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """A checkpoint's config.json: a JSON object of bounded size, or an error naming the fix."""
+    path = pathlib.Path(directory) / "config.json"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(CONFIG_MAX_BYTES + 1)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; a checkpoint directory needs the model's config.json next to "
+                              "its *.safetensors files") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e}); fix or re-export the config") from e
+    if len(data) > CONFIG_MAX_BYTES:
+        raise CheckpointError(f"{path} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
+    try:
+        config = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"{path}: cannot parse ({e}); fix or re-export the config") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    return config
 
 
 def _int(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:

@@ -12,6 +12,7 @@ import struct
 
 import torch
 
+from preload_daemon.arch import read_config
 from preload_daemon.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100 << 20
@@ -150,7 +151,7 @@ class Checkpoint:
         if not self.path.is_dir():
             raise CheckpointError(f"{self.path}: not a directory; pass a Hugging Face checkpoint directory "
                                   "(config.json plus *.safetensors)")
-        self.config = self._read_config()
+        self.config = read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         self.identity: list[FileIdentity] = []
         for file in self._weight_files():
@@ -205,19 +206,6 @@ class Checkpoint:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
-
-    def _read_config(self) -> dict:
-        config_path = self.path / "config.json"
-        try:
-            config = json.loads(config_path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{config_path} is missing; a checkpoint directory needs the model's "
-                                  "config.json next to its *.safetensors files") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{config_path}: cannot parse ({e}); fix or re-export the config") from e
-        if not isinstance(config, dict):
-            raise CheckpointError(f"{config_path}: not a JSON object")
-        return config
 
     def _weight_files(self) -> list[pathlib.Path]:
         index = self.path / INDEX_FILE

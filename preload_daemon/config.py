@@ -20,6 +20,19 @@ def parse_device(text: str) -> str:
     return f"{match.group(1)}:{int(match.group(2))}"
 
 
+def resolve_devices(devices: str, tp_size: int) -> list[str]:
+    """One device per TP rank: the comma-separated `devices`, or cpu:0..cpu:TP-1."""
+    if tp_size < 1:
+        raise InvalidRequestError(f"--tp-size must be at least 1, got {tp_size}")
+    if not devices:
+        return [f"cpu:{r}" for r in range(tp_size)]
+    parsed = [parse_device(d) for d in devices.split(",")]
+    if len(parsed) != tp_size or len(set(parsed)) != tp_size:
+        raise InvalidRequestError(f"--devices lists {len(parsed)} device(s) ({devices}) for --tp-size {tp_size}; "
+                                  "give one distinct device per rank")
+    return parsed
+
+
 def default_runtime_dir() -> pathlib.Path:
     """$PRELOAD_RUNTIME_DIR, else $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID."""
     if os.environ.get("PRELOAD_RUNTIME_DIR"):

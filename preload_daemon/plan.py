@@ -7,15 +7,13 @@ import dataclasses
 import torch
 
 from kernels import quant
-from preload_daemon.arch import IGNORED, ArchSpec, Shard, TensorKind, classify
+from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
 from preload_daemon.buffers import DTYPES
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 
 ALIGNMENT = 256
 FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-SCHEMES = ("none", *quant.SCHEMES)
 # What the manifest records of each scheme besides its name.
 SCHEME_PARAMS = {"fp8_block": {"block": "128x128"}, "mxfp8": {"block": "32"}, "mxfp4": {"block": "32"},
                  "nvfp4": {"block": "16"}}

@@ -14,7 +14,7 @@ import time
 from tqdm import tqdm
 
 from preload_daemon.client import DaemonClient
-from preload_daemon.config import DaemonConfig, ensure_private_dir, parse_device
+from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError, PreloadError
 from preload_daemon.plan import LoadSpec
@@ -80,18 +80,6 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
     daemon.wait_started()
     log.info("started daemon for %s (pid %d, log %s)", device, daemon.proc.pid, config.log_path)
     return daemon
-
-
-def resolve_devices(devices: str, tp_size: int) -> list[str]:
-    if tp_size < 1:
-        raise InvalidRequestError(f"--tp-size must be at least 1, got {tp_size}")
-    if not devices:
-        return [f"cpu:{r}" for r in range(tp_size)]
-    parsed = [parse_device(d) for d in devices.split(",")]
-    if len(parsed) != tp_size or len(set(parsed)) != tp_size:
-        raise InvalidRequestError(f"--devices lists {len(parsed)} device(s) ({devices}) for --tp-size {tp_size}; "
-                                  "give one distinct device per rank")
-    return parsed
 
 
 def load_all(specs: list[LoadSpec], devices: list[str], runtime_dir: pathlib.Path, show_progress: bool = True):

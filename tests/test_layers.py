@@ -57,3 +57,15 @@ def test_worker_does_not_import_the_cli():
     """No module in worker/ imports preload_cli or scripts, or loads code by path."""
     found = forbidden_imports("worker", ("preload_cli", "scripts"))
     assert not found, "\n".join(found)
+
+
+def test_the_command_line_starts_without_torch():
+    """Parsing a command (and starting an engine's other TP ranks) imports no torch: the ranks'
+    start-up overlaps rank 0's, and `preload --help` answers at once."""
+    code = ("import sys\nfrom preload_cli.main import build_parser\n"
+            "build_parser().parse_args(['engine', '--tp-size', '2'])\n"
+            "from worker.config import EngineConfig\nfrom preload_daemon.config import resolve_devices\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"torch imported: {out.stdout}"

@@ -3,10 +3,8 @@
 import dataclasses
 import pathlib
 
-from preload_daemon.arch import ArchSpec
-from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.arch import ArchSpec, read_config
 from preload_daemon.errors import InvalidRequestError
-from preload_daemon.plan import LoadSpec
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -57,13 +55,11 @@ class EngineConfig:
 
     def check_fits(self) -> None:
         """Refuses a TP size the model cannot be split into, before any process starts or byte loads."""
-        checkpoint = Checkpoint(self.model)
-        try:
-            ArchSpec.from_config(checkpoint.config, f"{self.model}/config.json").check_tp(self.tp_size,
-                                                                                        self.quantization)
-        finally:
-            checkpoint.close()
+        ArchSpec.from_config(read_config(self.model), f"{self.model}/config.json").check_tp(self.tp_size,
+                                                                                          self.quantization)
 
-    def load_spec(self) -> LoadSpec:
+    def load_spec(self):
+        from preload_daemon.plan import LoadSpec  # torch: not needed to start the other ranks
+
         return LoadSpec(path=str(self.model), name=self.name, dtype=self.dtype, quantization=self.quantization,
                         tp_size=self.tp_size, tp_rank=self.tp_rank)
