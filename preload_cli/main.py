@@ -3,7 +3,6 @@ daemon_commands (daemon, serve, status, wait-ready, evict, default-model), engin
 generate), demo and bench/ (attach, restart, decode, quant)."""
 
 import argparse
-import logging
 import pathlib
 import sys
 from types import ModuleType
@@ -12,7 +11,7 @@ from preload_cli import daemon_commands as dc
 from preload_cli import demo, engine_commands
 from preload_cli.bench import attach, decode, quant, replicas, restart
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
-from preload_daemon.config import default_runtime_dir
+from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 
@@ -35,7 +34,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runtime-dir", type=pathlib.Path, default=None,
                         help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
                              "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
 
 
 def add_module_command(parser: argparse.ArgumentParser, module: ModuleType) -> None:
@@ -138,8 +137,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = build_parser().parse_args(argv)
     args.argv = argv  # engines start their other ranks and replicas as the same command
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    configure_logging(args.log_level)
     args.runtime_dir = args.runtime_dir or default_runtime_dir()
     try:
         return args.func(args) or 0

@@ -2,12 +2,11 @@
 foreground, until SIGTERM/SIGINT. `preload serve` starts these; users normally run `preload daemon`."""
 
 import argparse
-import logging
 import pathlib
 import sys
 
 from preload_daemon import daemon
-from preload_daemon.config import DaemonConfig, default_runtime_dir
+from preload_daemon.config import LOG_LEVELS, DaemonConfig, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
 
 
@@ -18,11 +17,10 @@ def main(argv=None) -> int:
     parser.add_argument("--runtime-dir", type=pathlib.Path, default=None,
                         help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
                              "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     parser.add_argument("--http-port", type=int, default=None, help="also serve HTTP /health and /ready on this port")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    configure_logging(args.log_level)
     try:
         return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir or default_runtime_dir(),
                                        http_port=args.http_port)) or 0

@@ -3,13 +3,25 @@ that follow from it. Nothing else in the daemon reads os.environ."""
 
 import dataclasses
 import hashlib
+import logging
 import os
 import pathlib
 import re
+import sys
 
 from preload_daemon.errors import InvalidRequestError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def configure_logging(level: str) -> None:
+    """The one log format of every preload process (CLI, daemon, engine ranks, router): stderr,
+    with the pid, so interleaved lines of a process tree can be told apart."""
+    logging.basicConfig(level=level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
 
 
 def parse_device(text: str) -> str:

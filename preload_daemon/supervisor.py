@@ -16,7 +16,7 @@ from tqdm import tqdm
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
-from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError, PreloadError
+from preload_daemon.errors import DaemonUnavailableError, PreloadError
 from preload_daemon.plan import LoadSpec
 
 log = logging.getLogger(__name__)

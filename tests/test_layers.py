@@ -1,7 +1,6 @@
 """Imports flow one way: preload_cli -> worker -> preload_daemon -> kernels."""
 
 import ast
-import pathlib
 import subprocess
 import sys
 

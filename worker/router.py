@@ -241,6 +241,7 @@ def main() -> int:
     """`python -m worker.router '{"replicas": M, "socket_dir": DIR, "command": [...], "host": H,
     "port": P, "log_level": L}'`: the router, with its socket directory removed on exit."""
     settings = json.loads(sys.argv[1])
+    # Not preload_daemon.config.configure_logging: that would import grpc into this lean process.
     logging.basicConfig(level=settings.get("log_level", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
     socket_dir = pathlib.Path(settings["socket_dir"])
