@@ -121,9 +121,11 @@ def become_router(args, config) -> None:
     """Replaces this process with the lean DP router (no torch in it), which runs each replica as
     this same command with --dp-size 1."""
     sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
+    # Each replica sees --dp-size 1, so it is told its share of the cores here.
     settings = {"replicas": args.dp_size, "socket_dir": str(sockets), "host": args.host, "port": args.port,
                 "log_level": args.log_level,
-                "command": [sys.executable, "-m", "preload_cli", *args.argv, "--dp-size", "1"]}
+                "command": [sys.executable, "-m", "preload_cli", *args.argv, "--dp-size", "1", "--threads",
+                            str(config.num_threads or 1)]}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, [sys.executable, "-m", "worker.router", json.dumps(settings)])
