@@ -21,6 +21,7 @@ from preload_daemon.config import ensure_private_dir, parse_device, resolve_devi
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
 
+MAX_DP = 64  # replicas of one engine: each is a whole engine process (or N of them)
 EPILOG_ENGINE = """examples:
   preload engine --load-format ipc_cache --port 8000          # the default model, warm from the daemon
   preload engine /models/llama --load-format safetensors      # cold, no daemon needed
@@ -83,6 +84,9 @@ def engine_config(args):
         raise InvalidRequestError(f"--tp-size must be at least 1, got {args.tp_size}")
     rank, torchrun = args.tp_rank, False
     if rank is None and "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if not (os.environ["RANK"].isdigit() and os.environ["WORLD_SIZE"].isdigit()):
+            raise InvalidRequestError(f"RANK={os.environ['RANK']!r} and WORLD_SIZE={os.environ['WORLD_SIZE']!r} "
+                                      "must be whole numbers (as torchrun sets them); unset them outside torchrun")
         rank, torchrun = int(os.environ["RANK"]), True
         if int(os.environ["WORLD_SIZE"]) != args.tp_size:
             raise InvalidRequestError(f"torchrun started {os.environ['WORLD_SIZE']} processes for --tp-size "
@@ -132,8 +136,8 @@ def become_router(args, config) -> None:
 
 
 def cmd_engine(args) -> int:
-    if args.dp_size < 1:
-        raise InvalidRequestError(f"--dp-size must be at least 1, got {args.dp_size}")
+    if not 1 <= args.dp_size <= MAX_DP:
+        raise InvalidRequestError(f"--dp-size must be in [1, {MAX_DP}], got {args.dp_size}")
     config = engine_config(args)
     if args.dp_size > 1:
         config.check_fits()

@@ -46,6 +46,9 @@ class EngineConfig:
                                       f"for --tp-size {self.tp_size}; give one distinct device per rank")
         if self.max_batch < 1 or self.max_model_len < 2:
             raise InvalidRequestError("--max-batch must be >= 1 and --max-model-len >= 2")
+        if self.num_threads < 0:
+            raise InvalidRequestError(f"--threads must be >= 0 (0: the cores divided among the processes), "
+                                      f"got {self.num_threads}")
         if not self.name:
             object.__setattr__(self, "name", self.model.name)
 

@@ -32,6 +32,7 @@ from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0
+MAX_BODY_BYTES = 16 << 20  # a request body the router buffers (to retry it on another replica)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate"}
 
@@ -166,7 +167,12 @@ def build_app(router: Router) -> Starlette:
 
     async def proxy(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        body = await request.body()
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                return JSONResponse({"error": {"message": f"request body over {MAX_BODY_BYTES >> 20} MiB",
+                                               "type": "invalid_request_error", "code": 413}}, status_code=413)
         # A replica that cannot be reached is taken out of rotation and the request goes to another:
         # nothing reached the engine, so trying again is safe.
         for _ in router.replicas:
@@ -174,7 +180,7 @@ def build_app(router: Router) -> Starlette:
             if replica is None:
                 break
             upstream = replica.client.build_request(request.method, request.url.path, params=request.query_params,
-                                                    headers=headers, content=body)
+                                                    headers=headers, content=bytes(body))
             replica.in_flight += 1
             try:
                 response = await replica.client.send(upstream, stream=True)

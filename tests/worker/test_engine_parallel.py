@@ -78,6 +78,24 @@ def test_generate_tp2_cold_and_warm_equals_tp1(runtime_dir, tiny_llama):
         stop_daemons(runtime_dir)
 
 
+@pytest.mark.parametrize("args, env, message", [
+    (["--tp-size", "0"], {}, "--tp-size must be at least 1, got 0"),
+    (["--threads", "-1"], {}, "--threads must be >= 0"),
+    (["--tp-size", "2"], {"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' and WORLD_SIZE='2' must be whole numbers"),
+    (["--tp-size", "2"], {"RANK": "0", "WORLD_SIZE": "3"}, "torchrun started 3 processes for --tp-size 2"),
+    (["--tp-size", "2", "--devices", "cpu:0,cpu:0"], {}, "give one distinct device per rank"),
+])
+def test_bad_parallel_flags_are_one_clear_line(runtime_dir, tiny_llama, args, env, message):
+    out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--load-format", "safetensors", *args,
+                      "--runtime-dir", runtime_dir, env_extra=env)
+    assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_dp_size_out_of_bounds(runtime_dir, tiny_llama):
+    out = run_preload("engine", tiny_llama, "--dp-size", "1000", "--runtime-dir", runtime_dir)
+    assert out.returncode == 1 and "--dp-size must be in [1, 64], got 1000" in out.stderr
+
+
 def test_tp_size_that_does_not_fit_fails_before_loading(runtime_dir, tiny_llama):
     out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--tp-size", "3", "--load-format", "safetensors",
                       "--runtime-dir", runtime_dir)
@@ -113,6 +131,11 @@ def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir
         assert status == 200 and body["status"] == "ready" and body["replicas_ready"] == 2
         for _ in range(4):
             assert complete(engine.url)["choices"][0]["finish_reason"] in ("length", "stop")
+        huge = urllib.request.Request(engine.url + "/v1/completions", b" " * (17 << 20),
+                                      {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(huge, timeout=60)
+        assert err.value.code == 413
         replicas = [r["engine"]["pid"] for r in body["replicas"]]
         shm = DaemonConfig(runtime_dir=runtime_dir).shm_dir
         slab_pss = [slab_memory(pid, shm) for pid in replicas]
