@@ -202,6 +202,11 @@ class ArchSpec:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def context_len(self, requested: int) -> int:
+        """Positions a KV cache holds for `requested`: never past max_position_embeddings. Every TP
+        rank sizes its cache with this, so rank 0's positions fit all of them."""
+        return min(requested, self.max_position_embeddings)
+
     def local_heads(self, tp: int) -> tuple[int, int]:
         """(query heads, kv heads) one of `tp` ranks holds: kv heads are replicated when there are
         fewer of them than ranks."""

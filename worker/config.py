@@ -30,7 +30,7 @@ class EngineConfig:
     tp_rank: int = 0
     rendezvous_addr: str = "127.0.0.1"
     rendezvous_port: int = 0
-    """Rank 0's TCP store; 0 on rank 0 picks a free port that the other ranks are then given."""
+    """Rank 0's TCP store, on rendezvous_addr; rank 0's command picks it and gives it to the others."""
     rendezvous_env: bool = False
     """Started by torchrun: join through its environment (env://) instead."""
     replica: int = 0

@@ -63,7 +63,7 @@ class Result:
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048):
         self.model = model
-        self.max_len = min(max_len, model.spec.max_position_embeddings)
+        self.max_len = model.spec.context_len(max_len)
         self.cache = model.new_cache(max_batch, self.max_len)
         self._pending: queue.Queue[Request | None] = queue.Queue()
         self._free = list(range(max_batch))

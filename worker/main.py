@@ -99,8 +99,7 @@ def run_follower(config: EngineConfig) -> int:
             pass
         return 1
     try:
-        follow(built.model, built.group, config.max_batch, min(config.max_model_len,
-                                                               built.model.spec.max_position_embeddings))
+        follow(built.model, built.group, config.max_batch, built.model.spec.context_len(config.max_model_len))
     except ParallelError as e:
         log.error("%s", e)
         return 1

@@ -33,7 +33,7 @@ class ParallelError(PreloadError):
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
 class Rendezvous:
-    """Where the ranks of one engine meet: rank 0 hosts a TCP store on loopback (port 0 picks one)."""
+    """Where the ranks of one engine meet: rank 0 hosts a TCP store at addr:port, the others connect."""
 
     rank: int
     size: int
@@ -57,10 +57,9 @@ class TPGroup:
         except RuntimeError as e:
             raise ParallelError(f"rank {self.rank} could not reach the rendezvous at {rendezvous.addr}:"
                                 f"{rendezvous.port}: {e}") from e
-        self.port = self.store.port if self.store else 0
 
     def join(self) -> "TPGroup":
-        """Blocks until every rank has joined (call after starting the others with `self.port`)."""
+        """Blocks until every rank has joined."""
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)

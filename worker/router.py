@@ -87,7 +87,6 @@ class Replica:
 class Router:
     def __init__(self, num_replicas: int, socket_dir: pathlib.Path, command: list[str]):
         self.replicas = [Replica(i, socket_dir / f"replica-{i}.sock", command) for i in range(num_replicas)]
-        self.started = time.time()
         self.failure = ""
         self.stopping = threading.Event()
 
