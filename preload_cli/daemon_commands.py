@@ -29,18 +29,10 @@ def cmd_default_model(args) -> int:
     return 0
 
 
-def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """(device, socket) for every daemon socket in the runtime dir."""
-    found = []
-    for path in sorted(runtime_dir.glob("daemon-*.sock")):
-        kind, _, index = path.stem.removeprefix("daemon-").partition("-")
-        found.append((f"{kind}:{index}", path))
-    return found
-
-
 def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str, object]]:
     """(device, Stats or the error that stopped us reading them) per daemon."""
     from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
+    from preload_daemon.versions import daemon_sockets
     rows = []
     for dev, path in daemon_sockets(runtime_dir):
         if device and dev != device:

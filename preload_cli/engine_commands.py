@@ -26,6 +26,8 @@ EPILOG_ENGINE = """examples:
   preload engine --load-format ipc_cache --port 8000          # the default model, warm from the daemon
   preload engine /models/llama --load-format safetensors      # cold, no daemon needed
   preload engine /models/llama --load-format ipc_cache --no-fallback
+  preload engine /models/llama --name llama --weights-version 3    # that version, e.g. after a rollback
+  preload engine /models/llama --wait-for-daemon 120               # a cold-start hook: the daemon may still load
   preload engine /models/llama --tp-size 2                    # ranks on cpu:0 and cpu:1 (see `preload serve --tp-size`)
   preload engine /models/llama --dp-size 4                    # 4 replicas behind one port, one copy of the weights
   torchrun --nproc-per-node 2 -m preload_cli engine /models/llama --tp-size 2
@@ -52,6 +54,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="ipc_cache attaches to the daemon (falling back to a cold load); safetensors loads cold")
     p.add_argument("--no-fallback", action="store_true", help="with ipc_cache, fail instead of loading cold")
     p.add_argument("--name", default="", help="model name in the daemon (default: the directory's name)")
+    p.add_argument("--weights-version", default="", metavar="V|active",
+                   help="attach to this version of --name (a number, or 'active') instead of the version loaded "
+                        "from MODEL's files; MODEL still gives the config and tokenizer, and there is no cold "
+                        "fallback")
+    p.add_argument("--wait-for-daemon", type=float, default=0.0, metavar="S",
+                   help="with ipc_cache, wait up to S seconds for a daemon that is absent or still loading before "
+                        "falling back (default 0: fall back at once)")
     p.add_argument("--device", default="cpu:0", type=device_arg, help="the device at TP 1 (default cpu:0)")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks, one process each (default 1)")
     p.add_argument("--devices", default="", help="comma-separated, one per TP rank (default cpu:0..cpu:TP-1); "
@@ -102,7 +111,8 @@ def engine_config(args):
         quantization=args.quantization, runtime_dir=args.runtime_dir, max_batch=args.max_batch,
         max_model_len=args.max_model_len, tp_size=args.tp_size, tp_rank=rank or 0,
         rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
-        rendezvous_env=torchrun, replica=args.replica, num_threads=threads)
+        rendezvous_env=torchrun, replica=args.replica, num_threads=threads, weights_version=args.weights_version,
+        wait_for_daemon=args.wait_for_daemon)
     return config
 
 

@@ -188,6 +188,13 @@ class ArchSpec:
             # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
             attention_bias=arch != "Qwen2ForCausalLM" and config.get("attention_bias") is True)
 
+    def differences(self, other: "ArchSpec") -> list[str]:
+        """The fields that decide weight shapes and the forward pass in which `other` differs."""
+        fields = ("architecture", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                  "vocab_size", "num_layers", "num_mtp_layers", "tie_word_embeddings", "attention_bias")
+        return [f"{f} ({getattr(self, f)!r} vs {getattr(other, f)!r})" for f in fields
+                if getattr(self, f) != getattr(other, f)]
+
     # -- derived numbers -----------------------------------------------------------------------
 
     @property
@@ -298,14 +305,19 @@ def read_config(directory: str | os.PathLike) -> dict:
                               "its *.safetensors files") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e}); fix or re-export the config") from e
+    return parse_config(data, str(path))
+
+
+def parse_config(data: bytes | str, source: str) -> dict:
+    """config.json's text (from a file or a publishing client) as a JSON object of bounded size."""
     if len(data) > CONFIG_MAX_BYTES:
-        raise CheckpointError(f"{path} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
+        raise CheckpointError(f"{source} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
     try:
         config = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{path}: cannot parse ({e}); fix or re-export the config") from e
+        raise CheckpointError(f"{source}: cannot parse ({e}); fix or re-export the config") from e
     if not isinstance(config, dict):
-        raise CheckpointError(f"{path}: not a JSON object")
+        raise CheckpointError(f"{source}: not a JSON object")
     return config
 
 

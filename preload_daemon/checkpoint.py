@@ -39,7 +39,10 @@ class FileIdentity:
     header_sha256: str
 
     def differences(self, other: "FileIdentity") -> list[str]:
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        """Fields that differ; an empty header hash in `other` (a caller that only stat-ed the file,
+        see stat_identity) is not compared."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)
+                and not (f.name == "header_sha256" and not other.header_sha256)]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,6 +146,50 @@ def refresh_identity(files: tuple[FileIdentity, ...]) -> tuple[FileIdentity, ...
     return tuple(fresh)
 
 
+def stat_identity(directory: str | os.PathLike) -> tuple[FileIdentity, ...]:
+    """The identity of a checkpoint's weight files from one stat each, without reading them: what an
+    engine sends the daemon to say which files it was started on (the header hash is left empty)."""
+    path = pathlib.Path(directory).resolve()
+    identity = []
+    for file in weight_files(path):
+        try:
+            info = os.stat(file)
+        except OSError as e:
+            raise CheckpointError(f"{file}: cannot stat ({e})") from e
+        identity.append(FileIdentity(str(file.resolve()), info.st_size, info.st_mtime_ns, info.st_ino, ""))
+    return tuple(identity)
+
+
+def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
+    """The *.safetensors files of a checkpoint directory: those its index names, else all of them."""
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory "
+                              "(config.json plus *.safetensors)")
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = read_index(index)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names files that do not exist: {', '.join(missing)}; "
+                                  "copy the whole checkpoint directory")
+        return [path / f for f in files]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors files; convert the weights to safetensors first")
+    return files
+
+
+def read_index(index: pathlib.Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: cannot read its weight_map ({e}); fix or delete the index") from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map is not an object")
+    return weight_map
+
+
 class Checkpoint:
     """A checkpoint directory, opened lazily: headers now, bytes only when a tensor is read."""
 
@@ -154,7 +201,7 @@ class Checkpoint:
         self.config = read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         self.identity: list[FileIdentity] = []
-        for file in self._weight_files():
+        for file in weight_files(self.path):
             tensors, identity = read_header(file)
             twice = sorted(tensors.keys() & self.tensors.keys())
             if twice:
@@ -207,35 +254,11 @@ class Checkpoint:
             os.close(fd)
         self._fds.clear()
 
-    def _weight_files(self) -> list[pathlib.Path]:
-        index = self.path / INDEX_FILE
-        if index.exists():
-            weight_map = self._read_index(index)
-            files = sorted(set(weight_map.values()))
-            missing = [f for f in files if not (self.path / f).is_file()]
-            if missing:
-                raise CheckpointError(f"{index} names files that do not exist: {', '.join(missing)}; "
-                                      "copy the whole checkpoint directory")
-            return [self.path / f for f in files]
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{self.path}: no *.safetensors files; convert the weights to safetensors first")
-        return files
-
-    def _read_index(self, index: pathlib.Path) -> dict[str, str]:
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: cannot read its weight_map ({e}); fix or delete the index") from e
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index}: weight_map is not an object")
-        return weight_map
-
     def _check_index(self) -> None:
         index = self.path / INDEX_FILE
         if not index.exists():
             return
-        for name, file in self._read_index(index).items():
+        for name, file in read_index(index).items():
             info = self.tensors.get(name)
             if info is None or info.file.name != file:
                 raise CheckpointError(f"{index} places tensor {name!r} in {file}, but that file does not hold "

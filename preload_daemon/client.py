@@ -1,13 +1,20 @@
-"""The client library: talk to a per-device daemon and map its slabs zero-copy.
+"""The client library: talk to a per-device daemon, map its slabs zero-copy, publish versions.
 
     with DaemonClient.for_device("cpu:0") as client:
         client.load(LoadSpec(path="/models/llama"))
         model = client.attach("llama")          # a Mapping {name: tensor}, views into the slab
         logits = model["lm_head.weight"] @ h
         model.release()
+
+        # A trainer publishes its live weights as the next version, without writing them to disk:
+        client.publish("llama", trainer_model.state_dict(), trainer_model.config.to_dict())
+
+Publishing to every TP rank's daemon at once, with the pointer moved only when all are ready, is
+`preload_daemon.versions.publish_tensors`.
 """
 
 import collections.abc
+import dataclasses
 import json
 import os
 import pathlib
@@ -16,14 +23,17 @@ import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from preload_daemon.buffers import dtype_from_name, typed_view
+from preload_daemon.buffers import dtype_from_name, dtype_name, typed_view
 from preload_daemon.cachekey import CacheKey
+from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import default_runtime_dir, parse_device, socket_path
 from preload_daemon.errors import InvalidRequestError, from_rpc_error
-from preload_daemon.plan import LoadSpec
+from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.slab import map_slab
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
+
+CHUNK_BYTES = 4 << 20
 
 
 class AttachedModel(collections.abc.Mapping):
@@ -74,7 +84,8 @@ class DaemonClient:
         self.path = pathlib.Path(path)
         self.timeout = timeout
         self._channel = grpc.insecure_channel(f"unix:{self.path}", options=[
-            ("grpc.max_receive_message_length", 256 << 20), ("grpc.enable_http_proxy", 0)])
+            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.enable_http_proxy", 0)])
         self._stub = pb_grpc.WeightCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -99,27 +110,88 @@ class DaemonClient:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def load(self, spec: LoadSpec, on_progress=None, timeout: float | None = None) -> pb.ModelInfo:
-        """Loads a checkpoint (or finds it loaded); `on_progress(pb.LoadProgress)` sees the stream."""
-        request = pb.LoadModelRequest(spec=pb.LoadSpec(
-            path=os.path.abspath(spec.path), name=spec.name, dtype=spec.dtype, quantization=spec.quantization,
-            tp_size=spec.tp_size, tp_rank=spec.tp_rank, component=spec.component))
+    def load(self, spec: LoadSpec, on_progress=None, timeout: float | None = None, *,
+             layouts: tuple[Layout, ...] = (), version: int = 0, activate: bool = True,
+             keep: int | None = None, max_bytes: int | None = None) -> pb.ModelInfo:
+        """Loads a checkpoint's variant (spec's layout, plus `layouts`) into the version loaded from
+        the same files, or into a new version (numbered `version`, or the next) that becomes active
+        if `activate`. `on_progress(pb.LoadProgress)` sees the stream; returns spec's variant (the
+        final message's `variants` has them all: see load_all)."""
+        return self.load_all(spec, on_progress, timeout, layouts=layouts, version=version, activate=activate,
+                             keep=keep, max_bytes=max_bytes)[0]
+
+    def load_all(self, spec: LoadSpec, on_progress=None, timeout: float | None = None, *,
+                 layouts: tuple[Layout, ...] = (), version: int = 0, activate: bool = True,
+                 keep: int | None = None, max_bytes: int | None = None) -> list[pb.ModelInfo]:
+        request = pb.LoadModelRequest(
+            spec=pb.LoadSpec(path=os.path.abspath(spec.path), name=spec.name, dtype=spec.dtype,
+                             quantization=spec.quantization, tp_size=spec.tp_size, tp_rank=spec.tp_rank,
+                             component=spec.component),
+            layouts=[_layout(x) for x in layouts], version=version, activate=activate,
+            retention=_retention(keep, max_bytes))
         try:
             for update in self._stub.LoadModel(request, timeout=timeout):
                 if on_progress is not None:
                     on_progress(update)
                 if update.HasField("model"):
-                    return update.model
+                    return list(update.variants) or [update.model]
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
         raise InvalidRequestError("the daemon ended the load stream without a result; see its log")
 
+    def publish(self, name: str, tensors, config: dict, *, version: int = 0, layouts: tuple[Layout, ...] = (),
+                activate: bool = True, keep: int | None = None, max_bytes: int | None = None, label: str = "",
+                chunk_bytes: int = CHUNK_BYTES, on_progress=None, timeout: float | None = None) -> list[pb.ModelInfo]:
+        """Publishes a new version of `name` from tensors in this process ({name: tensor}, e.g. a
+        live model's state_dict(), named as in its Hugging Face checkpoint) and its config.json as a
+        dict. Streams tensor after tensor in chunks: this side holds one chunk (plus one tensor when
+        it is on a GPU or not contiguous), the daemon one tensor. Aliased tensors (tied embeddings)
+        are sent once. Returns the new version's variants. `on_progress(bytes_sent, bytes_total)`."""
+        items = _unique_tensors(tensors)
+        header = pb.PublishHeader(
+            model=name, version=version, config_json=json.dumps(config), layouts=[_layout(x) for x in layouts],
+            activate=activate, retention=_retention(keep, max_bytes), label=label,
+            tensors=[pb.TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in items])
+        total = sum(t.numel() * t.element_size() for _, t in items)
+
+        def chunks():
+            yield pb.PublishChunk(header=header)
+            sent = 0
+            for index, (_, tensor) in enumerate(items):
+                data = tensor.detach().to("cpu").contiguous().reshape(-1)
+                raw = memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
+                for offset in range(0, len(raw), chunk_bytes):
+                    piece = raw[offset:offset + chunk_bytes]
+                    yield pb.PublishChunk(data=pb.TensorData(index=index, offset=offset, data=piece.tobytes()))
+                    sent += len(piece)
+                    if on_progress is not None:
+                        on_progress(sent, total)
+
+        return list(self._call(self._stub.PublishStream, chunks(), timeout).variants)
+
+    def set_active(self, model: str, version: int) -> pb.ModelSummary:
+        return self._call(self._stub.SetActive, pb.SetActiveRequest(model=model, version=version))
+
+    def pin(self, model: str, version: int, pinned: bool = True) -> pb.ModelSummary:
+        return self._call(self._stub.Pin, pb.PinRequest(model=model, version=version, pinned=pinned))
+
     def list_models(self) -> list[pb.ModelInfo]:
+        """Every variant of every version."""
         return list(self._call(self._stub.ListModels, pb.ListModelsRequest()).models)
 
-    def attach(self, model: str, version: int = 0, expect: CacheKey | None = None) -> AttachedModel:
-        request = pb.AttachRequest(model=model, version=version, check_expect=expect is not None,
-                                   expect=expect.to_proto() if expect is not None else None)
+    def summaries(self) -> list[pb.ModelSummary]:
+        """Per model name: versions, the active one, pins, retention, recent failures."""
+        return list(self._call(self._stub.ListModels, pb.ListModelsRequest()).summaries)
+
+    def attach(self, model: str, version: int = 0, layout: Layout | None = None,
+               files: tuple[FileIdentity, ...] = ()) -> AttachedModel:
+        """Leases the variant `layout` (default: the version's first main variant) of `version`, else
+        of the version loaded from `files` (checkpoint.stat_identity of the caller's checkpoint),
+        else of the active version."""
+        request = pb.AttachRequest(model=model, version=version,
+                                   files=[pb.FileIdentity(**dataclasses.asdict(f)) for f in files])
+        if layout is not None:
+            request.layout.CopyFrom(_layout(layout))
         return AttachedModel(self, self._call(self._stub.Attach, request))
 
     def renew(self, lease_id: str) -> pb.Lease:
@@ -141,7 +213,38 @@ class DaemonClient:
 
 
 def attach(model: str, device: str = "cpu:0", runtime_dir: str | os.PathLike | None = None,
-           version: int = 0, expect: CacheKey | None = None) -> AttachedModel:
+           version: int = 0, layout: Layout | None = None) -> AttachedModel:
     """Attaches to `model` on the daemon for `device`: {name: tensor} views, zero-copy, leased."""
     client = DaemonClient.for_device(device, runtime_dir)
-    return client.attach(model, version, expect)
+    return client.attach(model, version, layout)
+
+
+def _layout(layout: Layout) -> pb.Layout:
+    return pb.Layout(dtype=layout.dtype, quantization=layout.quantization, tp_size=layout.tp_size,
+                     tp_rank=layout.tp_rank, component=layout.component)
+
+
+def _retention(keep: int | None, max_bytes: int | None) -> pb.Retention:
+    retention = pb.Retention()
+    if keep is not None:
+        retention.keep = keep
+    if max_bytes is not None:
+        retention.max_bytes = max_bytes
+    return retention
+
+
+def _unique_tensors(tensors) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs, each storage sent once: a tensor that aliases an earlier one (a tied
+    lm_head) is left out, as save_pretrained leaves it out of a checkpoint."""
+    items = tensors.items() if isinstance(tensors, collections.abc.Mapping) else tensors
+    seen, out = set(), []
+    for name, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidRequestError(f"{name!r} is a {type(tensor).__name__}, not a tensor")
+        alias = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype) \
+            if tensor.numel() else None
+        if alias is not None and alias in seen:
+            continue
+        seen.add(alias)
+        out.append((name, tensor))
+    return out

@@ -45,7 +45,7 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
              f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
     on_started(server, http_port)
     stop.wait()
-    log.info("daemon for %s shutting down: freeing %d model version(s)", config.device, len(server.store.models()))
+    log.info("daemon for %s shutting down: freeing %d slab(s)", config.device, len(server.store.variants()))
     if probes:
         probes.shutdown()
     server.stop()
@@ -67,7 +67,9 @@ def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPSer
                 self._reply(200, {"status": "alive", "device": server.config.device})
             elif self.path == "/ready":
                 ready = server.ready()
-                models = [{"name": m.name, "version": m.version, "state": m.state} for m, _ in server.store.models()]
+                models = [{"name": m.name, "active_version": m.active,
+                           "versions": [{"version": n, "state": v.state} for n, v in sorted(m.versions.items())]}
+                          for m in server.store.models()]
                 self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
                                                     "loading": server.store.is_loading(), "models": models})
             else:

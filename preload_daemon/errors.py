@@ -29,6 +29,14 @@ class LeasedError(PreloadError):
     """The model is leased by live processes; eviction needs --force."""
 
 
+class BudgetError(PreloadError):
+    """A load does not fit the model's byte budget, even after retention freed what it may."""
+
+
+class LoadingError(PreloadError):
+    """What the caller wants is still loading; retry shortly."""
+
+
 class AccessDeniedError(PreloadError):
     """The caller is not allowed to talk to this daemon."""
 
@@ -48,6 +56,8 @@ STATUS_CODES: dict[type[PreloadError], grpc.StatusCode] = {
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     StaleError: grpc.StatusCode.FAILED_PRECONDITION,
     LeasedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    BudgetError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    LoadingError: grpc.StatusCode.UNAVAILABLE,
     AccessDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     DaemonUnavailableError: grpc.StatusCode.UNAVAILABLE,
 }

@@ -17,19 +17,9 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
     reader = _Reader(checkpoint)
-    entries = plan.entries
-    hashed = i = 0
-    while i < len(entries):
-        group = [entries[i]]
-        if entries[i].quantize:  # the parts of one quantized source follow each other
-            while i + len(group) < len(entries) and entries[i + len(group)].source == entries[i].source \
-                    and entries[i + len(group)].quantize:
-                group.append(entries[i + len(group)])
-            _quantize_into(reader, group, dest)
-        elif entries[i].nbytes:
-            reader.copy_into(entries[i], dest[entries[i].offset:entries[i].offset + entries[i].nbytes])
-        i += len(group)
-        next_offset = entries[i].offset if i < len(entries) else plan.total_bytes
+    hashed = 0
+    for group, next_offset in groups(plan):
+        write_group(reader, group, dest)
         dest[group[-1].offset + group[-1].nbytes:next_offset].zero_()  # padding: fresh memory holds garbage
         if hasher is not None:
             hasher.update(memoryview(dest[hashed:next_offset].numpy()))
@@ -39,7 +29,45 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 on_tensor(entry)
 
 
-def _quantize_into(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor) -> None:
+def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
+    """The plan's entries grouped by what one write makes: the parts of one quantized source (they
+    follow each other), or one copied tensor; each with the offset where the next group starts."""
+    entries, out, i = plan.entries, [], 0
+    while i < len(entries):
+        group = [entries[i]]
+        if entries[i].quantize:
+            while i + len(group) < len(entries) and entries[i + len(group)].source == entries[i].source \
+                    and entries[i + len(group)].quantize:
+                group.append(entries[i + len(group)])
+        i += len(group)
+        out.append((group, entries[i].offset if i < len(entries) else plan.total_bytes))
+    return out
+
+
+def write_group(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
+    """Writes one group's bytes into `dest`. `reader` has read(name, shard) -> tensor and
+    copy_into(entry, out): a checkpoint's files, or the tensor a publishing client just sent."""
+    if group[0].quantize:
+        _quantize_into(reader, group, dest)
+    elif group[0].nbytes:
+        reader.copy_into(group[0], dest[group[0].offset:group[0].offset + group[0].nbytes])
+
+
+class TensorReader:
+    """A reader over tensors already in memory ({name: tensor}), e.g. one streamed by a trainer."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def read(self, name: str, shard) -> torch.Tensor:
+        t = self.tensors[name]
+        return t if shard is None else t.narrow(shard.dim, shard.start, shard.length)
+
+    def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
+        out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
+
+
+def _quantize_into(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
     first = group[0]
     try:
         # The whole weight, then this rank's slice: scales that span the slice (per tensor, per row

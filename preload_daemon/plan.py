@@ -21,6 +21,41 @@ COMPONENTS = ("main", "draft")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class Layout:
+    """How one variant of a model version is laid out: its dtype, quantization, TP rank and component."""
+
+    dtype: str = "auto"
+    """Target dtype of floating tensors; "auto" keeps config.json's torch_dtype."""
+    quantization: str = "none"
+    """Scheme for the linear projections (kernels/quant.py), or "none"."""
+    tp_size: int = 1
+    tp_rank: int = 0
+    component: str = "main"
+    """"main" for the model, "draft" for its MTP layers."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_CHOICES:
+            raise PlanError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+        if self.quantization not in SCHEMES:
+            raise PlanError(f"unknown quantization scheme {self.quantization!r}; known: {', '.join(SCHEMES)}")
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise PlanError(f"tp_rank {self.tp_rank} is not in [0, tp_size={self.tp_size})")
+        if self.component not in COMPONENTS:
+            raise PlanError(f"unknown component {self.component!r}; choose one of {', '.join(COMPONENTS)}")
+
+    def resolve(self, arch: ArchSpec) -> "Layout":
+        """The same layout with "auto" replaced by the dtype it stands for in this model."""
+        return dataclasses.replace(self, dtype=str(_target_dtype(arch, self)).removeprefix("torch."))
+
+    def differences(self, other: "Layout") -> list[str]:
+        return [f"{f.name} ({getattr(self, f.name)!r} here, {getattr(other, f.name)!r} asked)"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    def __str__(self) -> str:
+        return f"{self.dtype}/{self.quantization} rank {self.tp_rank}/{self.tp_size} {self.component}"
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
 class LoadSpec:
     """What to load and how to lay it out for one rank."""
 
@@ -40,14 +75,15 @@ class LoadSpec:
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", self.path.rstrip("/").rsplit("/", 1)[-1])
-        if self.dtype not in DTYPE_CHOICES:
-            raise PlanError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
-        if self.quantization not in SCHEMES:
-            raise PlanError(f"unknown quantization scheme {self.quantization!r}; known: {', '.join(SCHEMES)}")
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise PlanError(f"tp_rank {self.tp_rank} is not in [0, tp_size={self.tp_size})")
-        if self.component not in COMPONENTS:
-            raise PlanError(f"unknown component {self.component!r}; choose one of {', '.join(COMPONENTS)}")
+        self.layout  # checks the layout fields
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(dtype=self.dtype, quantization=self.quantization, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                      component=self.component)
+
+    def with_layout(self, layout: Layout) -> "LoadSpec":
+        return dataclasses.replace(self, **dataclasses.asdict(layout))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,6 +121,11 @@ class LoadPlan:
     @property
     def tensor_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries)
+
+    @property
+    def layout(self) -> Layout:
+        """The spec's layout with its dtype resolved: what identifies this variant of a version."""
+        return dataclasses.replace(self.spec.layout, dtype=str(self.dtype).removeprefix("torch."))
 
 
 def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
@@ -167,7 +208,7 @@ def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None):
     return scale_name, scale_shard, tuple(scale_shape)
 
 
-def _target_dtype(arch: ArchSpec, spec: LoadSpec) -> torch.dtype:
+def _target_dtype(arch: ArchSpec, spec) -> torch.dtype:
     if spec.dtype != "auto":
         return DTYPES[spec.dtype]
     name = arch.torch_dtype or "bfloat16"

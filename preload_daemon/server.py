@@ -14,18 +14,21 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from preload_daemon import __version__
-from preload_daemon.cachekey import CacheKey
+from preload_daemon import stream
+from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
 from preload_daemon.errors import AccessDeniedError, InvalidRequestError, PreloadError, to_status
 from preload_daemon.peercred import PeerCredRelay
-from preload_daemon.plan import LoadSpec
-from preload_daemon.store import LoadProgress, ModelStore, ModelVersion
+from preload_daemon.plan import Layout, LoadSpec
+from preload_daemon.store import LoadProgress, Model, ModelStore, Retention, Variant
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightCache"].full_name
 MAX_NAME = 4096
+MAX_FILES = 100_000
+MAX_KEEP = 1000
 
 
 def _rpc(method):
@@ -52,6 +55,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
     def LoadModel(self, request, context):
         try:
             spec = _spec_from_proto(request.spec)
+            layouts = tuple(_layout(x) for x in request.layouts)
+            retention = _retention(request.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
         updates: queue.Queue = queue.Queue()
@@ -59,7 +64,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
         def run() -> None:
             try:
-                result["model"] = self.store.load(spec, lambda p: updates.put(_progress(p)))
+                result["variants"] = self.store.load(spec, layouts, request.version, request.activate, retention,
+                                                     lambda p: updates.put(_progress(p)))
             except BaseException as e:  # handed to the streaming thread below
                 result["error"] = e
             finally:
@@ -72,27 +78,54 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                     or updates.qsize() == 0:  # coalesce when the client reads slower than we load
                 yield update
         if "error" in result:
-            error = result["error"]
-            if isinstance(error, PreloadError):
-                context.abort(*to_status(error))
-            log.error("loading %s failed", spec.name, exc_info=error)
-            context.abort(grpc.StatusCode.INTERNAL, f"loading {spec.name} failed: {error}; see the daemon log")
-        model = result["model"]
-        yield pb.LoadProgress(stage="ready", bytes_done=model.plan.tensor_bytes, bytes_total=model.plan.tensor_bytes,
-                              tensors_done=len(model.plan.entries), tensors_total=len(model.plan.entries),
-                              model=self._info(model))
+            self._abort(context, f"loading {spec.name}", result["error"])
+        variants = [self._info(v) for v in result["variants"]]
+        total = sum(v.plan.tensor_bytes for v in result["variants"])
+        tensors = sum(len(v.plan.entries) for v in result["variants"])
+        yield pb.LoadProgress(stage="ready", bytes_done=total, bytes_total=total, tensors_done=tensors,
+                              tensors_total=tensors, model=variants[0], variants=variants)
+
+    def PublishStream(self, request_iterator, context):
+        first = next(request_iterator, None)
+        try:
+            if first is None or first.WhichOneof("kind") != "header":
+                raise InvalidRequestError("PublishStream must start with a header (model, config_json, tensors)")
+            header = first.header
+            table = stream.StreamedCheckpoint(header)
+            layouts = tuple(_layout(x) for x in header.layouts)
+            retention = _retention(header.retention)
+        except PreloadError as e:
+            context.abort(*to_status(e))
+        chunks = (_data(chunk) for chunk in request_iterator)
+        try:
+            variants = self.store.publish_stream(table, header.model, chunks, header.version, layouts,
+                                                 header.activate, retention)
+        except Exception as e:
+            self._abort(context, f"publishing {header.model}", e)
+        return pb.PublishResponse(variants=[self._info(v) for v in variants])
+
+    @_rpc
+    def SetActive(self, request, context):
+        return self._summary(self.store.set_active(request.model, request.version))
+
+    @_rpc
+    def Pin(self, request, context):
+        return self._summary(self.store.pin(request.model, request.version, request.pinned))
 
     @_rpc
     def ListModels(self, request, context):
-        return pb.ListModelsResponse(models=[self._info(m, active) for m, active in self.store.models()])
+        return pb.ListModelsResponse(models=[self._info(v) for v in self.store.variants()],
+                                     summaries=[self._summary(m) for m in self.store.models()])
 
     @_rpc
     def Attach(self, request, context):
-        _check_name(request.model)
-        expect = CacheKey.from_proto(request.expect) if request.check_expect else None
+        layout = _layout(request.layout) if request.HasField("layout") else None
+        files = tuple(FileIdentity(f.path, f.size, f.mtime_ns, f.inode, f.header_sha256) for f in request.files)
+        if len(files) > MAX_FILES:
+            raise InvalidRequestError(f"{len(files)} checkpoint files is more than {MAX_FILES}")
         peer = self.relay.peer(context.peer())
-        model, lease = self.store.attach(request.model, request.version, peer.pid, expect)
-        return pb.AttachResponse(manifest=_manifest(model), lease=_lease(lease))
+        variant, lease = self.store.attach(request.model, peer.pid, request.version, layout, files)
+        return pb.AttachResponse(manifest=_manifest(variant), lease=_lease(lease))
 
     @_rpc
     def RenewLease(self, request, context):
@@ -105,39 +138,70 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def Evict(self, request, context):
-        _check_name(request.model)
         victims = self.store.evict(request.model, request.version, request.force)
-        return pb.EvictResponse(evicted=[self._info(m, False) for m in victims])
+        return pb.EvictResponse(evicted=[self._info(v, False) for v in victims])
 
     @_rpc
     def GetStats(self, request, context):
-        models = self.store.models()
+        variants = self.store.variants()
         return pb.Stats(device=self.store.device, pid=os.getpid(), started_at=self.started_at,
-                        resident_bytes=sum(m.slab.size for m, _ in models),
-                        num_leases=sum(len(m.leases) for m, _ in models),
-                        models=[self._info(m, active) for m, active in models],
-                        serving=bool(models) and not self.store.is_loading(),
+                        resident_bytes=sum(v.slab.size for v in variants),
+                        num_leases=sum(len(v.leases) for v in variants),
+                        models=[self._info(v) for v in variants],
+                        summaries=[self._summary(m) for m in self.store.models()],
+                        serving=bool(variants) and not self.store.is_loading(),
                         runtime_dir=str(self.config.runtime_dir), version=__version__)
 
-    def _info(self, model: ModelVersion, active: bool = True) -> pb.ModelInfo:
-        return pb.ModelInfo(name=model.name, version=model.version, active=active, state=model.state,
-                            path=model.spec.path, key=model.key.to_proto(), slab_bytes=model.slab.size,
-                            num_tensors=len(model.plan.entries), leases=[_lease(x) for x in model.leases.values()],
-                            loaded_at=model.loaded_at, load_seconds=model.load_seconds,
-                            stale_reason=model.stale_reason)
+    def _abort(self, context, what: str, error: BaseException) -> None:
+        if isinstance(error, PreloadError):
+            context.abort(*to_status(error))
+        log.error("%s failed", what, exc_info=error)
+        context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {error}; see the daemon log")
 
+    def _info(self, variant: Variant, active: bool | None = None) -> pb.ModelInfo:
+        version = variant.version
+        return pb.ModelInfo(name=variant.name, version=version.number,
+                            active=self.store.is_active(variant) if active is None else active, state=version.state,
+                            path=version.source, key=variant.key.to_proto(), slab_bytes=variant.slab.size,
+                            num_tensors=len(variant.plan.entries), leases=[_lease(x) for x in variant.leases.values()],
+                            loaded_at=variant.loaded_at, load_seconds=variant.load_seconds,
+                            stale_reason=version.stale_reason, pinned=version.pinned)
 
-def _check_name(name: str) -> None:
-    if not name or len(name) > MAX_NAME:
-        raise InvalidRequestError(f"model name must be 1..{MAX_NAME} characters, got {len(name)}")
+    def _summary(self, model: Model) -> pb.ModelSummary:
+        return pb.ModelSummary(
+            name=model.name, active_version=model.active, last_version=model.last, keep=model.keep,
+            max_bytes=model.max_bytes, failures=list(model.failures),
+            versions=[pb.VersionSummary(version=v.number, active=v.number == model.active, pinned=v.pinned,
+                                        state=v.state, source=v.source, bytes=v.bytes, num_variants=len(v.variants),
+                                        num_leases=v.num_leases, created_at=v.created_at)
+                      for _, v in sorted(model.versions.items())])
 
 
 def _spec_from_proto(msg: pb.LoadSpec) -> LoadSpec:
-    if not msg.path or len(msg.path) > MAX_NAME:
-        raise InvalidRequestError("LoadModel needs spec.path, the checkpoint directory")
+    if not msg.path or len(msg.path) > MAX_NAME or "\0" in msg.path:
+        raise InvalidRequestError("LoadModel needs spec.path, the checkpoint directory (at most "
+                                  f"{MAX_NAME} characters, no NUL)")
     return LoadSpec(path=os.path.abspath(msg.path), name=msg.name, dtype=msg.dtype or "auto",
                     quantization=msg.quantization or "none", tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank,
                     component=msg.component or "main")
+
+
+def _layout(msg: pb.Layout) -> Layout:
+    return Layout(dtype=msg.dtype or "auto", quantization=msg.quantization or "none", tp_size=msg.tp_size or 1,
+                  tp_rank=msg.tp_rank, component=msg.component or "main")
+
+
+def _retention(msg: pb.Retention) -> Retention:
+    keep = msg.keep if msg.HasField("keep") else None
+    if keep is not None and keep > MAX_KEEP:
+        raise InvalidRequestError(f"keep {keep} is more than {MAX_KEEP} versions")
+    return Retention(keep, msg.max_bytes if msg.HasField("max_bytes") else None)
+
+
+def _data(chunk: pb.PublishChunk) -> pb.TensorData:
+    if chunk.WhichOneof("kind") != "data":
+        raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
+    return chunk.data
 
 
 def _progress(p: LoadProgress) -> pb.LoadProgress:
@@ -149,15 +213,16 @@ def _lease(lease) -> pb.Lease:
     return pb.Lease(id=lease.id, pid=lease.pid, pid_start_time=lease.pid_start_time, created_at=lease.created_at)
 
 
-def _manifest(model: ModelVersion) -> pb.Manifest:
-    slab = model.slab
+def _manifest(variant: Variant) -> pb.Manifest:
+    slab = variant.slab
+    version = variant.version
     return pb.Manifest(
-        model=model.name, version=model.version, key=model.key.to_proto(), config_json=model.config_json,
+        model=variant.name, version=version.number, key=variant.key.to_proto(), config_json=version.config_json,
         slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)],
         tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
                                 shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes,
                                 quant_params=dict(e.quant_params), part=e.part)
-                 for e in model.plan.entries])
+                 for e in variant.plan.entries])
 
 
 class _UidCheck(grpc.ServerInterceptor):
@@ -219,7 +284,7 @@ class DaemonServer:
 
     def ready(self) -> bool:
         """Serving: at least one model loaded and no load in flight."""
-        return bool(self.store.models()) and not self.store.is_loading()
+        return bool(self.store.variants()) and not self.store.is_loading()
 
     def update_health(self) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if self.ready() else health_pb2.HealthCheckResponse.NOT_SERVING

@@ -1,6 +1,16 @@
-"""The model store: loaded model versions, their slabs, their leases. Thread-safe; the gRPC
-servicer is a thin layer over it."""
+"""The model store: models, their versions and variants, slabs, leases and retention. Thread-safe;
+the gRPC servicer is a thin layer over it.
 
+- A model name has immutable versions (weights content: the checkpoint files a version was loaded
+  from, or the tensors a trainer streamed) and one active pointer.
+- A version has variants (dtype, quantization, TP size and rank, component), each its own slab and
+  cache key. Loading another variant of a version never creates a version or moves the pointer.
+- Nothing leased, pinned or active is ever freed by retention: of the other versions, the newest
+  `keep` stay and older ones go, and a load that would break the byte budget first frees the
+  oldest of them or fails.
+"""
+
+import collections
 import dataclasses
 import json
 import logging
@@ -8,15 +18,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from preload_daemon import stream
+from preload_daemon.arch import ArchSpec, parse_config
 from preload_daemon.cachekey import CacheKey, file_differences
-from preload_daemon.checkpoint import Checkpoint, refresh_identity
-from preload_daemon.errors import LeasedError, NotFoundError, StaleError
-from preload_daemon.leases import Lease
+from preload_daemon.checkpoint import Checkpoint, FileIdentity, refresh_identity
+from preload_daemon.errors import (BudgetError, InvalidRequestError, LeasedError, LoadingError, NotFoundError,
+                                   StaleError)
 from preload_daemon.execute import execute
-from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, LoadPlan, LoadSpec, build_plan
+from preload_daemon.leases import Lease
+from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, Layout, LoadPlan, LoadSpec, build_plan
 from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
 
 log = logging.getLogger(__name__)
+DEFAULT_KEEP = 2
+MAX_FAILURES = 16
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,23 +43,79 @@ class LoadProgress:
     tensors_total: int = 0
 
 
-@dataclasses.dataclass(slots=True)
-class ModelVersion:
-    name: str
-    version: int
-    spec: LoadSpec
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retention:
+    keep: int | None = None
+    """Newest unpinned, unleased, inactive versions kept; None leaves the model's setting."""
+    max_bytes: int | None = None
+    """Budget of all the model's versions on this device; 0 means none; None leaves the setting."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Variant:
+    """One layout of one version: a slab and the plan that filled it."""
+
+    version: "Version"
+    layout: Layout
+    """With the dtype resolved."""
     plan: LoadPlan
     key: CacheKey
     slab: HostSlab
-    config_json: str
     loaded_at: float
     load_seconds: float
     leases: dict[str, Lease] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.version.model.name
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Version:
+    model: "Model"
+    number: int
+    source: str
+    """The checkpoint directory, or "stream:LABEL" for a version a live process published."""
+    files: tuple[FileIdentity, ...]
+    """The checkpoint files as loaded (empty for a streamed version)."""
+    config_json: str
+    arch: ArchSpec
+    created_at: float
+    variants: dict[Layout, Variant] = dataclasses.field(default_factory=dict)
+    pinned: bool = False
+    loading: int = 0
+    """Loads adding variants right now."""
     stale_reason: str = ""
 
     @property
     def state(self) -> str:
-        return "stale" if self.stale_reason else "ready"
+        return "loading" if self.loading and not self.variants else "stale" if self.stale_reason else "ready"
+
+    @property
+    def bytes(self) -> int:
+        return sum(v.slab.size for v in self.variants.values())
+
+    @property
+    def num_leases(self) -> int:
+        return sum(len(v.leases) for v in self.variants.values())
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Model:
+    name: str
+    versions: dict[int, Version] = dataclasses.field(default_factory=dict)
+    active: int = 0
+    last: int = 0
+    """The highest version number given out: numbers are never reused, even after eviction."""
+    keep: int = DEFAULT_KEEP
+    max_bytes: int = 0
+    failures: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=MAX_FAILURES))
+    load_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    """Loads of one model run one at a time, so two never create the same version twice."""
+
+    @property
+    def bytes(self) -> int:
+        return sum(v.bytes for v in self.versions.values())
 
 
 class ModelStore:
@@ -52,54 +123,131 @@ class ModelStore:
         self.device = device
         self.shm_dir = shm_dir
         self._on_change = on_change
-        self._lock = threading.Lock()
-        self._versions: dict[str, dict[int, ModelVersion]] = {}
-        self._active: dict[str, int] = {}
-        self._last_version: dict[str, int] = {}  # versions are never reused, even after eviction
-        self._loading: dict[LoadSpec, threading.Event] = {}
-        self._leases: dict[str, Lease] = {}
+        self._lock = threading.RLock()
+        self._models: dict[str, Model] = {}
+        self._leases: dict[str, Variant] = {}
+        self._loads = 0
 
-    # -- loading ---------------------------------------------------------------------------------
+    # -- loading from a directory -------------------------------------------------------------------
 
-    def load(self, spec: LoadSpec, on_progress: Callable[[LoadProgress], None] = lambda p: None) -> ModelVersion:
-        """Loads the checkpoint as a new version, or returns the loaded version whose cache key
-        matches the checkpoint as it is on disk now. Concurrent loads of one spec run once."""
-        while True:
-            with self._lock:
-                pending = self._loading.get(spec)
-                if pending is None:
-                    self._loading[spec] = threading.Event()
-                    break
-            on_progress(LoadProgress("queued"))
-            pending.wait()
-        self._on_change()
-        try:
-            return self._load_once(spec, on_progress)
-        finally:
-            with self._lock:
-                self._loading.pop(spec).set()
-            self._on_change()
+    def load(self, spec: LoadSpec, layouts: tuple[Layout, ...] = (), version: int = 0, activate: bool = True,
+             retention: Retention = Retention(),
+             on_progress: Callable[[LoadProgress], None] = lambda p: None) -> list[Variant]:
+        """Loads `spec`'s layout and `layouts` of the checkpoint at spec.path: into the version loaded
+        from the same files if there is one, else into a new version (numbered `version`, or the
+        next), which becomes active if `activate` or if it is the model's first. Returns the variants
+        in the order asked; a failure frees whatever this call made."""
+        model = self._model(spec.name, create=True)
+        with self._loading(model, version, on_progress) as loading:
+            self._set_retention(model, retention)
+            checkpoint = Checkpoint(spec.path)
+            try:
+                target = loading.number = self._version_for(model, checkpoint, version)
+                plans = [build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)]
+                return self._fill(model, target, plans, activate, on_progress,
+                                  lambda plan, slab, on_tensor, hasher: execute(plan, checkpoint, slab.data,
+                                                                                on_tensor=on_tensor, hasher=hasher),
+                                  source=lambda: (str(checkpoint.path), tuple(checkpoint.identity),
+                                                  json.dumps(checkpoint.config)))
+            finally:
+                checkpoint.close()
 
-    def _load_once(self, spec: LoadSpec, on_progress) -> ModelVersion:
-        checkpoint = Checkpoint(spec.path)
-        try:
-            plan = build_plan(checkpoint, spec)
-            key = key_for(checkpoint, plan)
-            existing = self._find(spec.name, key)
-            if existing is not None:
-                log.info("model %s v%d already loaded on %s with the same cache key", spec.name,
-                         existing.version, self.device)
-                return existing
-            return self._materialise(spec, checkpoint, plan, key, on_progress)
-        finally:
-            checkpoint.close()
-
-    def _materialise(self, spec, checkpoint, plan, key, on_progress) -> ModelVersion:
-        start = time.monotonic()
+    def _version_for(self, model: Model, checkpoint: Checkpoint, number: int) -> Version | int:
+        """The version loaded from these files (as they are now), or the number a new one gets."""
+        files = tuple(checkpoint.identity)
         with self._lock:
-            version = self._last_version[spec.name] = self._last_version.get(spec.name, 0) + 1
-        label = f"{self.device.replace(':', '')}-{spec.name}-v{version}-r{spec.tp_rank}-{spec.component}"
-        slab = HostSlab.create(self.shm_dir, label, plan.total_bytes)
+            same = [v for v in model.versions.values() if v.files and not file_differences(v.files, files)]
+            if number and number in model.versions and model.versions[number] not in same:
+                raise InvalidRequestError(f"{model.name} v{number} exists on {self.device} with other weights "
+                                          f"(from {model.versions[number].source}); publish as a new version")
+            if number and number not in model.versions and number <= model.last:
+                raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device} (numbers are "
+                                          f"never reused); publish as v{model.last + 1} or later")
+            if same:
+                return max(same, key=lambda v: v.number)
+            return number or model.last + 1
+
+    # -- publishing from a stream -------------------------------------------------------------------
+
+    def publish_stream(self, table: stream.StreamedCheckpoint, name: str, chunks, version: int = 0,
+                       layouts: tuple[Layout, ...] = (), activate: bool = False, retention: Retention = Retention(),
+                       on_progress: Callable[[LoadProgress], None] = lambda p: None) -> list[Variant]:
+        """A new version from tensors streamed by a live process (stream.py), in `layouts`, else those
+        of the active version on this device, else the default layout."""
+        model = self._model(name, create=True)
+        with self._loading(model, version, on_progress) as loading:
+            self._set_retention(model, retention)
+            with self._lock:
+                number = loading.number = version or model.last + 1
+                if number in model.versions or number <= model.last:
+                    raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device}; publish "
+                                              f"as v{model.last + 1} or later")
+                active = model.versions.get(model.active)
+                layouts = list(layouts) or (list(active.variants) if active is not None else [Layout()])
+            spec = LoadSpec(path=table.path, name=model.name)
+            plans = [build_plan(table, spec.with_layout(layout)) for layout in layouts]
+
+            def fill_all(slabs: list[HostSlab], on_tensor) -> None:
+                stream.fill(table, [(p, s.data) for p, s in zip(plans, slabs)], chunks, on_tensor)
+
+            return self._fill(model, number, plans, activate, on_progress, None,
+                              source=lambda: (table.path, (), json.dumps(table.config)), fill_all=fill_all,
+                              tensors_total=len(table.order), bytes_total=sum(t.nbytes for t in table.order))
+
+    # -- making variants ----------------------------------------------------------------------------
+
+    def _fill(self, model: Model, target: Version | int, plans: list[LoadPlan], activate: bool, on_progress,
+              execute_one, source, fill_all=None, tensors_total: int = 0, bytes_total: int = 0) -> list[Variant]:
+        """Creates the version if `target` is a number, then the plans' variants that it lacks. On
+        any failure, everything this call created is freed and the failure recorded."""
+        created = not isinstance(target, Version)
+        if created:
+            path, files, config_json = source()
+            target = Version(model, target, path, files, config_json,
+                             ArchSpec.from_config(parse_config(config_json, path), path), time.time())
+        number = target.number
+        existing = {p.layout: target.variants.get(p.layout) for p in plans}
+        todo = [p for p in plans if existing[p.layout] is None]
+        made: list[Variant] = []
+        try:
+            with self._lock:
+                self._make_room(model, sum(p.total_bytes for p in todo), target)
+                if created:
+                    model.versions[number] = target
+                    model.last = max(model.last, number)
+                target.loading += 1
+            self._on_change()
+            if fill_all is not None:
+                made = self._fill_stream(target, todo, fill_all, on_progress, tensors_total, bytes_total)
+            else:
+                for plan in todo:
+                    made.append(self._fill_one(target, plan, execute_one, on_progress))
+        except BaseException:
+            for variant in made:
+                _free(variant.slab)
+            with self._lock:
+                target.loading -= 1
+                for variant in made:
+                    target.variants.pop(variant.layout, None)
+                if created:
+                    model.versions.pop(number, None)
+            self._on_change()
+            raise
+        with self._lock:
+            target.loading -= 1
+            for variant in made:
+                target.variants[variant.layout] = variant
+            if created and (activate or model.active not in model.versions):
+                model.active = number
+        self._on_change()
+        if created:
+            log.info("%s v%d on %s from %s: %d variant(s)%s", model.name, number, self.device, target.source,
+                     len(made), " (active)" if model.active == number else "")
+        return [target.variants[p.layout] for p in plans]
+
+    def _fill_one(self, version: Version, plan: LoadPlan, execute_one, on_progress) -> Variant:
+        start = time.monotonic()
+        slab = self._new_slab(version, plan)
         progress = LoadProgress("reading", 0, plan.tensor_bytes, 0, len(plan.entries))
         on_progress(progress)
 
@@ -110,92 +258,158 @@ class ModelStore:
 
         hasher = new_hasher()
         try:
-            execute(plan, checkpoint, slab.data, on_tensor=on_tensor, hasher=hasher)
+            execute_one(plan, slab, on_tensor, hasher)
         except BaseException:
-            slab.close()
-            slab.unlink()
+            _free(slab)
             raise
-        slab.seal(f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}")
-        key = dataclasses.replace(key, content_digest=slab.digest)
-        seconds = time.monotonic() - start
-        model = ModelVersion(spec.name, version, spec, plan, key, slab, json.dumps(checkpoint.config),
-                             time.time(), seconds)
+        variant = self._seal(version, plan, slab, f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}", time.monotonic() - start)
         with self._lock:
-            self._versions.setdefault(spec.name, {})[version] = model
-            self._active[spec.name] = version
-        log.info("loaded %s v%d on %s rank %d/%d: %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", spec.name, version,
-                 self.device, spec.tp_rank, spec.tp_size, len(plan.entries), plan.total_bytes / 2**20, seconds,
-                 plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
-        on_progress(LoadProgress("ready", plan.tensor_bytes, plan.tensor_bytes, len(plan.entries),
-                                 len(plan.entries)))
-        return model
+            version.variants[variant.layout] = variant  # attachable before the other layouts of this load
+        return variant
 
-    def _find(self, name: str, key: CacheKey) -> ModelVersion | None:
-        """The newest fresh version of `name` whose key matches."""
-        with self._lock:
-            for _, model in sorted(self._versions.get(name, {}).items(), reverse=True):
-                if not model.stale_reason and not model.key.differences(key):
-                    return model
-        return None
+    def _fill_stream(self, version: Version, plans: list[LoadPlan], fill_all, on_progress, tensors_total,
+                     bytes_total) -> list[Variant]:
+        start = time.monotonic()
+        slabs: list[HostSlab] = []
+        try:
+            for plan in plans:
+                slabs.append(self._new_slab(version, plan))
+            progress = LoadProgress("reading", 0, bytes_total, 0, tensors_total)
+            on_progress(progress)
+
+            def on_tensor(info) -> None:
+                progress.bytes_done += info.nbytes
+                progress.tensors_done += 1
+                on_progress(progress)
+
+            fill_all(slabs, on_tensor)
+            digests = []
+            for slab in slabs:  # zero-filled slabs written out of plan order: hash them once, whole
+                hasher = new_hasher()
+                hasher.update(memoryview(slab.data.numpy()))
+                digests.append(f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}")
+        except BaseException:
+            for slab in slabs:
+                _free(slab)
+            raise
+        seconds = time.monotonic() - start
+        return [self._seal(version, plan, slab, digest, seconds) for plan, slab, digest in zip(plans, slabs, digests)]
+
+    def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
+        layout = plan.layout
+        label = f"{self.device.replace(':', '')}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
+                f"{layout.component}-{layout.dtype}-{layout.quantization}"
+        return HostSlab.create(self.shm_dir, label, plan.total_bytes)
+
+    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float) -> Variant:
+        slab.seal(digest)
+        key = key_for(version.files, plan, digest)
+        log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
+                 version.number, self.device, plan.layout, len(plan.entries), plan.total_bytes / 2**20, seconds,
+                 plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
+        return Variant(version, plan.layout, plan, key, slab, time.time(), seconds)
 
     # -- attaching ----------------------------------------------------------------------------------
 
-    def attach(self, name: str, version: int, pid: int, expect: CacheKey | None = None) -> tuple[ModelVersion, Lease]:
-        """Leases a version: the one asked for, else the newest whose key matches `expect`, else the
-        active one. A key mismatch is an error naming the fields that differ."""
-        model = self.get(name, version)
-        if expect is not None and not version:
-            model = self._find(name, expect) or model
-        self._check_fresh(model)
-        if expect is not None:
-            diffs = model.key.differences(expect)
-            if diffs:
-                raise StaleError(f"{name} v{model.version} on {self.device} does not match the caller's cache key: "
-                                 f"{', '.join(diffs)}; load the checkpoint you expect with `preload serve`")
+    def attach(self, name: str, pid: int, version: int = 0, layout: Layout | None = None,
+               files: tuple[FileIdentity, ...] = ()) -> tuple[Variant, Lease]:
+        """Leases the variant a caller wants: of `version` if given, else of the version loaded from
+        `files` (the caller's checkpoint as it sees it), else of the active version; with `layout`
+        (dtype "auto" resolved against that version), else the version's first main variant. A
+        mismatch is an error naming what differs and what there is."""
+        target = self._pick_version(name, version, files)
         with self._lock:
-            if model.version not in self._versions.get(name, {}):
-                raise NotFoundError(f"{name} v{model.version} was evicted while attaching; attach again")
-            lease = Lease.new(pid, name, model.version)
-            model.leases[lease.id] = lease
-            self._leases[lease.id] = lease
-        log.info("lease %s: pid %d attached %s v%d on %s", lease.id, pid, name, model.version, self.device)
-        return model, lease
+            if target.loading and not target.variants:
+                raise LoadingError(f"{name} v{target.number} is still loading on {self.device}; retry shortly "
+                                   "(`preload wait-ready --model NAME --version V` waits for it)")
+            variant = self._pick_variant(target, layout)
+            lease = Lease.new(pid, name, target.number)
+            variant.leases[lease.id] = lease
+            self._leases[lease.id] = variant
+        log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, pid, name, target.number, variant.layout,
+                 self.device)
+        return variant, lease
 
-    def _check_fresh(self, model: ModelVersion) -> None:
-        """Refuses a version whose checkpoint files changed on disk since it was loaded: a
-        checkpoint rewritten in place must never be served as the old one."""
-        if not model.stale_reason:
-            now = refresh_identity(model.key.files)
-            diffs = file_differences(now, tuple(model.key.files))
+    def _pick_version(self, name: str, number: int, files: tuple[FileIdentity, ...]) -> Version:
+        model = self._model(name)
+        with self._lock:
+            if number:
+                return self._version(model, number)
+            if not files:
+                if model.active not in model.versions:
+                    raise LoadingError(f"{name} has no active version on {self.device} yet; it is still loading")
+                return model.versions[model.active]
+            candidates = sorted((v for v in model.versions.values() if v.files), key=lambda v: -v.number)
+        for v in candidates:
+            if not file_differences(v.files, files):
+                self._check_fresh(v)
+                return v
+        wanted = {f.path for f in files}
+        for v in candidates:
+            if {f.path for f in v.files} == wanted:  # the same files, changed since
+                self._check_fresh(v)
+                raise StaleError(f"{name} v{v.number} on {self.device} was loaded from these files, but they "
+                                 f"differ now: {', '.join(file_differences(v.files, files))}; load them again with "
+                                 f"`preload serve {v.source}` (or `preload publish {name} --from DIR`)")
+        versions = ", ".join(f"v{v.number} from {v.source}" for v in sorted(model.versions.values(),
+                                                                          key=lambda v: v.number)) or "none"
+        raise NotFoundError(f"no version of {name} on {self.device} was loaded from the caller's checkpoint files "
+                            f"({len(files)} file(s) in {_common_dir(files)}); versions: {versions}. Load it with "
+                            "`preload serve DIR`, or attach by version (--weights-version)")
+
+    def _pick_variant(self, version: Version, layout: Layout | None) -> Variant:
+        variants = list(version.variants.values())
+        if layout is None:
+            main = [v for v in variants if v.layout.component == "main"] or variants
+            if not main:
+                raise NotFoundError(f"{version.model.name} v{version.number} has no variants on {self.device}")
+            return main[0]
+        wanted = layout.resolve(version.arch)
+        found = version.variants.get(wanted)
+        if found is not None:
+            return found
+        closest = min(variants, key=lambda v: len(v.layout.differences(wanted)), default=None)
+        have = "; ".join(str(v.layout) for v in variants) or "none"
+        diffs = f" (closest differs in {', '.join(closest.layout.differences(wanted))})" if closest else ""
+        raise StaleError(f"{version.model.name} v{version.number} on {self.device} has no variant {wanted}{diffs}; "
+                         f"it has: {have}. Load that layout with `preload serve` (same --dtype, --quantization, "
+                         "--tp-size as the engine)")
+
+    def _check_fresh(self, version: Version) -> None:
+        """Marks a version stale when its checkpoint files changed on disk since it was loaded: no
+        variant may be loaded from them as this version any more, and no caller is matched to it by
+        files. Its slabs still hold its weights: attaching by version number keeps working."""
+        if version.files and not version.stale_reason:
+            diffs = file_differences(refresh_identity(version.files), version.files)
             if diffs:
-                model.stale_reason = f"checkpoint changed on disk since it was loaded: {', '.join(diffs)}"
+                version.stale_reason = f"checkpoint changed on disk since it was loaded: {', '.join(diffs)}"
                 self._on_change()
-        if model.stale_reason:
-            raise StaleError(f"{model.name} v{model.version} on {self.device} is stale ({model.stale_reason}); "
-                             f"load it again with `preload serve {model.spec.path}`")
+        if version.stale_reason:
+            raise StaleError(f"{version.model.name} v{version.number} on {self.device} is stale "
+                             f"({version.stale_reason}); load it again with `preload serve {version.source}`")
 
     def renew(self, lease_id: str) -> Lease:
         with self._lock:
-            lease = self._leases.get(lease_id)
-            if lease is None:
+            variant = self._leases.get(lease_id)
+            if variant is None:
                 raise NotFoundError(f"lease {lease_id} is unknown or was reaped; attach again")
+            lease = variant.leases[lease_id]
             lease.renewed_at = time.time()
             return lease
 
     def release(self, lease_id: str) -> None:
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is None:
+            variant = self._leases.pop(lease_id, None)
+            if variant is None:
                 raise NotFoundError(f"lease {lease_id} is unknown or was already released")
-            model = self._versions.get(lease.model, {}).get(lease.version)
-            if model is not None:
-                model.leases.pop(lease_id, None)
+            lease = variant.leases.pop(lease_id)
         log.info("lease %s released by pid %d", lease_id, lease.pid)
+        self._retain(variant.version.model)
 
     def reap(self) -> list[Lease]:
         """Drops the leases of processes that are gone; returns them."""
         with self._lock:
-            leases = list(self._leases.values())
+            leases = [v.leases[i] for i, v in self._leases.items()]
         dead = [lease for lease in leases if not lease.holder_alive()]
         for lease in dead:
             try:
@@ -205,77 +419,233 @@ class ModelStore:
             log.info("reaped lease %s of dead pid %d (%s v%d)", lease.id, lease.pid, lease.model, lease.version)
         return dead
 
-    # -- versions ------------------------------------------------------------------------------------
+    # -- versions -----------------------------------------------------------------------------------
 
-    def get(self, name: str, version: int = 0) -> ModelVersion:
+    def set_active(self, name: str, number: int) -> Model:
+        """Moves the active pointer (publish's last step, rollback)."""
+        model = self._model(name)
         with self._lock:
-            versions = self._versions.get(name)
-            if not versions:
-                loaded = ", ".join(sorted(self._versions)) or "none"
-                raise NotFoundError(f"model {name!r} is not loaded on {self.device} (loaded: {loaded}); "
-                                    f"load it with `preload serve`")
-            version = version or self._active[name]
-            if version not in versions:
-                raise NotFoundError(f"{name} has no version {version} on {self.device}; versions: "
-                                    f"{', '.join(map(str, sorted(versions)))}")
-            return versions[version]
+            version = self._version(model, number)
+            if not version.variants:
+                raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
+            previous, model.active = model.active, number
+        log.info("%s: active version v%d -> v%d on %s", name, previous, number, self.device)
+        self._retain(model)
+        return model
 
-    def evict(self, name: str, version: int = 0, force: bool = False) -> list[ModelVersion]:
-        """Removes one version (or all, version=0). Leased versions need force; their mapped pages
-        stay valid in the processes that hold them."""
+    def pin(self, name: str, number: int, pinned: bool) -> Model:
+        model = self._model(name)
         with self._lock:
-            versions = self._versions.get(name)
-            if not versions or (version and version not in versions):
-                what = f"{name} v{version}" if version else repr(name)
-                raise NotFoundError(f"{what} is not loaded on {self.device}; see `preload status`")
-            victims = [versions[version]] if version else list(versions.values())
-            leased = [m for m in victims if m.leases]
+            self._version(model, number).pinned = pinned
+        log.info("%s v%d %s on %s", name, number, "pinned" if pinned else "unpinned", self.device)
+        if not pinned:
+            self._retain(model)
+        return model
+
+    def evict(self, name: str, version: int = 0, force: bool = False) -> list[Variant]:
+        """Removes one version (or all, version=0). Leased or pinned versions need force; mapped
+        pages stay valid in the processes that hold them."""
+        model = self._model(name)
+        with self._lock:
+            victims = [self._version(model, version)] if version else list(model.versions.values())
+            loading = [v for v in victims if v.loading]
+            if loading:
+                raise LoadingError(f"{name} v{loading[0].number} is loading on {self.device}; evict it once loaded")
+            leased = [v for v in victims if v.num_leases]
+            pinned = [v for v in victims if v.pinned]
             if leased and not force:
-                holders = sorted({lease.pid for m in leased for lease in m.leases.values()})
+                holders = sorted({lease.pid for v in leased for var in v.variants.values() for lease in var.leases.values()})
                 raise LeasedError(f"{name} is leased by pid {', '.join(map(str, holders))} on {self.device}; "
                                   "stop those workers first, or pass --force (their mappings stay valid)")
-            for model in victims:
-                del versions[model.version]
-                for lease_id in model.leases:
-                    self._leases.pop(lease_id, None)
-            if not versions:
-                del self._versions[name]
-                del self._active[name]
-            elif self._active[name] not in versions:
-                self._active[name] = max(versions)
-        for model in victims:
-            model.slab.close()
-            model.slab.unlink()
-            log.info("evicted %s v%d from %s (%.1f MiB freed)", name, model.version, self.device,
-                     model.slab.size / 2**20)
+            if pinned and not force:
+                raise LeasedError(f"{name} v{', v'.join(str(v.number) for v in pinned)} is pinned on {self.device}; "
+                                  f"`preload unpin {name}@{pinned[0].number}` first, or pass --force")
+            freed = self._drop(model, victims)
         self._on_change()
-        return victims
+        return freed
 
-    def models(self) -> list[tuple[ModelVersion, bool]]:
-        """Every version with whether it is the active one."""
+    def _drop(self, model: Model, victims: list[Version]) -> list[Variant]:
+        """Forgets `victims` and frees their slabs (caller holds the lock)."""
+        freed = []
+        for version in victims:
+            model.versions.pop(version.number, None)
+            for variant in version.variants.values():
+                for lease_id in variant.leases:
+                    self._leases.pop(lease_id, None)
+                _free(variant.slab)
+                freed.append(variant)
+            log.info("freed %s v%d on %s (%d variant(s), %.1f MiB)", model.name, version.number, self.device,
+                     len(version.variants), version.bytes / 2**20)
+        if model.active not in model.versions:
+            ready = [n for n, v in model.versions.items() if not v.loading]
+            model.active = max(ready, default=0)
+        if not model.versions and not model.load_lock.locked():
+            self._models.pop(model.name, None)
+        return freed
+
+    def _evictable(self, model: Model, protect: Version | None = None) -> list[Version]:
+        """Versions retention may free, newest first: not active, pinned, leased or loading."""
+        return sorted((v for v in model.versions.values() if v.number != model.active and not v.pinned
+                       and not v.num_leases and not v.loading and v is not protect), key=lambda v: -v.number)
+
+    def _retain(self, model: Model) -> None:
+        """Frees the versions beyond the newest `keep` evictable ones."""
         with self._lock:
-            return [(m, self._active[name] == v) for name, versions in sorted(self._versions.items())
-                    for v, m in sorted(versions.items())]
+            victims = self._evictable(model)[model.keep:]
+            if victims:
+                log.info("retention (keep %d) frees %s v%s on %s", model.keep, model.name,
+                         ", v".join(str(v.number) for v in victims), self.device)
+                self._drop(model, victims)
+        if victims:
+            self._on_change()
+
+    def _make_room(self, model: Model, needed: int, target: Version) -> None:
+        """Within the byte budget, frees the oldest evictable versions until `needed` more bytes fit,
+        or refuses (caller holds the lock)."""
+        if not model.max_bytes or model.bytes + needed <= model.max_bytes:
+            return
+        victims, held = [], model.bytes
+        for version in reversed(self._evictable(model, protect=target)):
+            if held + needed <= model.max_bytes:
+                break
+            victims.append(version)
+            held -= version.bytes
+        if held + needed > model.max_bytes:
+            kept = ", ".join(f"v{v.number} ({_why_kept(model, v)}, {v.bytes / 2**20:.1f} MiB)"
+                             for v in sorted(model.versions.values(), key=lambda v: v.number) if v not in victims)
+            raise BudgetError(f"{model.name} needs {needed / 2**20:.1f} MiB more on {self.device}, but its budget "
+                              f"(--max-bytes {model.max_bytes}) holds {model.bytes / 2**20:.1f} MiB that cannot be "
+                              f"freed: {kept or 'nothing'}; unpin or release versions, or raise --max-bytes")
+        if victims:
+            log.info("budget of %s frees v%s on %s", model.name, ", v".join(str(v.number) for v in victims),
+                     self.device)
+            self._drop(model, victims)
+
+    # -- reading the store --------------------------------------------------------------------------
+
+    def _model(self, name: str, create: bool = False) -> Model:
+        _check_name(name)
+        with self._lock:
+            model = self._models.get(name)
+            if model is None:
+                if not create:
+                    loaded = ", ".join(sorted(self._models)) or "none"
+                    raise NotFoundError(f"model {name!r} is not loaded on {self.device} (loaded: {loaded}); "
+                                        f"load it with `preload serve`")
+                model = self._models[name] = Model(name)
+            return model
+
+    def _version(self, model: Model, number: int) -> Version:
+        version = model.versions.get(number)
+        if version is None:
+            have = ", ".join(f"v{n}" for n in sorted(model.versions)) or "none"
+            freed = " (it was freed)" if 0 < number <= model.last else ""
+            raise NotFoundError(f"{model.name} has no version {number} on {self.device}{freed}; versions: {have}")
+        return version
+
+    def get(self, name: str, number: int = 0) -> Version:
+        """A version (0: the active one)."""
+        model = self._model(name)
+        with self._lock:
+            return self._version(model, number or model.active)
+
+    def variants(self) -> list[Variant]:
+        """Every variant of every version, by model, version and load order."""
+        with self._lock:
+            return [var for _, m in sorted(self._models.items()) for _, v in sorted(m.versions.items())
+                    for var in v.variants.values()]
+
+    def models(self) -> list[Model]:
+        with self._lock:
+            return [m for _, m in sorted(self._models.items())]
+
+    def is_active(self, variant: Variant) -> bool:
+        return variant.version.model.active == variant.version.number
 
     def is_loading(self) -> bool:
         with self._lock:
-            return bool(self._loading)
+            return self._loads > 0
 
     def close(self) -> None:
         """Frees every slab (graceful daemon shutdown)."""
-        for model, _ in self.models():
-            model.slab.close()
-            model.slab.unlink()
         with self._lock:
-            self._versions.clear()
-            self._active.clear()
+            for variant in self.variants():
+                _free(variant.slab)
+            self._models.clear()
             self._leases.clear()
 
+    # -- helpers ------------------------------------------------------------------------------------
 
-def key_for(checkpoint: Checkpoint, plan: LoadPlan) -> CacheKey:
-    """The cache key of a plan over a checkpoint, without the content digest (known after loading)."""
+    class _Loading:
+        """One load of a model at a time; a failed one is remembered (`preload status`, wait-ready)."""
+
+        def __init__(self, store: "ModelStore", model: Model, number: int, on_progress):
+            self.store, self.model, self.on_progress = store, model, on_progress
+            self.number: int | Version = number
+
+        def __enter__(self) -> "ModelStore._Loading":
+            if not self.model.load_lock.acquire(blocking=False):
+                self.on_progress(LoadProgress("queued"))
+                self.model.load_lock.acquire()
+            with self.store._lock:
+                self.store._loads += 1
+                self.store._models.setdefault(self.model.name, self.model)  # evicted while queued
+            self.store._on_change()
+            return self
+
+        def __exit__(self, kind, error, tb) -> None:
+            number = self.number.number if isinstance(self.number, Version) else self.number
+            with self.store._lock:
+                self.store._loads -= 1
+                if error is not None:
+                    self.model.failures.appendleft(f"{number}: {kind.__name__}: {error}"[:500])
+                self.model.load_lock.release()
+                if not self.model.versions and not self.model.failures:
+                    self.store._models.pop(self.model.name, None)
+            self.store._on_change()
+
+    def _loading(self, model: Model, number: int, on_progress) -> "_Loading":
+        return self._Loading(self, model, number, on_progress)
+
+    def _set_retention(self, model: Model, retention: Retention) -> None:
+        with self._lock:
+            if retention.keep is not None:
+                model.keep = retention.keep
+            if retention.max_bytes is not None:
+                model.max_bytes = retention.max_bytes
+
+
+def key_for(files: tuple[FileIdentity, ...], plan: LoadPlan, content_digest: str = "") -> CacheKey:
+    """The cache key of a variant: its source files, its plan's layout and the digest of its bytes."""
     spec = plan.spec
-    return CacheKey(files=tuple(checkpoint.identity), architecture=plan.architecture, tp_size=spec.tp_size,
+    return CacheKey(files=tuple(files), architecture=plan.architecture, tp_size=spec.tp_size,
                     tp_rank=spec.tp_rank, dtype=str(plan.dtype).removeprefix("torch."),
                     quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION,
-                    quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())))
+                    quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())),
+                    content_digest=content_digest)
+
+
+def _free(slab: HostSlab) -> None:
+    slab.close()
+    slab.unlink()
+
+
+def _why_kept(model: Model, version: Version) -> str:
+    if version.number == model.active:
+        return "active"
+    if version.pinned:
+        return "pinned"
+    if version.num_leases:
+        pids = sorted({lease.pid for var in version.variants.values() for lease in var.leases.values()})
+        return f"leased by pid {', '.join(map(str, pids))}"
+    return "loading" if version.loading else "being loaded"
+
+
+def _common_dir(files: tuple[FileIdentity, ...]) -> str:
+    dirs = sorted({f.path.rsplit("/", 1)[0] for f in files})
+    return dirs[0] if len(dirs) == 1 else f"{len(dirs)} directories"
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > 256 or "\0" in name:
+        raise InvalidRequestError(f"model name {name[:80]!r} must be 1..256 characters, without NUL")

@@ -1,7 +1,8 @@
 """What `preload serve` does: start (or reuse) one daemon per device, load each rank's shard with a
-progress bar, wait until every rank is ready, then watch the daemons in the foreground. The CLI
-layer parses the arguments and calls serve()."""
+progress bar (versions.publish_dir), wait until every rank is ready, then watch the daemons in the
+foreground. The CLI layer parses the arguments and calls serve()."""
 
+import dataclasses
 import logging
 import os
 import pathlib
@@ -11,13 +12,12 @@ import sys
 import threading
 import time
 
-from tqdm import tqdm
-
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
-from preload_daemon.errors import DaemonUnavailableError, PreloadError
+from preload_daemon.errors import DaemonUnavailableError
 from preload_daemon.plan import LoadSpec
+from preload_daemon.versions import Target, publish_dir
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 60.0
@@ -82,49 +82,18 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
     return daemon
 
 
-def load_all(specs: list[LoadSpec], devices: list[str], runtime_dir: pathlib.Path, show_progress: bool = True):
-    """Loads spec r on device r, all ranks at once, one progress bar per rank."""
-    results: list = [None] * len(specs)
-    bars = [tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{spec.name} rank {r} {devices[r]}",
-                 position=r, disable=not show_progress, mininterval=0.1 if sys.stderr.isatty() else 2.0)
-            for r, spec in enumerate(specs)]
-
-    def load(rank: int) -> None:
-        def on_progress(update) -> None:
-            bar = bars[rank]
-            if update.bytes_total and bar.total != update.bytes_total:
-                bar.reset(total=update.bytes_total)
-            bar.set_postfix_str(f"{update.stage} {update.tensors_done}/{update.tensors_total} tensors", refresh=False)
-            bar.update(update.bytes_done - bar.n)
-        try:
-            with DaemonClient.for_device(devices[rank], runtime_dir) as client:
-                results[rank] = client.load(specs[rank], on_progress)
-        except PreloadError as e:
-            results[rank] = e
-
-    threads = [threading.Thread(target=load, args=(r,)) for r in range(len(specs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for bar in bars:
-        bar.close()
-    for rank, result in enumerate(results):
-        if isinstance(result, Exception):
-            raise type(result)(f"rank {rank} on {devices[rank]}: {result}")
-    return results
-
-
 def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str = "", dtype: str = "auto",
           quantization: str = "none", runtime_dir: pathlib.Path, log_level: str = "INFO",
-          supervise: bool = True) -> int:
+          supervise: bool = True, keep: int | None = None, max_bytes: int | None = None) -> int:
     """Starts (or reuses) one daemon per device, loads rank r of `model` (default: the embedded default
     model) on device r, and then, if `supervise`, watches the daemons until SIGINT/SIGTERM; otherwise
-    returns once loaded and leaves them running. 0 on success, 1 when a supervised daemon dies."""
-    model = model or str(default_model_path())
+    returns once loaded and leaves them running. A checkpoint not loaded before becomes a new version
+    of `name` and, once every rank holds it, the active one. 0 on success, 1 when a supervised daemon
+    dies."""
+    model = os.path.abspath(model or str(default_model_path()))
     device_list = resolve_devices(devices, tp_size)
-    specs = [LoadSpec(path=os.path.abspath(model), name=name, dtype=dtype, quantization=quantization,
-                      tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
+    spec = LoadSpec(path=model, name=name, dtype=dtype, quantization=quantization, tp_size=tp_size)
+    targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r)]) for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,8 +103,9 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
             daemon = ensure_daemon(device, runtime_dir, log_level)
             if daemon is not None:
                 started.append(daemon)
-        infos = load_all(specs, device_list, runtime_dir)
-        for device, info in zip(device_list, infos):
+        version, results = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,
+                                       max_bytes=max_bytes)
+        for device, (info, *_) in zip(device_list, results):
             print(f"ready: {info.name} v{info.version} on {device} ({info.num_tensors} tensors, "
                   f"{info.slab_bytes / 2**20:.1f} MiB, loaded in {info.load_seconds:.2f}s)", flush=True)
         if not supervise:

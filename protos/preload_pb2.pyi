@@ -6,6 +6,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Layout(_message.Message):
+    __slots__ = ("dtype", "quantization", "tp_size", "tp_rank", "component")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    quantization: str
+    tp_size: int
+    tp_rank: int
+    component: str
+    def __init__(self, dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., component: _Optional[str] = ...) -> None: ...
+
+class Retention(_message.Message):
+    __slots__ = ("keep", "max_bytes")
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    keep: int
+    max_bytes: int
+    def __init__(self, keep: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
 class LoadSpec(_message.Message):
     __slots__ = ("path", "name", "dtype", "quantization", "tp_size", "tp_rank", "component")
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -25,26 +47,108 @@ class LoadSpec(_message.Message):
     def __init__(self, path: _Optional[str] = ..., name: _Optional[str] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., tp_size: _Optional[int] = ..., tp_rank: _Optional[int] = ..., component: _Optional[str] = ...) -> None: ...
 
 class LoadModelRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "layouts", "version", "activate", "retention")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     spec: LoadSpec
-    def __init__(self, spec: _Optional[_Union[LoadSpec, _Mapping]] = ...) -> None: ...
+    layouts: _containers.RepeatedCompositeFieldContainer[Layout]
+    version: int
+    activate: bool
+    retention: Retention
+    def __init__(self, spec: _Optional[_Union[LoadSpec, _Mapping]] = ..., layouts: _Optional[_Iterable[_Union[Layout, _Mapping]]] = ..., version: _Optional[int] = ..., activate: _Optional[bool] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
-    __slots__ = ("stage", "bytes_done", "bytes_total", "tensors_done", "tensors_total", "model")
+    __slots__ = ("stage", "bytes_done", "bytes_total", "tensors_done", "tensors_total", "model", "variants")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TENSORS_DONE_FIELD_NUMBER: _ClassVar[int]
     TENSORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
     stage: str
     bytes_done: int
     bytes_total: int
     tensors_done: int
     tensors_total: int
     model: ModelInfo
-    def __init__(self, stage: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+    variants: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, stage: _Optional[str] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., tensors_done: _Optional[int] = ..., tensors_total: _Optional[int] = ..., model: _Optional[_Union[ModelInfo, _Mapping]] = ..., variants: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class PublishChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PublishHeader
+    data: TensorData
+    def __init__(self, header: _Optional[_Union[PublishHeader, _Mapping]] = ..., data: _Optional[_Union[TensorData, _Mapping]] = ...) -> None: ...
+
+class PublishHeader(_message.Message):
+    __slots__ = ("model", "version", "config_json", "tensors", "layouts", "activate", "retention", "label")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATE_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    config_json: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    layouts: _containers.RepeatedCompositeFieldContainer[Layout]
+    activate: bool
+    retention: Retention
+    label: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., config_json: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., layouts: _Optional[_Iterable[_Union[Layout, _Mapping]]] = ..., activate: _Optional[bool] = ..., retention: _Optional[_Union[Retention, _Mapping]] = ..., label: _Optional[str] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorData(_message.Message):
+    __slots__ = ("index", "offset", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    offset: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PublishResponse(_message.Message):
+    __slots__ = ("variants",)
+    VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    variants: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, variants: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class SetActiveRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("model", "version", "pinned")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    pinned: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class FileIdentity(_message.Message):
     __slots__ = ("path", "size", "mtime_ns", "inode", "header_sha256")
@@ -169,7 +273,7 @@ class Lease(_message.Message):
     def __init__(self, id: _Optional[str] = ..., pid: _Optional[int] = ..., pid_start_time: _Optional[float] = ..., created_at: _Optional[float] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "version", "active", "state", "path", "key", "slab_bytes", "num_tensors", "leases", "loaded_at", "load_seconds", "stale_reason")
+    __slots__ = ("name", "version", "active", "state", "path", "key", "slab_bytes", "num_tensors", "leases", "loaded_at", "load_seconds", "stale_reason", "pinned")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +286,7 @@ class ModelInfo(_message.Message):
     LOADED_AT_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STALE_REASON_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: int
     active: bool
@@ -194,29 +299,72 @@ class ModelInfo(_message.Message):
     loaded_at: float
     load_seconds: float
     stale_reason: str
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., active: _Optional[bool] = ..., state: _Optional[str] = ..., path: _Optional[str] = ..., key: _Optional[_Union[CacheKey, _Mapping]] = ..., slab_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., loaded_at: _Optional[float] = ..., load_seconds: _Optional[float] = ..., stale_reason: _Optional[str] = ...) -> None: ...
+    pinned: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ..., active: _Optional[bool] = ..., state: _Optional[str] = ..., path: _Optional[str] = ..., key: _Optional[_Union[CacheKey, _Mapping]] = ..., slab_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., loaded_at: _Optional[float] = ..., load_seconds: _Optional[float] = ..., stale_reason: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class VersionSummary(_message.Message):
+    __slots__ = ("version", "active", "pinned", "state", "source", "bytes", "num_variants", "num_leases", "created_at")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_VARIANTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LEASES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    active: bool
+    pinned: bool
+    state: str
+    source: str
+    bytes: int
+    num_variants: int
+    num_leases: int
+    created_at: float
+    def __init__(self, version: _Optional[int] = ..., active: _Optional[bool] = ..., pinned: _Optional[bool] = ..., state: _Optional[str] = ..., source: _Optional[str] = ..., bytes: _Optional[int] = ..., num_variants: _Optional[int] = ..., num_leases: _Optional[int] = ..., created_at: _Optional[float] = ...) -> None: ...
+
+class ModelSummary(_message.Message):
+    __slots__ = ("name", "active_version", "last_version", "versions", "keep", "max_bytes", "failures")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    active_version: int
+    last_version: int
+    versions: _containers.RepeatedCompositeFieldContainer[VersionSummary]
+    keep: int
+    max_bytes: int
+    failures: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., active_version: _Optional[int] = ..., last_version: _Optional[int] = ..., versions: _Optional[_Iterable[_Union[VersionSummary, _Mapping]]] = ..., keep: _Optional[int] = ..., max_bytes: _Optional[int] = ..., failures: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "summaries")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+    summaries: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., summaries: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model", "version", "expect", "check_expect")
+    __slots__ = ("model", "version", "layout", "files")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    EXPECT_FIELD_NUMBER: _ClassVar[int]
-    CHECK_EXPECT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
-    expect: CacheKey
-    check_expect: bool
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., expect: _Optional[_Union[CacheKey, _Mapping]] = ..., check_expect: _Optional[bool] = ...) -> None: ...
+    layout: Layout
+    files: _containers.RepeatedCompositeFieldContainer[FileIdentity]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., files: _Optional[_Iterable[_Union[FileIdentity, _Mapping]]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("manifest", "lease")
@@ -269,7 +417,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("device", "pid", "started_at", "resident_bytes", "num_leases", "models", "serving", "runtime_dir", "version")
+    __slots__ = ("device", "pid", "started_at", "resident_bytes", "num_leases", "models", "serving", "runtime_dir", "version", "summaries")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +427,7 @@ class Stats(_message.Message):
     SERVING_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_DIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    SUMMARIES_FIELD_NUMBER: _ClassVar[int]
     device: str
     pid: int
     started_at: float
@@ -288,4 +437,5 @@ class Stats(_message.Message):
     serving: bool
     runtime_dir: str
     version: str
-    def __init__(self, device: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., num_leases: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., serving: _Optional[bool] = ..., runtime_dir: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    summaries: _containers.RepeatedCompositeFieldContainer[ModelSummary]
+    def __init__(self, device: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., num_leases: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., serving: _Optional[bool] = ..., runtime_dir: _Optional[str] = ..., version: _Optional[str] = ..., summaries: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class WeightCacheStub:
-    """Missing associated documentation comment in .proto file."""
+    """A model name has immutable versions (weights content) and one active pointer. Each version has
+    variants (dtype, quantization, TP size and rank, component), each with its own slab and cache key.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -38,6 +40,21 @@ class WeightCacheStub:
                 '/preload.v1.WeightCache/LoadModel',
                 request_serializer=preload__pb2.LoadModelRequest.SerializeToString,
                 response_deserializer=preload__pb2.LoadProgress.FromString,
+                _registered_method=True)
+        self.PublishStream = channel.stream_unary(
+                '/preload.v1.WeightCache/PublishStream',
+                request_serializer=preload__pb2.PublishChunk.SerializeToString,
+                response_deserializer=preload__pb2.PublishResponse.FromString,
+                _registered_method=True)
+        self.SetActive = channel.unary_unary(
+                '/preload.v1.WeightCache/SetActive',
+                request_serializer=preload__pb2.SetActiveRequest.SerializeToString,
+                response_deserializer=preload__pb2.ModelSummary.FromString,
+                _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/preload.v1.WeightCache/Pin',
+                request_serializer=preload__pb2.PinRequest.SerializeToString,
+                response_deserializer=preload__pb2.ModelSummary.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/preload.v1.WeightCache/ListModels',
@@ -72,11 +89,34 @@ class WeightCacheStub:
 
 
 class WeightCacheServicer:
-    """Missing associated documentation comment in .proto file."""
+    """A model name has immutable versions (weights content) and one active pointer. Each version has
+    variants (dtype, quantization, TP size and rank, component), each with its own slab and cache key.
+    """
 
     def LoadModel(self, request, context):
-        """Loads (or finds already loaded) a checkpoint; streams progress, the last message carries the model.
+        """Loads variants of a checkpoint directory: into the version loaded from the same files, or into a
+        new version. Streams progress; the last message carries the variants.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishStream(self, request_iterator, context):
+        """Publishes a new version from tensors streamed by a live process: a header, then tensor chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetActive(self, request, context):
+        """Moves a model's active pointer (publish, rollback).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Pin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -88,7 +128,7 @@ class WeightCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
-        """Returns the manifest of a loaded model and a lease that keeps it resident.
+        """Finds the variant the caller wants; returns its manifest and a lease that keeps it resident.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -125,6 +165,21 @@ def add_WeightCacheServicer_to_server(servicer, server):
                     servicer.LoadModel,
                     request_deserializer=preload__pb2.LoadModelRequest.FromString,
                     response_serializer=preload__pb2.LoadProgress.SerializeToString,
+            ),
+            'PublishStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.PublishStream,
+                    request_deserializer=preload__pb2.PublishChunk.FromString,
+                    response_serializer=preload__pb2.PublishResponse.SerializeToString,
+            ),
+            'SetActive': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetActive,
+                    request_deserializer=preload__pb2.SetActiveRequest.FromString,
+                    response_serializer=preload__pb2.ModelSummary.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=preload__pb2.PinRequest.FromString,
+                    response_serializer=preload__pb2.ModelSummary.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -165,7 +220,9 @@ def add_WeightCacheServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class WeightCache:
-    """Missing associated documentation comment in .proto file."""
+    """A model name has immutable versions (weights content) and one active pointer. Each version has
+    variants (dtype, quantization, TP size and rank, component), each with its own slab and cache key.
+    """
 
     @staticmethod
     def LoadModel(request,
@@ -184,6 +241,87 @@ class WeightCache:
             '/preload.v1.WeightCache/LoadModel',
             preload__pb2.LoadModelRequest.SerializeToString,
             preload__pb2.LoadProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/preload.v1.WeightCache/PublishStream',
+            preload__pb2.PublishChunk.SerializeToString,
+            preload__pb2.PublishResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetActive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/preload.v1.WeightCache/SetActive',
+            preload__pb2.SetActiveRequest.SerializeToString,
+            preload__pb2.ModelSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/preload.v1.WeightCache/Pin',
+            preload__pb2.PinRequest.SerializeToString,
+            preload__pb2.ModelSummary.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,11 @@ class EngineConfig:
     """Index of this data-parallel replica (for logs and metrics)."""
     num_threads: int = 0
     """Compute threads for this process; 0 leaves torch's default."""
+    weights_version: str = ""
+    """With ipc_cache: "" attaches to the version loaded from `model`'s files, "active" to the name's
+    active version, a number to that version."""
+    wait_for_daemon: float = 0.0
+    """With ipc_cache: seconds to wait for a daemon that is absent or still loading before falling back."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -51,6 +56,15 @@ class EngineConfig:
                                       f"got {self.num_threads}")
         if not self.name:
             object.__setattr__(self, "name", self.model.name)
+        if self.weights_version not in ("", "active") and not (self.weights_version.isdigit()
+                                                                and 0 < int(self.weights_version) < 2**32):
+            raise InvalidRequestError(f"--weights-version {self.weights_version!r}: give a version number "
+                                      "(see `preload status`) or 'active'")
+        if self.weights_version and self.load_format != "ipc_cache":
+            raise InvalidRequestError("--weights-version picks a version held by the daemon; it needs "
+                                      "--load-format ipc_cache")
+        if not 0 <= self.wait_for_daemon <= 86400:
+            raise InvalidRequestError(f"--wait-for-daemon must be 0..86400 seconds, got {self.wait_for_daemon:g}")
 
     @property
     def device(self) -> str:

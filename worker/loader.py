@@ -1,8 +1,10 @@
 """Weight loaders, one strategy per load format behind a registry keyed by `--load-format`:
 
 - `safetensors`: the cold path. Runs the daemon's own load plan into private memory.
-- `ipc_cache`: attaches to the daemon's slab (zero-copy, leased) after checking the cache key;
-  falls back to the cold path with a logged reason unless fallback is off.
+- `ipc_cache`: asks the daemon for the variant it wants (by the checkpoint files it was started on,
+  or by version) and maps it zero-copy under a lease; the daemon owns the layout decisions and
+  answers with the matching variant or a mismatch naming the fields. Falls back to the cold path
+  with a logged reason unless fallback is off.
 """
 
 import dataclasses
@@ -13,20 +15,20 @@ import time
 import torch
 
 from kernels.quant import QuantizedWeight
+from preload_daemon.arch import ArchSpec, read_config
 from preload_daemon.buffers import typed_view
-from preload_daemon.cachekey import CacheKey
-from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.checkpoint import Checkpoint, stat_identity
 from preload_daemon.client import AttachedModel, DaemonClient
-from preload_daemon.errors import PreloadError
+from preload_daemon.errors import DaemonUnavailableError, LoadingError, NotFoundError, PreloadError, StaleError
 from preload_daemon.execute import execute
 from preload_daemon.plan import LoadSpec, build_plan
-from preload_daemon.store import key_for
 
 log = logging.getLogger(__name__)
+RETRY_S = 0.2
 
 
 class FallbackRefusedError(PreloadError):
-    """ipc_cache could not be used and --no-fallback forbids a cold load."""
+    """ipc_cache could not be used and --no-fallback (or --weights-version) forbids a cold load."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,9 +36,12 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor | QuantizedWeight]
     """By checkpoint name; a quantized projection is one QuantizedWeight over its slab parts."""
     config: dict
-    key: CacheKey
     load_format: str
     """The format actually used (ipc_cache may have fallen back to safetensors)."""
+    version: int = 0
+    """The daemon's version of the weights; 0 for a cold load."""
+    content_digest: str = ""
+    """The digest of the slab's bytes (ipc_cache)."""
     fallback_reason: str = ""
     attached: AttachedModel | None = None
     started: float = 0.0
@@ -49,6 +54,10 @@ class LoadRequest:
     device: str = "cpu:0"
     runtime_dir: pathlib.Path | None = None
     fallback: bool = True
+    weights_version: str = ""
+    """"" (the version loaded from spec.path's files), "active", or a version number."""
+    wait_for_daemon: float = 0.0
+    """Seconds to keep asking a daemon that is absent or still loading before giving up."""
 
 
 def load_safetensors(request: LoadRequest) -> LoadedWeights:
@@ -62,22 +71,19 @@ def load_safetensors(request: LoadRequest) -> LoadedWeights:
         checkpoint.close()
     tensors = {e.name: typed_view(slab, e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
     parts = [(e.name, e.part, e.quant_scheme, dict(e.quant_params)) for e in plan.entries]
-    return LoadedWeights(assemble(tensors, parts), checkpoint.config, key_for(checkpoint, plan), "safetensors",
-                         started=started, finished=time.time())
+    return LoadedWeights(assemble(tensors, parts), checkpoint.config, "safetensors", started=started,
+                         finished=time.time())
 
 
 def load_ipc_cache(request: LoadRequest) -> LoadedWeights:
     started = time.time()
-    client = None
     try:
-        checkpoint = Checkpoint(request.spec.path)  # headers only: enough for the expected cache key
-        expect = key_for(checkpoint, build_plan(checkpoint, request.spec))
-        client = DaemonClient.for_device(request.device, request.runtime_dir, timeout=10)
-        attached = client.attach(request.spec.name, expect=expect)
+        attached = attach(request)
     except PreloadError as e:
-        if client is not None:
-            client.close()
         reason = f"ipc_cache unavailable: {type(e).__name__}: {e}"
+        if request.weights_version:
+            raise FallbackRefusedError(f"{reason} (--weights-version {request.weights_version} asks for the daemon's "
+                                       "weights; a cold load of the checkpoint could be other weights)") from e
         if not request.fallback:
             raise FallbackRefusedError(f"{reason} (--no-fallback is set, so no cold load)") from e
         log.warning("%s; falling back to a cold load of %s", reason, request.spec.path)
@@ -86,8 +92,43 @@ def load_ipc_cache(request: LoadRequest) -> LoadedWeights:
         weights.started = started
         return weights
     parts = [(t.name, t.part, t.quant_scheme, dict(t.quant_params)) for t in attached.manifest.tensors]
-    return LoadedWeights(assemble(dict(attached.tensors), parts), attached.config, attached.key, "ipc_cache",
-                         attached=attached, started=started, finished=time.time())
+    return LoadedWeights(assemble(dict(attached.tensors), parts), attached.config, "ipc_cache",
+                         version=attached.version, content_digest=attached.key.content_digest, attached=attached,
+                         started=started, finished=time.time())
+
+
+def attach(request: LoadRequest) -> AttachedModel:
+    """The daemon's variant for this request, leased; retries an absent or loading daemon for
+    request.wait_for_daemon seconds. Checks that the weights fit the engine's config.json."""
+    spec = request.spec
+    by_version = request.weights_version not in ("", "active")
+    version = int(request.weights_version) if by_version else 0
+    files = stat_identity(spec.path) if not request.weights_version else ()
+    deadline = time.monotonic() + request.wait_for_daemon
+    waited = False
+    client = DaemonClient.for_device(request.device, request.runtime_dir, timeout=10)  # renews the lease later
+    try:
+        while True:
+            try:
+                attached = client.attach(spec.name, version, spec.layout, files)
+                break
+            except (DaemonUnavailableError, LoadingError, NotFoundError) as e:
+                if time.monotonic() + RETRY_S > deadline:
+                    raise
+                if not waited:
+                    log.info("waiting up to %gs for the daemon on %s: %s", request.wait_for_daemon, request.device, e)
+                    waited = True
+                time.sleep(RETRY_S)
+        problems = ArchSpec.from_config(attached.config, f"{spec.name} v{attached.version}").differences(
+            ArchSpec.from_config(read_config(spec.path), f"{spec.path}/config.json"))
+        if problems:
+            attached.release()
+            raise StaleError(f"{spec.name} v{attached.version} on {request.device} does not fit this engine's "
+                             f"config.json: {', '.join(problems)} (daemon vs engine)")
+    except BaseException:
+        client.close()
+        raise
+    return attached
 
 
 def assemble(tensors: dict[str, torch.Tensor], parts) -> dict[str, torch.Tensor | QuantizedWeight]:

@@ -62,16 +62,21 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
     weights, error = None, ""
     try:
         request = LoadRequest(spec=config.load_spec(), device=config.device, runtime_dir=config.runtime_dir,
-                              fallback=config.fallback)
+                              fallback=config.fallback, weights_version=config.weights_version,
+                              wait_for_daemon=config.wait_for_daemon)
         weights = load_weights(config.load_format, request)
         doc.update(load_format=weights.load_format, fallback_reason=weights.fallback_reason,
-                   weights_start=weights.started, weights_done=weights.finished,
-                   weights_version=weights.attached.version if weights.attached else 0)
+                   weights_start=weights.started, weights_done=weights.finished, weights_version=weights.version)
     except (PreloadError, OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
     doc["error"] = error[:4000]
     ranks = group.exchange(doc) if group is not None else [doc]
     failed = [r for r in ranks if r["error"]]
+    versions = {r["weights_version"] for r in ranks if not r["error"]}
+    if not failed and len(versions) > 1:  # a publish moved the pointers while the ranks attached
+        failed = [{**r, "error": f"attached {config.name} v{r['weights_version']}, while other ranks attached "
+                                 f"v{', v'.join(map(str, sorted(versions - {r['weights_version']})))}; start the "
+                                 "engine again (or pin it with --weights-version V)"} for r in ranks[:1]]
     if failed:  # the group stays open: rank 0 reports, then ends the others (see run_follower)
         raise RankFailedError("; ".join(f"TP rank {r['rank']} on {r['device']}: {r['error']}" for r in failed))
     model = CausalLM(ArchSpec.from_config(weights.config, f"{config.model}/config.json"), weights.tensors, group)
@@ -222,7 +227,8 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
     print(json.dumps({
         "model": config.name, "prompt": prompt, "text": tokenizer.decode(result.tokens) if tokenizer else "",
         "token_ids": result.tokens, "prompt_tokens": len(ids), "finish_reason": result.finish_reason,
-        "load_format": weights.load_format, "fallback_reason": weights.fallback_reason, "tp_size": config.tp_size,
+        "load_format": weights.load_format, "fallback_reason": weights.fallback_reason,
+        "weights_version": weights.version, "tp_size": config.tp_size,
         "ranks": built.ranks,
         "timings": {"process_start": process_start, "weights_start": weights.started,
                     "weights_done": weights.finished, "ready": ready, "generate_seconds": result.seconds,

@@ -33,7 +33,8 @@ def build_app(state: WorkerState) -> Starlette:
 
     async def models(_: Request):
         return JSONResponse({"object": "list", "data": [
-            {"id": state.name, "object": "model", "created": int(state.process_start), "owned_by": "preload"}]})
+            {"id": state.name, "object": "model", "created": int(state.process_start), "owned_by": "preload",
+             "weights_version": state.weights.version if state.weights else None}]})
 
     async def completions(request: Request):
         if not state.is_ready():

@@ -60,8 +60,8 @@ class WorkerState:
         if self.weights is not None:
             formats = {r.get("load_format") for r in self.ranks} or {self.weights.load_format}
             body.update(load_format=formats.pop() if len(formats) == 1 else "mixed",
-                        fallback_reason=self.weights.fallback_reason, cache_key_digest=self.weights.key.content_digest,
-                        tp_size=len(self.ranks), ranks=self.ranks)
+                        fallback_reason=self.weights.fallback_reason, weights_version=self.weights.version,
+                        content_digest=self.weights.content_digest, tp_size=len(self.ranks), ranks=self.ranks)
         if status != "ready":
             body["reason"] = self.not_ready_reason()
         return body

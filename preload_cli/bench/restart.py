@@ -91,8 +91,9 @@ def table(summary: dict) -> str:
 
 def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
     """Private daemons (cpu:0..cpu:TP-1) holding `model`'s ranks, for the length of a `with` block."""
-    from preload_daemon.plan import LoadSpec
-    from preload_daemon.supervisor import DaemonProcess, load_all
+    from preload_daemon.plan import Layout
+    from preload_daemon.supervisor import DaemonProcess
+    from preload_daemon.versions import Target, publish_dir
 
     class Daemon:
         def __enter__(self):
@@ -103,8 +104,9 @@ def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
                 for device in devices:
                     self.processes.append(DaemonProcess(device, self.runtime_dir, "WARNING"))
                     self.processes[-1].wait_started()
-                specs = [LoadSpec(path=str(model), name=name, tp_size=tp_size, tp_rank=r) for r in range(tp_size)]
-                self.infos = load_all(specs, devices, self.runtime_dir)
+                targets = [Target(d, [Layout(tp_size=tp_size, tp_rank=r)]) for r, d in enumerate(devices)]
+                _, results = publish_dir(name or model.name, str(model), targets, self.runtime_dir)
+                self.infos = [variants[0] for variants in results]
             except BaseException:
                 self.__exit__()
                 raise

@@ -13,12 +13,14 @@ import urllib.request
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
 from preload_cli.models import synthetic_checkpoint
 from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
-from preload_daemon.plan import LoadSpec
+from preload_daemon.checkpoint import stat_identity
+from preload_daemon.plan import Layout, LoadSpec
 from tests.conftest import REPO, copy_checkpoint
 
 
@@ -126,10 +128,13 @@ def test_checkpoint_rewritten_in_place_is_never_served_as_the_old_one(daemon, ti
     daemon.client.load(LoadSpec(path=str(ckpt)))
     save_file({k: v + 1 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
     with pytest.raises(StaleError, match=r"files\[.*model.safetensors\]\.mtime_ns"):
-        daemon.client.attach("ckpt")
+        daemon.client.attach("ckpt", files=stat_identity(ckpt))  # as an engine started on the files asks
     assert daemon.client.list_models()[0].state == "stale"
+    old = daemon.client.attach("ckpt", version=1)  # v1 is still v1's weights: attaching by number works
+    assert torch.equal(old["model.norm.weight"], tensors["model.norm.weight"])
+    old.release()
     info = daemon.client.load(LoadSpec(path=str(ckpt)))
-    assert info.version == 2
+    assert info.version == 2 and info.active
     probe = Probe(daemon.config.socket_path, "ckpt", "--compare", str(ckpt), "--exit")
     probe.close()
     assert probe.report["version"] == 2 and probe.report["equal"]
@@ -140,17 +145,17 @@ def test_loading_the_same_checkpoint_twice_reuses_it(daemon, tiny_llama):
     again = daemon.client.load(LoadSpec(path=str(tiny_llama)))
     assert (first.version, again.version) == (1, 1)
     bf16 = daemon.client.load(LoadSpec(path=str(tiny_llama), dtype="bfloat16"))
-    assert bf16.version == 2 and bf16.slab_bytes < first.slab_bytes
+    assert bf16.version == 1 and bf16.slab_bytes < first.slab_bytes  # a variant, not a version
+    [summary] = daemon.client.summaries()
+    assert (summary.active_version, summary.last_version, [v.num_variants for v in summary.versions]) == (1, 1, [2])
 
 
-def test_expected_cache_key_mismatch_names_fields(daemon, tiny_llama):
-    import dataclasses
+def test_variant_mismatch_names_fields(daemon, tiny_llama):
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
-    key = daemon.client.attach("tiny-llama").key
-    expect = dataclasses.replace(key, dtype="bfloat16", tp_size=2, content_digest="")
-    with pytest.raises(StaleError, match=r"tp_size \(1 here, 2 expected\), dtype \('float32' here, 'bfloat16' expected\)"):
-        daemon.client.attach("tiny-llama", expect=expect)
-    assert daemon.client.attach("tiny-llama", expect=dataclasses.replace(key, content_digest="")).version == 1
+    with pytest.raises(StaleError, match=r"dtype \('float32' here, 'bfloat16' asked\), tp_size \(1 here, 2 asked\)"):
+        daemon.client.attach("tiny-llama", layout=Layout(dtype="bfloat16", tp_size=2))
+    attached = daemon.client.attach("tiny-llama", layout=Layout(dtype="float32"), files=stat_identity(tiny_llama))
+    assert attached.version == 1 and attached.key.dtype == "float32"
 
 
 def test_health_and_reflection(daemon, tiny_llama):

@@ -1,0 +1,216 @@
+"""Versions across the daemons of a runtime directory: publish (from a directory or a live process),
+roll back, pin. A model served with TP N lives on N daemons, one per device, each holding its
+rank's variants; a publish loads the new version on every one of them beside the old, and moves
+each pointer only once all are ready. If any rank fails, the new version is freed everywhere and
+the active one never stopped serving. Used by `preload serve/publish/rollback/pin` and by trainers
+(`publish_tensors`)."""
+
+import dataclasses
+import logging
+import pathlib
+import sys
+import threading
+from collections.abc import Callable
+
+from preload_daemon.client import DaemonClient
+from preload_daemon.config import default_runtime_dir
+from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
+from preload_daemon.plan import Layout, LoadSpec
+from protos import preload_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class Target:
+    """One daemon taking part in a publish, and the variants it builds there."""
+
+    device: str
+    layouts: list[Layout]
+
+
+def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
+    """(device, socket) for every daemon socket in the runtime dir."""
+    found = []
+    for path in sorted(pathlib.Path(runtime_dir).glob("daemon-*.sock")):
+        kind, _, index = path.stem.removeprefix("daemon-").partition("-")
+        found.append((f"{kind}:{index}", path))
+    return found
+
+
+def holders(name: str, runtime_dir: pathlib.Path) -> dict[str, pb.Stats]:
+    """{device: stats} of the daemons that know `name` (any version, or a failed load)."""
+    found = {}
+    for device, path in daemon_sockets(runtime_dir):
+        with DaemonClient(path, timeout=5.0) as client:
+            try:
+                stats = client.stats()
+            except DaemonUnavailableError:
+                continue
+        if any(s.name == name for s in stats.summaries):
+            found[device] = stats
+    return found
+
+
+def layout_of(info: pb.ModelInfo) -> Layout:
+    key = info.key
+    return Layout(dtype=key.dtype, quantization=key.quantization, tp_size=key.tp_size or 1, tp_rank=key.tp_rank,
+                  component=key.component or "main")
+
+
+def targets_for(name: str, runtime_dir: pathlib.Path, devices: list[str] | None = None,
+                layouts: list[Layout] | None = None) -> list[Target]:
+    """Who builds what: with `devices` and `layouts` (rank r's layout on device r), exactly that;
+    otherwise each daemon holding `name` builds the variants of its active version."""
+    if devices:
+        return [Target(device, [layout]) for device, layout in zip(devices, layouts)]
+    found = []
+    for device, stats in holders(name, runtime_dir).items():
+        summary = next(s for s in stats.summaries if s.name == name)
+        variants = [layout_of(m) for m in stats.models if m.name == name and m.version == summary.active_version]
+        if variants:
+            found.append(Target(device, variants))
+    if not found:
+        raise NotFoundError(f"no daemon in {runtime_dir} holds {name!r}; the first version is loaded with "
+                            f"`preload serve DIR --name {name}` (or give --devices)")
+    return found
+
+
+def next_version(name: str, runtime_dir: pathlib.Path) -> int:
+    """One number above the highest any daemon gave out for `name`, so that every rank agrees."""
+    last = [s.last_version for stats in holders(name, runtime_dir).values() for s in stats.summaries if s.name == name]
+    return max(last, default=0) + 1
+
+
+def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathlib.Path, *,
+                always_activate: bool = True, keep: int | None = None, max_bytes: int | None = None,
+                show_progress: bool = True) -> tuple[int, list[list[pb.ModelInfo]]]:
+    """Loads the checkpoint directory on every target as the next version (or finds the version
+    already loaded from those files) and then makes it active everywhere: always, or, without
+    `always_activate` (`preload serve`), only if it is new or the model had none. Returns the
+    version and each target's variants."""
+    number = next_version(name, runtime_dir)
+    spec = LoadSpec(path=path, name=name)
+
+    def load(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
+        first, *rest = target.layouts
+        return client.load_all(spec.with_layout(first), on_progress, layouts=tuple(rest), version=number,
+                               activate=False, keep=keep, max_bytes=max_bytes)
+
+    return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress)
+
+
+def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | None = None,
+                    layouts: list[Layout] | None = None, runtime_dir: pathlib.Path | None = None,
+                    keep: int | None = None, max_bytes: int | None = None, label: str = "",
+                    show_progress: bool = False) -> int:
+    """Publishes a live process's tensors ({name: tensor} as in the Hugging Face checkpoint, e.g.
+    model.state_dict(), and its config.json as a dict) as the next version of `name` on every daemon
+    that holds it (or on `devices`, rank r in layouts[r]), without writing them to disk; moves the
+    pointer once every rank is ready. Returns the new version number."""
+    runtime_dir = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
+    targets = targets_for(name, runtime_dir, devices, layouts or [Layout()] * len(devices or ()))
+    number = next_version(name, runtime_dir)
+    tensors = dict(tensors)
+
+    def send(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
+        def progress(sent: int, total: int) -> None:
+            on_progress(pb.LoadProgress(stage="sending", bytes_done=sent, bytes_total=total))
+        return client.publish(name, tensors, config, version=number, layouts=tuple(target.layouts), activate=False,
+                              keep=keep, max_bytes=max_bytes, label=label, on_progress=progress)
+
+    return _publish(name, number, targets, runtime_dir, send, True, show_progress)[0]
+
+
+def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib.Path, load: Callable,
+             always_activate: bool, show_progress: bool) -> tuple[int, list[list[pb.ModelInfo]]]:
+    results = _on_all(targets, runtime_dir, load, f"{name} v{number}", show_progress)
+    failed = [(t, r) for t, r in zip(targets, results) if isinstance(r, Exception)]
+    made = [t for t, r in zip(targets, results) if not isinstance(r, Exception) and r[0].version == number]
+    if failed:
+        for target in made:  # not active, not leased: nothing can be using it yet
+            with DaemonClient.for_device(target.device, runtime_dir) as client:
+                try:
+                    client.evict(name, number)
+                except PreloadError as e:
+                    log.warning("could not free %s v%d on %s after the failed publish: %s", name, number,
+                                target.device, e)
+        raise type(failed[0][1])("; ".join(f"{t.device}: {r}" for t, r in failed) +
+                                 f" (the new version was freed; the active version of {name} is unchanged)")
+    versions = {r[0].version for r in results}
+    if len(versions) != 1:
+        raise PreloadError(f"the daemons hold these files as different versions of {name} "
+                           f"({', '.join(f'{t.device}: v{r[0].version}' for t, r in zip(targets, results))}); "
+                           f"evict the odd ones (`preload evict {name}@V`) and publish again")
+    found = versions.pop()
+    if always_activate or found == number:
+        for target in targets:
+            with DaemonClient.for_device(target.device, runtime_dir) as client:
+                client.set_active(name, found)
+    return found, results
+
+
+def _on_all(targets: list[Target], runtime_dir: pathlib.Path, run: Callable, what: str, show_progress: bool) -> list:
+    """run(target, client, on_progress) on every target at once, one progress bar each; each result
+    or the PreloadError it raised."""
+    from tqdm import tqdm  # the progress bars: paid only by commands that load
+
+    results: list = [None] * len(targets)
+    bars = [tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=f"{what} {t.device}", position=i,
+                 disable=not show_progress, mininterval=0.1 if sys.stderr.isatty() else 2.0)
+            for i, t in enumerate(targets)]
+
+    def one(i: int) -> None:
+        def on_progress(update) -> None:
+            bar = bars[i]
+            if update.bytes_total and bar.total != update.bytes_total:
+                bar.reset(total=update.bytes_total)
+            bar.set_postfix_str(f"{update.stage} {update.tensors_done}/{update.tensors_total} tensors"
+                                if update.tensors_total else update.stage, refresh=False)
+            bar.update(update.bytes_done - bar.n)
+        try:
+            with DaemonClient.for_device(targets[i].device, runtime_dir, timeout=60) as client:
+                results[i] = run(targets[i], client, on_progress)
+        except PreloadError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(targets))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for bar in bars:
+        bar.close()
+    return results
+
+
+def rollback(name: str, version: int, runtime_dir: pathlib.Path) -> list[str]:
+    """Moves the active pointer of `name` to `version` on every daemon holding it, after checking
+    that each still holds that version. Returns the devices."""
+    found = holders(name, runtime_dir)
+    if not found:
+        raise NotFoundError(f"no daemon in {runtime_dir} holds {name!r}")
+    missing = []
+    for device, stats in found.items():
+        summary = next(s for s in stats.summaries if s.name == name)
+        if not any(v.version == version for v in summary.versions):
+            have = ", ".join(f"v{v.version}" for v in summary.versions) or "none"
+            missing.append(f"{device} (has {have})")
+    if missing:
+        raise NotFoundError(f"{name} v{version} is not held by {', '.join(missing)}; a freed version comes back "
+                            f"with `preload publish {name} --from DIR`")
+    for device in found:
+        with DaemonClient.for_device(device, runtime_dir) as client:
+            client.set_active(name, version)
+    return list(found)
+
+
+def set_pinned(name: str, version: int, pinned: bool, runtime_dir: pathlib.Path) -> list[str]:
+    """Pins (or unpins) `version` of `name` on every daemon holding it. Returns the devices."""
+    found = holders(name, runtime_dir)
+    if not found:
+        raise NotFoundError(f"no daemon in {runtime_dir} holds {name!r}")
+    for device in found:
+        with DaemonClient.for_device(device, runtime_dir) as client:
+            client.pin(name, version, pinned)
+    return list(found)
