@@ -1,4 +1,5 @@
 """The daemon-side commands of `preload`: daemon, serve, status, wait-ready, evict, default-model.
+(publish, rollback, pin and unpin are in version_commands.)
 Each takes the parsed arguments and returns an exit code; what only one command needs is imported
 inside it, so `preload --help` and `preload status` start quickly."""
 
@@ -20,7 +21,7 @@ def cmd_serve(args) -> int:
     from preload_daemon import supervisor  # tqdm and the loader, paid only by serve
     return supervisor.serve(args.model, name=args.name, tp_size=args.tp_size, devices=args.devices, dtype=args.dtype,
                             quantization=args.quantization, runtime_dir=args.runtime_dir, log_level=args.log_level,
-                            supervise=not args.no_supervise)
+                            supervise=not args.no_supervise, keep=args.keep, max_bytes=args.max_bytes)
 
 
 def cmd_default_model(args) -> int:
@@ -58,78 +59,121 @@ def cmd_status(args) -> int:
         return 0
     now = time.time()
     daemons = [["DEVICE", "PID", "UPTIME", "STATE", "MODELS", "RESIDENT", "LEASES"]]
-    models = [["MODEL", "VERSION", "ACTIVE", "DEVICE", "RANK", "DTYPE", "QUANT", "BYTES", "TENSORS", "LEASES",
-               "STATE"]]
+    versions = [["MODEL", "VERSION", "DEVICE", "ACTIVE", "PINNED", "STATE", "VARIANTS", "BYTES", "LEASES", "SOURCE"]]
+    variants = [["MODEL", "VERSION", "DEVICE", "RANK", "DTYPE", "QUANT", "COMPONENT", "BYTES", "TENSORS", "LEASES"]]
+    failures = []
     for dev, s in rows:
         if isinstance(s, Exception):
             daemons.append([dev, "-", "-", "unreachable", "-", "-", "-"])
             continue
         daemons.append([s.device, str(s.pid), human_seconds(now - s.started_at),
-                        "serving" if s.serving else "not serving", str(len(s.models)),
+                        "serving" if s.serving else "not serving", str(len(s.summaries)),
                         human_bytes(s.resident_bytes), str(s.num_leases)])
+        for m in s.summaries:
+            for v in m.versions:
+                versions.append([m.name, str(v.version), s.device, "*" if v.active else "", "pin" if v.pinned else "",
+                                 v.state, str(v.num_variants), human_bytes(v.bytes), str(v.num_leases), v.source])
+            failures += [f"{m.name} v{f} (on {s.device})" for f in m.failures]
         for m in s.models:
-            models.append([m.name, str(m.version), "*" if m.active else "", s.device,
-                           f"{m.key.tp_rank}/{m.key.tp_size}", m.key.dtype, m.key.quantization,
-                           human_bytes(m.slab_bytes), str(m.num_tensors), str(len(m.leases)), m.state])
+            variants.append([m.name, str(m.version), s.device, f"{m.key.tp_rank}/{m.key.tp_size}", m.key.dtype,
+                             m.key.quantization, m.key.component, human_bytes(m.slab_bytes), str(m.num_tensors),
+                             str(len(m.leases))])
     print(table(daemons))
-    if len(models) > 1:
-        print()
-        print(table(models))
+    for rows_ in (versions, variants):
+        if len(rows_) > 1:
+            print()
+            print(table(rows_))
+    if failures:
+        print("\nrecent failed loads:\n" + "\n".join(f"  {f}" for f in failures))
     return 0
 
 
+# `preload wait-ready` exit codes (argparse uses 2 for bad usage).
+READY, TIMED_OUT, FAILED, NO_DAEMON = 0, 1, 3, 4
+
+
 def cmd_wait_ready(args) -> int:
+    """Waits until the daemons (and --model, --version) are ready. Exit codes: 0 ready, 1 timed out
+    while loading or waiting for the version, 3 failed (the load or publish failed, or the version
+    was freed), 4 no daemon answered by the deadline."""
+    if args.version is not None and not args.model:
+        print("preload wait-ready: --version needs --model", file=sys.stderr)
+        return 2
     device = parse_device(args.device) if args.device else ""
     deadline = time.monotonic() + args.timeout
     while True:
-        reason = not_ready_reason(args.runtime_dir, device, args.model)
-        if reason is None:
-            print("ready")
-            return 0
+        code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
+        if code == READY:
+            print(reason)
+            return READY
+        if code == FAILED:
+            print(f"failed: {reason}", file=sys.stderr)
+            return FAILED
         if time.monotonic() >= deadline:
             print(f"not ready after {args.timeout:g}s: {reason}", file=sys.stderr)
-            return 1
+            return code
         time.sleep(0.2)
 
 
-def not_ready_reason(runtime_dir: pathlib.Path, device: str, model: str) -> str | None:
-    """Why the daemons are not ready yet, or None if they are."""
+def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) -> tuple[int, str]:
+    """(READY, what is ready) or (the exit code if it stays like this, why not)."""
     rows = collect_stats(runtime_dir, device)
     if not rows:
-        return f"no daemon{' for ' + device if device else ''} in {runtime_dir}"
-    for dev, stats in rows:
-        if isinstance(stats, Exception):
-            return f"daemon {dev} does not answer ({stats})"
-        if not stats.serving and not stats.models:
-            return f"daemon {dev} has no model loaded"
-        if model:
-            states = [m.state for m in stats.models if m.name == model and m.active]
-            if not states:
-                return f"model {model!r} is not loaded on {dev} (loaded: " \
-                       f"{', '.join(sorted({m.name for m in stats.models})) or 'none'})"
-            if states[0] != "ready":
-                return f"model {model!r} on {dev} is {states[0]}"
-        elif not stats.serving:
-            return f"daemon {dev} is still loading"
-    return None
+        return NO_DAEMON, f"no daemon{' for ' + device if device else ''} in {runtime_dir}"
+    answering = [(dev, s) for dev, s in rows if not isinstance(s, Exception)]
+    if not answering:
+        return NO_DAEMON, "; ".join(f"daemon {dev} does not answer ({s})" for dev, s in rows)
+    if len(answering) < len(rows):
+        dev, error = next((d, s) for d, s in rows if isinstance(s, Exception))
+        return TIMED_OUT, f"daemon {dev} does not answer ({error})"
+    if not model:
+        for dev, stats in answering:
+            if not stats.serving:
+                return TIMED_OUT, f"daemon {dev} " + ("is still loading" if stats.models else "has no model loaded")
+        return READY, "ready"
+    holding = [(dev, next((m for m in s.summaries if m.name == model), None)) for dev, s in answering]
+    holding = [(dev, m) for dev, m in holding if m is not None]
+    if not holding:
+        loaded = sorted({m.name for _, s in answering for m in s.summaries})
+        return TIMED_OUT, f"model {model!r} is not loaded (loaded: {', '.join(loaded) or 'none'})"
+    for dev, m in holding:
+        number = version or m.active_version
+        state = next((v.state for v in m.versions if v.version == number), None) if number else None
+        failed = next((f for f in m.failures if f.startswith(f"{version}:")), None) if version else \
+            (m.failures[0] if m.failures and not number else None)
+        if state in ("ready", "stale"):
+            continue
+        if state == "loading":
+            return TIMED_OUT, f"{model} v{number} on {dev} is still loading"
+        if failed:
+            return FAILED, f"{model} v{failed} (on {dev})"
+        if version and version <= m.last_version:
+            return FAILED, f"{model} v{version} on {dev} was freed (evicted or out of retention); publish it again"
+        what = f"v{version} is not published yet" if version else "has no active version yet"
+        return TIMED_OUT, f"{model} {what} on {dev}"
+    numbers = sorted({version or m.active_version for _, m in holding})
+    return READY, f"ready: {model} v{', v'.join(map(str, numbers))} on {', '.join(dev for dev, _ in holding)}"
 
 
 def cmd_evict(args) -> int:
     from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
-    name, _, version = args.target.partition("@")
+    name, sep, version = args.target.rpartition("@")
+    if not sep:
+        name, version = args.target, ""
     if version and not version.isdigit():
         print(f"preload evict: bad version {version!r} in {args.target!r}; use MODEL@N, e.g. llama@2", file=sys.stderr)
         return 2
     device = parse_device(args.device) if args.device else ""
     holders = [(d, s) for d, s in collect_stats(args.runtime_dir, device)
-               if not isinstance(s, Exception) and any(m.name == name for m in s.models)]
+               if not isinstance(s, Exception) and any(m.name == name for m in s.summaries)]
     if not holders:
         print(f"preload evict: {name!r} is not loaded on any daemon in {args.runtime_dir}", file=sys.stderr)
         return 1
     for dev, _ in holders:
         with DaemonClient.for_device(dev, args.runtime_dir) as client:
             for m in client.evict(name, int(version or 0), args.force):
-                print(f"evicted {m.name} v{m.version} from {dev} ({human_bytes(m.slab_bytes)})")
+                print(f"evicted {m.name} v{m.version} ({m.key.dtype}/{m.key.quantization} rank "
+                      f"{m.key.tp_rank}/{m.key.tp_size}) from {dev} ({human_bytes(m.slab_bytes)})")
     return 0
 
 

@@ -96,11 +96,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             retention = _retention(header.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
-        chunks = (_data(chunk) for chunk in request_iterator)
         try:
-            variants = self.store.publish_stream(table, header.model, chunks, header.version, layouts,
-                                                 header.activate, retention)
+            variants = self.store.publish_stream(table, header.model, _chunks(request_iterator), header.version,
+                                                 layouts, header.activate, retention)
         except Exception as e:
+            log.warning("publishing %s failed, nothing was kept: %s", header.model, e)
             self._abort(context, f"publishing {header.model}", e)
         return pb.PublishResponse(variants=[self._info(v) for v in variants])
 
@@ -198,10 +198,19 @@ def _retention(msg: pb.Retention) -> Retention:
     return Retention(keep, msg.max_bytes if msg.HasField("max_bytes") else None)
 
 
-def _data(chunk: pb.PublishChunk) -> pb.TensorData:
-    if chunk.WhichOneof("kind") != "data":
-        raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
-    return chunk.data
+def _chunks(request_iterator):
+    """The tensor data of a PublishStream after its header; a client that goes away (killed,
+    cancelled, past its deadline) ends the publish with an error, not a traceback."""
+    count = 0
+    try:
+        for chunk in request_iterator:
+            if chunk.WhichOneof("kind") != "data":
+                raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
+            count += 1
+            yield chunk.data
+    except grpc.RpcError:
+        raise InvalidRequestError(f"the publishing client went away after {count} chunk(s); nothing was "
+                                  "published") from None
 
 
 def _progress(p: LoadProgress) -> pb.LoadProgress:

@@ -502,7 +502,7 @@ class ModelStore:
     def _make_room(self, model: Model, needed: int, target: Version) -> None:
         """Within the byte budget, frees the oldest evictable versions until `needed` more bytes fit,
         or refuses (caller holds the lock)."""
-        if not model.max_bytes or model.bytes + needed <= model.max_bytes:
+        if not needed or not model.max_bytes or model.bytes + needed <= model.max_bytes:
             return
         victims, held = [], model.bytes
         for version in reversed(self._evictable(model, protect=target)):

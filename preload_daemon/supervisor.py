@@ -103,9 +103,9 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
             daemon = ensure_daemon(device, runtime_dir, log_level)
             if daemon is not None:
                 started.append(daemon)
-        version, results = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,
-                                       max_bytes=max_bytes)
-        for device, (info, *_) in zip(device_list, results):
+        published = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,
+                                max_bytes=max_bytes)
+        for device, (info, *_) in zip(device_list, published.variants):
             print(f"ready: {info.name} v{info.version} on {device} ({info.num_tensors} tensors, "
                   f"{info.slab_bytes / 2**20:.1f} MiB, loaded in {info.load_seconds:.2f}s)", flush=True)
         if not supervise:

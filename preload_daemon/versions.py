@@ -22,6 +22,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
+class Published:
+    version: int
+    created: bool
+    """False when the files were already loaded as `version` (which is active now all the same)."""
+    variants: list[list[pb.ModelInfo]]
+    """Each target's variants, in the targets' order."""
+
+
+@dataclasses.dataclass(slots=True)
 class Target:
     """One daemon taking part in a publish, and the variants it builds there."""
 
@@ -84,11 +93,10 @@ def next_version(name: str, runtime_dir: pathlib.Path) -> int:
 
 def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathlib.Path, *,
                 always_activate: bool = True, keep: int | None = None, max_bytes: int | None = None,
-                show_progress: bool = True) -> tuple[int, list[list[pb.ModelInfo]]]:
+                show_progress: bool = True) -> Published:
     """Loads the checkpoint directory on every target as the next version (or finds the version
     already loaded from those files) and then makes it active everywhere: always, or, without
-    `always_activate` (`preload serve`), only if it is new or the model had none. Returns the
-    version and each target's variants."""
+    `always_activate` (`preload serve`), only if it is new or the model had none."""
     number = next_version(name, runtime_dir)
     spec = LoadSpec(path=path, name=name)
 
@@ -119,11 +127,11 @@ def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | No
         return client.publish(name, tensors, config, version=number, layouts=tuple(target.layouts), activate=False,
                               keep=keep, max_bytes=max_bytes, label=label, on_progress=progress)
 
-    return _publish(name, number, targets, runtime_dir, send, True, show_progress)[0]
+    return _publish(name, number, targets, runtime_dir, send, True, show_progress).version
 
 
 def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib.Path, load: Callable,
-             always_activate: bool, show_progress: bool) -> tuple[int, list[list[pb.ModelInfo]]]:
+             always_activate: bool, show_progress: bool) -> Published:
     results = _on_all(targets, runtime_dir, load, f"{name} v{number}", show_progress)
     failed = [(t, r) for t, r in zip(targets, results) if isinstance(r, Exception)]
     made = [t for t, r in zip(targets, results) if not isinstance(r, Exception) and r[0].version == number]
@@ -147,7 +155,7 @@ def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib
         for target in targets:
             with DaemonClient.for_device(target.device, runtime_dir) as client:
                 client.set_active(name, found)
-    return found, results
+    return Published(found, found == number, results)
 
 
 def _on_all(targets: list[Target], runtime_dir: pathlib.Path, run: Callable, what: str, show_progress: bool) -> list:

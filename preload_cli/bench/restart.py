@@ -105,8 +105,8 @@ def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
                     self.processes.append(DaemonProcess(device, self.runtime_dir, "WARNING"))
                     self.processes[-1].wait_started()
                 targets = [Target(d, [Layout(tp_size=tp_size, tp_rank=r)]) for r, d in enumerate(devices)]
-                _, results = publish_dir(name or model.name, str(model), targets, self.runtime_dir)
-                self.infos = [variants[0] for variants in results]
+                published = publish_dir(name or model.name, str(model), targets, self.runtime_dir)
+                self.infos = [variants[0] for variants in published.variants]
             except BaseException:
                 self.__exit__()
                 raise
