@@ -1,6 +1,7 @@
 """The `preload` console script: one parser with every command, and main(). The commands live in
 daemon_commands (daemon, serve, status, wait-ready, evict, default-model), engine_commands (engine,
-generate), demo and bench/ (attach, restart, decode, quant)."""
+generate), version_commands (publish, rollback, pin, unpin), demo and bench/ (attach, restart,
+decode, quant, replicas, rollback)."""
 
 import argparse
 import pathlib
@@ -8,7 +9,7 @@ import sys
 from types import ModuleType
 
 from preload_cli import daemon_commands as dc
-from preload_cli import demo, engine_commands
+from preload_cli import demo, engine_commands, version_commands
 from preload_cli.bench import attach, decode, quant, replicas, restart
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
@@ -20,6 +21,19 @@ EPILOG_SERVE = """examples:
   preload serve /models/Qwen3-8B                       # one daemon on cpu:0 (or reuse it)
   preload serve /models/llama --tp-size 2 --devices cpu:0,cpu:1
   preload serve /models/llama --dtype float32 --name llama-fp32
+"""
+
+EPILOG_WAIT_READY = """exit codes:
+  0  ready
+  1  timed out: a daemon is still loading, or the model or version is not there yet
+  2  bad usage
+  3  failed: the model's load or the version's publish failed, or the version was freed
+  4  no daemon answered before the timeout
+
+examples:
+  preload wait-ready --timeout 600
+  preload wait-ready --model llama --timeout 600 && preload engine /models/llama
+  preload wait-ready --model llama --version 7
 """
 
 
@@ -67,6 +81,7 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="none", choices=SCHEMES,
                    help="scheme of the attention and MLP projections (embeddings, norms and lm_head keep --dtype)")
     p.add_argument("--no-supervise", action="store_true", help="exit once loaded, leaving the daemons running")
+    version_commands.add_retention(p)
     p.set_defaults(func=dc.cmd_serve)
 
     p = sub.add_parser("status", help="daemons, models, versions, leases",
@@ -75,13 +90,15 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=dc.cmd_status)
 
-    p = sub.add_parser("wait-ready", help="exit 0 once daemons are serving (and MODEL loaded)",
-                       epilog="examples:\n  preload wait-ready --timeout 600\n  preload wait-ready --model llama",
-                       formatter_class=RAW)
-    p.add_argument("--model", default="", help="also require this model to be ready")
+    p = sub.add_parser("wait-ready", help="exit 0 once daemons are serving (and MODEL, VERSION ready)",
+                       epilog=EPILOG_WAIT_READY, formatter_class=RAW)
+    p.add_argument("--model", default="", help="also require this model's active version to be ready")
+    p.add_argument("--version", type=int, default=None, help="require this version of --model instead")
     p.add_argument("--device", default="", help="only this daemon (default: every daemon found)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
     p.set_defaults(func=dc.cmd_wait_ready)
+
+    version_commands.add_arguments(sub)
 
     p = sub.add_parser("evict", help="free a model (all versions, or MODEL@VERSION)",
                        epilog="examples:\n  preload evict llama\n  preload evict llama@3 --force",
