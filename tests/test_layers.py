@@ -23,7 +23,8 @@ def forbidden_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:
                 names = [node.module]
             else:
                 continue
-            found += [f"{where}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] in forbidden]
+            found += [f"{where}:{node.lineno}: imports {n}" for n in names
+                      if any(n == f or n.startswith(f + ".") for f in forbidden)]
         for needle in ("spec_from_file_location", "import_module("):
             if needle in source:
                 found.append(f"{where}: uses {needle}")
@@ -55,6 +56,13 @@ def test_daemon_and_kernels_do_not_import_upper_layers():
 def test_worker_does_not_import_the_cli():
     """No module in worker/ imports preload_cli or scripts, or loads code by path."""
     found = forbidden_imports("worker", ("preload_cli", "scripts"))
+    assert not found, "\n".join(found)
+
+
+def test_worker_leaves_layout_to_the_daemon():
+    """Workers say what they want and the daemon finds the variant: no worker module reaches into
+    the daemon's store or server (to rebuild its cache keys, say)."""
+    found = forbidden_imports("worker", ("preload_daemon.store", "preload_daemon.server", "preload_daemon.stream"))
     assert not found, "\n".join(found)
 
 
