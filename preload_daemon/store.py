@@ -322,6 +322,8 @@ class ModelStore:
             if target.loading and not target.variants:
                 raise LoadingError(f"{name} v{target.number} is still loading on {self.device}; retry shortly "
                                    "(`preload wait-ready --model NAME --version V` waits for it)")
+            if target.model.versions.get(target.number) is not target:
+                raise NotFoundError(f"{name} v{target.number} was freed on {self.device} while attaching; attach again")
             variant = self._pick_variant(target, layout)
             lease = Lease.new(pid, name, target.number)
             variant.leases[lease.id] = lease
@@ -333,6 +335,9 @@ class ModelStore:
     def _pick_version(self, name: str, number: int, files: tuple[FileIdentity, ...]) -> Version:
         model = self._model(name)
         with self._lock:
+            if not model.versions and model.failures and not model.load_lock.locked():
+                raise NotFoundError(f"{name} has no version on {self.device}; its last load failed: "
+                                    f"v{model.failures[0]}")
             if number:
                 return self._version(model, number)
             if not files:
