@@ -10,7 +10,7 @@ from types import ModuleType
 
 from preload_cli import daemon_commands as dc
 from preload_cli import demo, engine_commands, version_commands
-from preload_cli.bench import attach, decode, quant, replicas, restart
+from preload_cli.bench import attach, decode, quant, replicas, restart, rollback
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
@@ -116,7 +116,8 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the whole story on the default model: daemon, cold and warm engines, an answer")
     add_module_command(p, demo)
 
-    p = sub.add_parser("bench", help="benchmarks: attach time, engine restarts, decode speed, quantization")
+    p = sub.add_parser("bench", help="benchmarks: attach time, engine restarts, decode speed, quantization, "
+                                     "replicas, rollback")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     add_module_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), attach)
     add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
@@ -124,6 +125,8 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     add_module_command(bench.add_parser("quant", help="quantization schemes: bytes, quality, linear speed"), quant)
     add_module_command(bench.add_parser("replicas", help="memory of M DP replicas: warm (one slab) vs cold"),
                        replicas)
+    add_module_command(bench.add_parser("rollback", help="rollback -> engine ready on the older version vs a cold "
+                                        "restart; publish throughput"), rollback)
 
     p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
                        epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)

@@ -1,10 +1,18 @@
-"""The README's main command and the benchmarks stay runnable (small sizes; numbers not checked)."""
+"""The README's main command, the benchmarks and the example scripts stay runnable (small sizes;
+numbers not checked)."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 
+import psutil
 import pytest
 
-from tests.conftest import run_preload
+from tests.conftest import REPO, run_preload
 
 
 @pytest.mark.slow
@@ -24,3 +32,104 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
                       env_extra={"PRELOAD_BENCH_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rows"][0]["attach_ms_median"] > 0
+
+
+def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)
+
+
+def stop_daemons(runtime_dir) -> None:
+    """Ends the daemons `preload serve --no-supervise` left running in runtime_dir."""
+    out = run_preload("status", "--json", runtime_dir=runtime_dir, check=True).stdout
+    pids = [d["pid"] for d in json.loads(out)["daemons"] if "pid" in d]
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, f"daemons {pids} did not stop"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_rl_loop_serves_each_published_step_and_rolls_back(tiny_llama, runtime_dir):
+    out = run_script(REPO / "scripts" / "rl_loop.py", "--model", tiny_llama, "--steps", 2, "--runtime-dir", runtime_dir)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[2] for line in steps] == ["v2", "v3"], out.stdout  # v1 is the base checkpoint
+    assert all(line.endswith("  match") for line in steps), out.stdout
+    rollback = next(line for line in lines if line.startswith("rollback:"))
+    assert rollback.startswith("rollback: v2 active again") and "  match" in rollback, out.stdout
+    assert lines[-1].startswith("summary: ok"), out.stdout
+    pid = int(re.search(r"started \(pid (\d+)\)", out.stdout).group(1))
+    assert not psutil.pid_exists(pid), "rl_loop must stop the daemon it started"
+
+
+@pytest.mark.slow
+def test_bench_rollback_produces_json(tiny_llama):
+    out = run_preload("bench", "rollback", "--model", tiny_llama, "--repeats", "1", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    summary, samples = doc["summary"], doc["samples"]
+    assert doc["machine"] and doc["versions"] == {"old": 1, "new": 2}
+    for kind in ("rollback", "cold"):
+        assert summary[kind]["n"] == 1 and summary[kind]["to_ready_s"] > 0 and summary[kind]["weights_s"] > 0
+    assert samples["rollback"][0]["load_format"] == "ipc_cache" and samples["rollback"][0]["weights_version"] == 1
+    assert samples["cold"][0]["load_format"] == "safetensors"
+    assert summary["publish_live"]["bytes"] == summary["publish_dir"]["bytes"] == doc["slab_bytes"]
+    assert summary["publish_live"]["GBps"] > 0 and summary["publish_dir"]["GBps"] > 0
+    assert set(doc["ratios"]) >= {"to_ready_cold_over_rollback", "publish_GBps_live_over_dir"}
+    assert all(r > 0 for r in doc["ratios"].values())
+
+
+HOOK = REPO / "scripts" / "autoscaler_hook.sh"
+
+
+def hook_env(runtime_dir, model, **settings) -> dict:
+    return {**os.environ, "PRELOAD": f"{sys.executable} -m preload_cli", "PRELOAD_RUNTIME_DIR": str(runtime_dir),
+            "MODEL_DIR": str(model), **settings}
+
+
+@pytest.mark.slow
+def test_autoscaler_hook_without_a_daemon_exits_4_or_starts_cold(tiny_llama, runtime_dir):
+    def hook(**settings):
+        return subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                              env=hook_env(runtime_dir, tiny_llama, TIMEOUT="0.5", **settings))
+
+    out = hook(ON_NOT_READY="exit")
+    assert out.returncode == 4 and out.stdout == "", out.stderr
+    assert "no daemon answered within 0.5s; exiting with code 4" in out.stderr
+    out = hook(DRY_RUN="1")  # ON_NOT_READY=cold, the default
+    assert out.returncode == 0, out.stderr
+    assert "starting the engine cold" in out.stderr
+    assert out.stdout.startswith("would exec: ") and f"engine {tiny_llama} --name tiny-llama --load-format " \
+        "safetensors --port 8000" in out.stdout
+    out = hook(WEIGHTS_VERSION="active")  # only in the daemon: no cold start possible
+    assert out.returncode == 4 and "cannot start cold" in out.stderr
+
+
+@pytest.mark.slow
+def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tiny_llama, runtime_dir):
+    served = run_preload("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
+    assert served.returncode == 0, served.stderr
+    try:
+        dry = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env=hook_env(runtime_dir, tiny_llama, TIMEOUT="10", DRY_RUN="1"))
+        assert dry.returncode == 0, dry.stderr
+        assert "--name tiny-llama --load-format ipc_cache --wait-for-daemon 60 --port 8000" in dry.stdout
+        # The real thing: the hook becomes the engine (exec), whose first line is its ready line.
+        engine = subprocess.Popen([str(HOOK)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                  env=hook_env(runtime_dir, tiny_llama, TIMEOUT="10", PORT="0"))
+        try:
+            line = engine.stdout.readline()
+        finally:
+            engine.terminate()
+            _, err = engine.communicate(timeout=30)
+        assert line, err
+        ready = json.loads(line)
+        assert ready["event"] == "ready" and ready["load_format"] == "ipc_cache", ready
+        assert ready["weights_version"] == 1 and ready["pid"] == engine.pid, ready
+        assert "starting the engine warm" in err
+    finally:
+        stop_daemons(runtime_dir)
