@@ -100,10 +100,15 @@ class PeerCredRelay:
             self._peers.pop(name, None)
 
 
+PUMP_BYTES = 256 << 10
+
+
 def _pump(src: socket.socket, dst: socket.socket, done: threading.Barrier) -> None:
+    buffer = bytearray(PUMP_BYTES)  # one buffer per direction, reused: no allocation per read
+    view = memoryview(buffer)
     try:
-        while data := src.recv(1 << 16):
-            dst.sendall(data)
+        while n := src.recv_into(buffer):
+            dst.sendall(view[:n])
     except OSError:
         pass
     finally:
