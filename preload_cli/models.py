@@ -18,8 +18,10 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def tiny_model(arch: str, path: str | pathlib.Path, dtype: torch.dtype = torch.float32, seed: int = 0,
-               **overrides) -> pathlib.Path:
-    """A small random `arch` ("llama", "qwen2", "qwen3") checkpoint saved by transformers."""
+               mtp_layers: int = 0, mtp_shared: bool = False, **overrides) -> pathlib.Path:
+    """A small random `arch` ("llama", "qwen2", "qwen3") checkpoint saved by transformers, with
+    `mtp_layers` random DeepSeek-V3-style MTP layers added (`mtp_shared`: each also stores copies of
+    the embedding and lm_head, as DeepSeek-V3's checkpoints do)."""
     import transformers
 
     classes = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -31,7 +33,41 @@ def tiny_model(arch: str, path: str | pathlib.Path, dtype: torch.dtype = torch.f
     model = model_cls(config).to(dtype)
     path = pathlib.Path(path)
     model.save_pretrained(path, safe_serialization=True)
+    if mtp_layers:
+        add_mtp_layers(path, model, mtp_layers, mtp_shared, seed)
     return path
+
+
+def add_mtp_layers(path: pathlib.Path, model, count: int, shared: bool, seed: int) -> None:
+    """Appends `count` MTP layers (model.layers.{L+i}: enorm, hnorm, eh_proj, shared_head.norm and one
+    full decoder layer, initialised like the model's own) to a saved single-file checkpoint, and
+    num_nextn_predict_layers to its config.json. transformers does not run these; the draft does."""
+    from safetensors.torch import load_file
+
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    generator = torch.Generator().manual_seed(seed + 1)
+    first = model.config.num_hidden_layers
+    hidden = model.config.hidden_size
+    dtype = next(model.parameters()).dtype
+    template = {name.removeprefix("model.layers.0."): t for name, t in tensors.items()
+                if name.startswith("model.layers.0.")}
+    for i in range(count):
+        prefix = f"model.layers.{first + i}."
+        for name, like in template.items():  # the full decoder layer: fresh random weights of the same shapes
+            fresh = torch.empty(like.shape, dtype=torch.float32).normal_(0, 0.02, generator=generator)
+            tensors[prefix + name] = (torch.ones(like.shape) if name.endswith("norm.weight") else fresh).to(dtype)
+        for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
+            tensors[prefix + name] = torch.ones(hidden, dtype=dtype)
+        eh = torch.empty(hidden, 2 * hidden, dtype=torch.float32).normal_(0, 0.02, generator=generator)
+        tensors[prefix + "eh_proj.weight"] = eh.to(dtype)
+        if shared:
+            embed = tensors["model.embed_tokens.weight"]
+            tensors[prefix + "embed_tokens.weight"] = embed.clone()
+            tensors[prefix + "shared_head.head.weight"] = tensors.get("lm_head.weight", embed).clone()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": count}, indent=2))
 
 
 def synthetic_checkpoint(path: str | pathlib.Path, gigabytes: float, hidden: int | None = None,

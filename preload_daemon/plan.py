@@ -18,6 +18,10 @@ FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales
 SCHEME_PARAMS = {"fp8_block": {"block": "128x128"}, "mxfp8": {"block": "32"}, "mxfp4": {"block": "32"},
                  "nvfp4": {"block": "16"}}
 COMPONENTS = ("main", "draft")
+# Tensor kinds of MTP layers that DeepSeek-V3 checkpoints store as copies of the main model's
+# embedding and lm_head: never loaded; a draft variant borrows the main variant's (see store.py).
+SHARED_WITH_MAIN = ("mtp_embed", "head")
+SHARED_ROLES = ("embedding", "lm_head")
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -234,6 +238,8 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
         is_draft = layer is not None and layer >= arch.num_layers
         if kind.mtp and not is_draft:
             unknown.append(name)
+        elif kind.key in SHARED_WITH_MAIN:
+            continue  # an MTP layer's copy of the embedding or lm_head: the draft uses the main one's
         elif is_draft == (component == "draft"):
             known.append((-1 if layer is None else layer, name, kind))
     if unknown:

@@ -19,7 +19,7 @@ from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
 from preload_daemon.errors import AccessDeniedError, InvalidRequestError, PreloadError, to_status
 from preload_daemon.peercred import PeerCredRelay
-from preload_daemon.plan import Layout, LoadSpec
+from preload_daemon.plan import SHARED_ROLES, Layout, LoadSpec
 from preload_daemon.store import LoadProgress, Model, ModelStore, Retention, Variant
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
@@ -223,15 +223,20 @@ def _lease(lease) -> pb.Lease:
 
 
 def _manifest(variant: Variant) -> pb.Manifest:
-    slab = variant.slab
+    """The variant's slab and tensors; a draft's also name its main variant's slab, whose embedding
+    and lm_head it uses by reference."""
     version = variant.version
+    parts = [(variant.slab, variant.plan.entries)]
+    if variant.base is not None:
+        parts.append((variant.base.slab, [e for e in variant.base.plan.entries if e.role in SHARED_ROLES]))
     return pb.Manifest(
         model=variant.name, version=version.number, key=variant.key.to_proto(), config_json=version.config_json,
-        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)],
+        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)
+               for slab, _ in parts],
         tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
                                 shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes,
                                 quant_params=dict(e.quant_params), part=e.part)
-                 for e in variant.plan.entries])
+                 for slab, entries in parts for e in entries])
 
 
 class _UidCheck(grpc.ServerInterceptor):

@@ -23,7 +23,7 @@ from preload_daemon.arch import ArchSpec, parse_config
 from preload_daemon.cachekey import CacheKey, file_differences
 from preload_daemon.checkpoint import Checkpoint, FileIdentity, refresh_identity
 from preload_daemon.errors import (BudgetError, InvalidRequestError, LeasedError, LoadingError, NotFoundError,
-                                   StaleError)
+                                   PlanError, StaleError)
 from preload_daemon.execute import execute
 from preload_daemon.leases import Lease
 from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, Layout, LoadPlan, LoadSpec, build_plan
@@ -64,6 +64,9 @@ class Variant:
     loaded_at: float
     load_seconds: float
     leases: dict[str, Lease] = dataclasses.field(default_factory=dict)
+    base: "Variant | None" = None
+    """A draft's main variant (same dtype, scheme and rank), whose embedding and lm_head it shares
+    by reference instead of holding copies."""
 
     @property
     def name(self) -> str:
@@ -187,8 +190,8 @@ class ModelStore:
             spec = LoadSpec(path=table.path, name=model.name)
             plans = [build_plan(table, spec.with_layout(layout)) for layout in layouts]
 
-            def fill_all(slabs: list[HostSlab], on_tensor) -> None:
-                stream.fill(table, [(p, s.data) for p, s in zip(plans, slabs)], chunks, on_tensor)
+            def fill_all(targets: list[tuple[LoadPlan, HostSlab]], on_tensor) -> None:
+                stream.fill(table, [(plan, slab.data) for plan, slab in targets], chunks, on_tensor)
 
             return self._fill(model, number, plans, activate, on_progress, None,
                               source=lambda: (table.path, (), json.dumps(table.config)), fill_all=fill_all,
@@ -209,6 +212,13 @@ class ModelStore:
         existing = {p.layout: target.variants.get(p.layout) for p in plans}
         todo = [p for p in plans if existing[p.layout] is None]
         made: list[Variant] = []
+        layouts = {p.layout for p in plans} | set(target.variants)
+        orphans = [p.layout for p in todo if p.layout.component == "draft"
+                   and dataclasses.replace(p.layout, component="main") not in layouts]
+        if orphans:
+            raise PlanError(f"the draft ({orphans[0]}) shares the main component's embedding and lm_head: load the main "
+                            "component in the same dtype, scheme and rank first, or in the same request")
+        todo.sort(key=lambda p: p.layout.component != "main")  # a draft's main variant exists before it
         try:
             with self._lock:
                 self._make_room(model, sum(p.total_bytes for p in todo), target)
@@ -282,7 +292,7 @@ class ModelStore:
                 progress.tensors_done += 1
                 on_progress(progress)
 
-            fill_all(slabs, on_tensor)
+            fill_all(list(zip(plans, slabs)), on_tensor)
             digests = []
             for slab in slabs:  # zero-filled slabs written out of plan order: hash them once, whole
                 hasher = new_hasher()
@@ -293,7 +303,10 @@ class ModelStore:
                 _free(slab)
             raise
         seconds = time.monotonic() - start
-        return [self._seal(version, plan, slab, digest, seconds) for plan, slab, digest in zip(plans, slabs, digests)]
+        made: list[Variant] = []
+        for plan, slab, digest in zip(plans, slabs, digests):
+            made.append(self._seal(version, plan, slab, digest, seconds, tuple(made)))
+        return made
 
     def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
         layout = plan.layout
@@ -301,13 +314,18 @@ class ModelStore:
                 f"{layout.component}-{layout.dtype}-{layout.quantization}"
         return HostSlab.create(self.shm_dir, label, plan.total_bytes)
 
-    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float) -> Variant:
+    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float,
+              made: tuple["Variant", ...] = ()) -> Variant:
         slab.seal(digest)
         key = key_for(version.files, plan, digest)
         log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
                  version.number, self.device, plan.layout, len(plan.entries), plan.total_bytes / 2**20, seconds,
                  plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
-        return Variant(version, plan.layout, plan, key, slab, time.time(), seconds)
+        variant = Variant(version, plan.layout, plan, key, slab, time.time(), seconds)
+        if plan.layout.component == "draft":
+            main = dataclasses.replace(plan.layout, component="main")
+            variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
+        return variant
 
     # -- attaching ----------------------------------------------------------------------------------
 
