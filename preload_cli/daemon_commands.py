@@ -21,7 +21,8 @@ def cmd_serve(args) -> int:
     from preload_daemon import supervisor  # tqdm and the loader, paid only by serve
     return supervisor.serve(args.model, name=args.name, tp_size=args.tp_size, devices=args.devices, dtype=args.dtype,
                             quantization=args.quantization, runtime_dir=args.runtime_dir, log_level=args.log_level,
-                            supervise=not args.no_supervise, keep=args.keep, max_bytes=args.max_bytes)
+                            supervise=not args.no_supervise, keep=args.keep, max_bytes=args.max_bytes,
+                            draft_model=args.draft_model)
 
 
 def cmd_default_model(args) -> int:

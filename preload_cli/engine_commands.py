@@ -28,6 +28,8 @@ EPILOG_ENGINE = """examples:
   preload engine /models/llama --load-format ipc_cache --no-fallback
   preload engine /models/llama --name llama --weights-version 3    # that version, e.g. after a rollback
   preload engine /models/llama --wait-for-daemon 120               # a cold-start hook: the daemon may still load
+  preload engine /models/dsv3 --speculative mtp --num-speculative-tokens 2   # its MTP layers draft
+  preload engine /models/llama-8b --speculative draft --draft-model /models/llama-1b
   preload engine /models/llama --tp-size 2                    # ranks on cpu:0 and cpu:1 (see `preload serve --tp-size`)
   preload engine /models/llama --dp-size 4                    # 4 replicas behind one port, one copy of the weights
   torchrun --nproc-per-node 2 -m preload_cli engine /models/llama --tp-size 2
@@ -68,6 +70,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--quantization", default="none", choices=SCHEMES,
                    help="scheme of the attention and MLP projections; must match what the daemon loaded")
+    p.add_argument("--speculative", default="", choices=["mtp", "draft"],
+                   help="speculative decoding: mtp drafts with the checkpoint's MTP layers, draft with --draft-model")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, metavar="K",
+                   help="tokens the draft proposes per step (default 1)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="the draft checkpoint of --speculative draft (same tokenizer and vocabulary)")
     p.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (KV cache slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence")
     p.add_argument("--threads", type=int, default=0,
@@ -112,7 +120,9 @@ def engine_config(args):
         max_model_len=args.max_model_len, tp_size=args.tp_size, tp_rank=rank or 0,
         rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
         rendezvous_env=torchrun, replica=args.replica, num_threads=threads, weights_version=args.weights_version,
-        wait_for_daemon=args.wait_for_daemon)
+        wait_for_daemon=args.wait_for_daemon, speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        draft_model=pathlib.Path(os.path.abspath(args.draft_model)) if args.draft_model else None)
     return config
 
 

@@ -80,6 +80,9 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--quantization", default="none", choices=SCHEMES,
                    help="scheme of the attention and MLP projections (embeddings, norms and lm_head keep --dtype)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="also load this draft checkpoint (for engines with --speculative draft); a checkpoint with "
+                        "MTP layers gets its draft component without this")
     p.add_argument("--no-supervise", action="store_true", help="exit once loaded, leaving the daemons running")
     version_commands.add_retention(p)
     p.set_defaults(func=dc.cmd_serve)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from preload_daemon.arch import ArchSpec, read_config
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
@@ -84,7 +85,8 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
 
 def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str = "", dtype: str = "auto",
           quantization: str = "none", runtime_dir: pathlib.Path, log_level: str = "INFO",
-          supervise: bool = True, keep: int | None = None, max_bytes: int | None = None) -> int:
+          supervise: bool = True, keep: int | None = None, max_bytes: int | None = None,
+          draft_model: str | None = None) -> int:
     """Starts (or reuses) one daemon per device, loads rank r of `model` (default: the embedded default
     model) on device r, and then, if `supervise`, watches the daemons until SIGINT/SIGTERM; otherwise
     returns once loaded and leaves them running. A checkpoint not loaded before becomes a new version
@@ -93,7 +95,10 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     model = os.path.abspath(model or str(default_model_path()))
     device_list = resolve_devices(devices, tp_size)
     spec = LoadSpec(path=model, name=name, dtype=dtype, quantization=quantization, tp_size=tp_size)
-    targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r)]) for r, device in enumerate(device_list)]
+    # A checkpoint with MTP layers gets its draft component too (it shares the main one's embedding and lm_head).
+    components = ("main", "draft") if ArchSpec.from_config(read_config(model), model).num_mtp_layers else ("main",)
+    targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r, component=c) for c in components])
+               for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -105,9 +110,17 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
                 started.append(daemon)
         published = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,
                                 max_bytes=max_bytes)
-        for device, (info, *_) in zip(device_list, published.variants):
-            print(f"ready: {info.name} v{info.version} on {device} ({info.num_tensors} tensors, "
-                  f"{info.slab_bytes / 2**20:.1f} MiB, loaded in {info.load_seconds:.2f}s)", flush=True)
+        results = list(zip(device_list, published.variants))
+        if draft_model:  # a separate draft checkpoint, beside the model, in the same layouts
+            draft_model = os.path.abspath(draft_model)
+            draft_targets = [Target(t.device, [dataclasses.replace(t.layouts[0], component="main")]) for t in targets]
+            draft = publish_dir(LoadSpec(path=draft_model).name, draft_model, draft_targets, runtime_dir,
+                                always_activate=False, keep=keep, max_bytes=max_bytes)
+            results += list(zip(device_list, draft.variants))
+        for device, variants in results:
+            for info in variants:
+                print(f"ready: {info.name} v{info.version} ({info.key.component}) on {device} ({info.num_tensors} "
+                      f"tensors, {info.slab_bytes / 2**20:.1f} MiB, loaded in {info.load_seconds:.2f}s)", flush=True)
         if not supervise:
             started.clear()  # leave them running
             return 0

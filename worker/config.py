@@ -6,6 +6,8 @@ import pathlib
 from preload_daemon.arch import ArchSpec, read_config
 from preload_daemon.errors import InvalidRequestError
 
+MAX_SPECULATIVE = 16
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
 class EngineConfig:
@@ -42,6 +44,12 @@ class EngineConfig:
     active version, a number to that version."""
     wait_for_daemon: float = 0.0
     """With ipc_cache: seconds to wait for a daemon that is absent or still loading before falling back."""
+    speculative: str = ""
+    """"" (none), "mtp" (the checkpoint's MTP layers) or "draft" (the separate `draft_model`)."""
+    num_speculative_tokens: int = 1
+    """Tokens the draft proposes per step (K)."""
+    draft_model: pathlib.Path | None = None
+    """The draft checkpoint of --speculative draft (same tokenizer and vocabulary)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -63,6 +71,17 @@ class EngineConfig:
         if self.weights_version and self.load_format != "ipc_cache":
             raise InvalidRequestError("--weights-version picks a version held by the daemon; it needs "
                                       "--load-format ipc_cache")
+        if self.speculative not in ("", "mtp", "draft"):
+            raise InvalidRequestError(f"--speculative {self.speculative!r}: choose mtp or draft")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise InvalidRequestError("--speculative draft and --draft-model DIR go together (--speculative mtp uses "
+                                      "the checkpoint's own MTP layers)")
+        if self.speculative and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE:
+            raise InvalidRequestError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE}], got "
+                                      f"{self.num_speculative_tokens}")
+        if self.speculative and self.tp_size > 1:
+            raise InvalidRequestError("speculative decoding runs at --tp-size 1 for now; drop --speculative or "
+                                      "--tp-size")
         if not 0 <= self.wait_for_daemon <= 86400:
             raise InvalidRequestError(f"--wait-for-daemon must be 0..86400 seconds, got {self.wait_for_daemon:g}")
 

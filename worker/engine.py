@@ -13,6 +13,7 @@ import torch
 
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
+from worker.speculative import Speculator, accept, probabilities
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,36 @@ class Result:
 
 
 class Engine:
-    def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048):
+    def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048,
+                 speculator: Speculator | None = None):
+        """With a `speculator`, its draft proposes tokens that one main forward per step verifies
+        (worker/speculative.py); the caches get room for the K positions a step may look ahead."""
         self.model = model
         self.max_len = model.spec.context_len(max_len)
-        self.cache = model.new_cache(max_batch, self.max_len)
+        self.speculator = speculator
+        ahead = speculator.k if speculator else 0
+        self.cache = model.new_cache(max_batch, self.max_len + ahead)
+        self.draft = speculator.runner(max_batch, self.max_len + ahead) if speculator else None
         self._pending: queue.Queue[Request | None] = queue.Queue()
         self._free = list(range(max_batch))
         self._running: list[Request] = []
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
+        if speculator is not None:
+            self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0)
+
+    def speculation(self) -> dict:
+        """Acceptance rate, mean accepted length and tokens per main forward, per sequence (a step
+        verifies every running sequence in one forward) so far."""
+        if self.speculator is None:
+            return {}
+        s = self.stats
+        verified = max(s["spec_verified"], 1)
+        return {"kind": self.speculator.kind, "num_speculative_tokens": self.speculator.k,
+                "proposed": s["spec_proposed"], "accepted": s["spec_accepted"],
+                "acceptance_rate": s["spec_accepted"] / max(s["spec_proposed"], 1),
+                "mean_accepted_length": s["spec_accepted"] / verified,
+                "tokens_per_main_forward": s["spec_emitted"] / verified}
 
     def start(self) -> "Engine":
         self._thread.start()
@@ -127,8 +149,13 @@ class Engine:
         self.stats["prompt_tokens"] += len(request.prompt)
         try:
             ids = torch.tensor([request.prompt])
-            logits = self.model.forward(ids, torch.arange(len(request.prompt))[None], self.cache,
-                                        torch.tensor([request.slot]))
+            positions = torch.arange(len(request.prompt))[None]
+            slots = torch.tensor([request.slot])
+            if self.speculator is None:
+                logits = self.model.forward(ids, positions, self.cache, slots)
+            else:
+                logits, states = self.model.forward(ids, positions, self.cache, slots, hidden=True)
+                self.draft.prefilled(request.slot, request.prompt, states[0])
         except Exception as e:
             log.exception("prefill failed")
             self._finish(request, f"error: {e}")
@@ -137,6 +164,9 @@ class Engine:
         self._emit(request, self._sample(logits[0], request))
 
     def _decode(self) -> None:
+        if self.speculator is not None:
+            self._speculate()
+            return
         batch = self._running
         ids = torch.tensor([[r.output[-1]] for r in batch])
         positions = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in batch])
@@ -151,6 +181,49 @@ class Engine:
         self.stats["decode_steps"] += 1
         for row, request in enumerate(list(batch)):
             self._emit(request, self._sample(logits[row], request))
+
+    def _speculate(self) -> None:
+        """One speculative step for every running request: propose, verify in one forward, keep the
+        accepted prefix and the main model's next token."""
+        batch, draft, k = list(self._running), self.draft, self.speculator.k
+        mtp = self.speculator.kind == "mtp"
+        try:
+            proposals, lengths = [], []
+            for r in batch:
+                tokens = r.prompt + r.output
+                lengths.append(len(tokens))
+                proposals.append(draft.propose(r.slot, tokens, k, lambda logits, r=r: self._draft_pick(logits, r)))
+            ids = torch.tensor([[r.output[-1], *p.tokens] for r, p in zip(batch, proposals)])
+            positions = torch.tensor([[n - 1 + i for i in range(k + 1)] for n in lengths])
+            slots = torch.tensor([r.slot for r in batch])
+            out = self.model.forward(ids, positions, self.cache, slots, all_logits=True, hidden=mtp)
+            logits, states = out if mtp else (out, None)
+        except Exception as e:
+            log.exception("speculative decode failed")
+            for r in batch:
+                self._finish(r, f"error: {e}")
+            return
+        self.stats["decode_steps"] += 1
+        for row, (request, proposal, n) in enumerate(zip(batch, proposals, lengths)):
+            params = request.params
+            accepted, token = accept(logits[row], proposal, params.temperature, params.top_p, request.generator)
+            draft.verified(request.slot, n, k, accepted, states[row] if states is not None else None)
+            self.stats["spec_proposed"] += k
+            self.stats["spec_accepted"] += accepted
+            self.stats["spec_verified"] += 1
+            for t in [*proposal.tokens[:accepted], token]:
+                self.stats["spec_emitted"] += 1
+                self._emit(request, t)
+                if request not in self._running:
+                    break
+
+    @staticmethod
+    def _draft_pick(logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
+        params = request.params
+        if params.temperature == 0:
+            return int(logits.argmax()), None
+        probs = probabilities(logits, params.temperature, params.top_p)
+        return int(torch.multinomial(probs, 1, generator=request.generator)), probs
 
     def _emit(self, request: Request, token: int) -> None:
         request.output.append(token)
@@ -173,9 +246,5 @@ class Engine:
         params = request.params
         if params.temperature == 0:
             return int(logits.argmax())
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1:
-            sorted_probs, order = probs.sort(descending=True)
-            keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p  # always keeps the top token
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs, 1, generator=request.generator))
+        return int(torch.multinomial(probabilities(logits, params.temperature, params.top_p), 1,
+                                     generator=request.generator))

@@ -3,9 +3,11 @@
 rank's weights, tell the group how it went, build the model on them, start the engine."""
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import pathlib
 import signal
 import subprocess
 import threading
@@ -15,13 +17,15 @@ from collections.abc import Sequence
 import torch
 import uvicorn
 
-from preload_daemon.arch import ArchSpec
+from preload_daemon.arch import ArchSpec, read_config
 from preload_daemon.errors import InvalidRequestError, PreloadError
+from preload_daemon.plan import LoadSpec
 from worker.config import EngineConfig
 from worker.engine import Engine, SamplingParams
 from worker.loader import LoadedWeights, LoadRequest, load_weights
-from worker.model import CausalLM
+from worker.model import CausalLM, MTPDraft
 from worker.parallel import Leader, ParallelError, Rendezvous, TPGroup, follow
+from worker.speculative import Speculator
 from worker.server import build_app
 from worker.state import WorkerState, process_start_time
 from worker.tokenizer import Tokenizer
@@ -42,6 +46,9 @@ class Built:
     group: TPGroup | None
     ranks: list[dict]
     """Every rank's readiness document (rank, device, load format, timings), by rank."""
+    speculator: Speculator | None = None
+    draft: LoadedWeights | None = None
+    """The draft's weights (their lease lives as long as the engine)."""
 
 
 def open_group(config: EngineConfig) -> TPGroup | None:
@@ -67,6 +74,11 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
         weights = load_weights(config.load_format, request)
         doc.update(load_format=weights.load_format, fallback_reason=weights.fallback_reason,
                    weights_start=weights.started, weights_done=weights.finished, weights_version=weights.version)
+        if config.speculative:
+            draft = load_draft(config, request)
+            doc["draft"] = {"kind": config.speculative, "load_format": draft.load_format,
+                            "fallback_reason": draft.fallback_reason, "weights_version": draft.version}
+            weights.finished = draft.finished
     except (PreloadError, OSError, ValueError) as e:
         error = f"{type(e).__name__}: {e}"
     doc["error"] = error[:4000]
@@ -79,12 +91,49 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
                                  "engine again (or pin it with --weights-version V)"} for r in ranks[:1]]
     if failed:  # the group stays open: rank 0 reports, then ends the others (see run_follower)
         raise RankFailedError("; ".join(f"TP rank {r['rank']} on {r['device']}: {r['error']}" for r in failed))
-    model = CausalLM(ArchSpec.from_config(weights.config, f"{config.model}/config.json"), weights.tensors, group)
-    return Built(weights, Leader(model, group) if group is not None and group.rank == 0 else model, group, ranks)
+    spec = ArchSpec.from_config(weights.config, f"{config.model}/config.json")
+    model = CausalLM(spec, weights.tensors, group)
+    speculator = None
+    if config.speculative == "mtp":
+        shared = {n: weights.tensors[n] for n in (spec.name("embed"), spec.name("lm_head")) if n in weights.tensors}
+        speculator = Speculator(MTPDraft(spec, {**shared, **draft.tensors}, group), config.num_speculative_tokens)
+    elif config.speculative == "draft":
+        draft_spec = ArchSpec.from_config(draft.config, f"{config.draft_model}/config.json")
+        speculator = Speculator(CausalLM(draft_spec, draft.tensors, group), config.num_speculative_tokens)
+    leader = Leader(model, group) if group is not None and group.rank == 0 else model
+    return Built(weights, leader, group, ranks, speculator, draft if config.speculative else None)
+
+
+def load_draft(config: EngineConfig, main: LoadRequest) -> LoadedWeights:
+    """The draft's weights: the checkpoint's MTP layers (the draft component of the same version),
+    or a separate draft checkpoint with the same vocabulary and tokenizer. Warm from the daemon with
+    the same fallback rules as the main model, each with its own lease."""
+    if config.speculative == "mtp":
+        spec = dataclasses.replace(main.spec, component="draft")
+        return load_weights(config.load_format, dataclasses.replace(main, spec=spec))
+    check_draft_vocabulary(config.model, config.draft_model)
+    spec = LoadSpec(path=str(config.draft_model), dtype=config.dtype)
+    return load_weights(config.load_format, dataclasses.replace(main, spec=spec, weights_version=""))
+
+
+def check_draft_vocabulary(model: pathlib.Path, draft: pathlib.Path) -> None:
+    """A draft's token ids must mean what the main model's mean: same vocabulary size, and the same
+    tokenizer.json when both have one."""
+    sizes = [ArchSpec.from_config(read_config(d), f"{d}/config.json").vocab_size for d in (model, draft)]
+    if sizes[0] != sizes[1]:
+        raise InvalidRequestError(f"the draft model {draft} has a vocabulary of {sizes[1]} tokens, the main model "
+                                  f"{sizes[0]}; a draft must share the main model's tokenizer and vocabulary")
+    tokenizers = [d / "tokenizer.json" for d in (model, draft)]
+    if all(t.is_file() for t in tokenizers):
+        digests = [hashlib.sha256(t.read_bytes()).hexdigest() for t in tokenizers]
+        if digests[0] != digests[1]:
+            raise InvalidRequestError(f"the draft model {draft} has another tokenizer.json than {model}; a draft "
+                                      "must share the main model's tokenizer")
 
 
 def start_engine(config: EngineConfig, built: Built) -> Engine:
-    engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len).start()
+    engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len,
+                    speculator=built.speculator).start()
     engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: first request pays nothing extra
     return engine
 
@@ -229,6 +278,7 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         "token_ids": result.tokens, "prompt_tokens": len(ids), "finish_reason": result.finish_reason,
         "load_format": weights.load_format, "fallback_reason": weights.fallback_reason,
         "weights_version": weights.version, "tp_size": config.tp_size,
+        **({"draft": built.ranks[0].get("draft"), "speculation": engine.speculation()} if config.speculative else {}),
         "ranks": built.ranks,
         "timings": {"process_start": process_start, "weights_start": weights.started,
                     "weights_done": weights.finished, "ready": ready, "generate_seconds": result.seconds,

@@ -109,22 +109,29 @@ class CausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, hidden: bool = False):
         """input_ids, positions: [B, T]; slots: [B] cache slots. Writes the new keys and values into
         the cache and returns float32 logits for the last position of each row ([B, V]), or for every
-        position ([B, T, V]) with all_logits."""
+        position ([B, T, V]) with all_logits; with `hidden`, (logits, the last layer's output before
+        the final norm, [B, T, H]) for an MTP draft."""
         eps = self.spec.rms_norm_eps
         x = self._embed(input_ids)
         cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
         length = int(positions.max()) + 1
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.input_norm, eps)
-            x = x + self._attention(layer, h, cos, sin, positions, cache, i, slots, length)
-            h = rms_norm(x, layer.post_norm, eps)
-            x = x + self.tp.all_reduce(linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down))
+            x = self._decoder_layer(layer, x, cos, sin, positions, cache, i, slots, length)
+        states = x
         if not all_logits:
             x = x[:, -1]
-        return self.tp.gather_last(F.linear(rms_norm(x, self.norm, eps), self.lm_head).float())
+        logits = self.tp.gather_last(F.linear(rms_norm(x, self.norm, eps), self.lm_head).float())
+        return (logits, states) if hidden else logits
+
+    def _decoder_layer(self, layer: Layer, x, cos, sin, positions, cache: KVCache, index: int, slots, length: int):
+        eps = self.spec.rms_norm_eps
+        h = rms_norm(x, layer.input_norm, eps)
+        x = x + self._attention(layer, h, cos, sin, positions, cache, index, slots, length)
+        h = rms_norm(x, layer.post_norm, eps)
+        return x + self.tp.all_reduce(linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -153,10 +160,58 @@ class CausalLM:
             k_cache[slots[0], :, start:start + t] = k[0]
             v_cache[slots[0], :, start:start + t] = v[0]
             keys, values = k_cache[slots[0], None, :, :length], v_cache[slots[0], None, :, :length]
-        else:  # batched decode: one new token per row, each at its own position
-            k_cache[slots, :, positions[:, 0]] = k[:, :, 0]
-            v_cache[slots, :, positions[:, 0]] = v[:, :, 0]
+        else:  # batched: each row's tokens at its own positions (decode, or speculative verification)
+            k_cache[slots[:, None], :, positions] = k.transpose(1, 2)
+            v_cache[slots[:, None], :, positions] = v.transpose(1, 2)
             keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
         out = attention(q, keys, values, positions)
         out = self.tp.all_reduce(linear(out.transpose(1, 2).reshape(batch, t, self.num_heads * head_dim), layer.o))
         return out + layer.o_bias if layer.o_bias is not None else out
+
+
+class MTPDraft(CausalLM):
+    """A DeepSeek-V3-style multi-token-prediction layer used as a draft. From the main model's hidden
+    state at position t (before its final norm) and the token at t+1 it predicts the token at t+2:
+    eh_proj([enorm(embed(token)); hnorm(hidden)]) -> one decoder layer -> shared_head.norm -> lm_head.
+    Chained for more tokens by feeding its own output state back. The embedding and lm_head are the
+    main model's (the daemon shares them by reference); the decoder layer runs at the token's
+    position with its own one-layer KV cache."""
+
+    def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
+        if spec.num_mtp_layers < 1:
+            raise CheckpointError(f"{spec.source}: num_nextn_predict_layers is 0: this model has no MTP layer; "
+                                  "use --speculative draft --draft-model DIR instead")
+        self.spec = spec
+        self.tp = tp or SingleRank()
+        first = spec.num_layers
+        names = [spec.name(k, first) for k in ("enorm", "hnorm", "eh_proj", "head_norm")]
+        missing = [n for n in [*names, spec.name("embed")] if n not in weights]
+        if missing:
+            raise CheckpointError(f"the MTP draft lacks {', '.join(missing[:3])}; load the checkpoint's draft "
+                                  "component (and its main one)")
+        self.enorm, self.hnorm, self.eh_proj, self.head_norm = (weights[n] for n in names)
+        self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
+        self.embed = weights[spec.name("embed")]
+        self.lm_head = weights.get(spec.name("lm_head"), self.embed) if spec.tie_word_embeddings \
+            else weights[spec.name("lm_head")]
+        self.vocab_start = self.tp.rank * self.embed.shape[0]
+        self.dtype = self.embed.dtype
+        self.layers = [self._layer(weights, first)]
+        self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(1, self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
+
+    @torch.inference_mode()
+    def step(self, input_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions: [B, T] (the tokens at t+1 and their positions); states: [B, T, H]
+        (hidden states at t). Returns float32 logits for the tokens at t+2 ([B, T, V]) and this
+        layer's output states ([B, T, H]), which chain into the next step."""
+        eps = self.spec.rms_norm_eps
+        e = rms_norm(self._embed(input_ids), self.enorm, eps)
+        x = linear(torch.cat([e, rms_norm(states.to(self.dtype), self.hnorm, eps)], dim=-1), self.eh_proj)
+        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
+        x = self._decoder_layer(self.layers[0], x, cos, sin, positions, cache, 0, slots, int(positions.max()) + 1)
+        logits = self.tp.gather_last(F.linear(rms_norm(x, self.head_norm, eps), self.lm_head).float())
+        return logits, x

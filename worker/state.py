@@ -62,6 +62,10 @@ class WorkerState:
             body.update(load_format=formats.pop() if len(formats) == 1 else "mixed",
                         fallback_reason=self.weights.fallback_reason, weights_version=self.weights.version,
                         content_digest=self.weights.content_digest, tp_size=len(self.ranks), ranks=self.ranks)
+            if self.ranks and "draft" in self.ranks[0]:
+                body["draft"] = self.ranks[0]["draft"]
+            if self.engine is not None and self.engine.speculator is not None:
+                body["speculation"] = self.engine.speculation()
         if status != "ready":
             body["reason"] = self.not_ready_reason()
         return body
@@ -106,4 +110,9 @@ class WorkerState:
                       f'{self.timings["ready"] - self.timings["process_start"]:.6f}']
         for key, value in stats.items():
             lines += [f"# TYPE preload_engine_{key}_total counter", f"preload_engine_{key}_total{{{labels}}} {value}"]
+        speculation = self.engine.speculation() if self.engine else {}
+        for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_main_forward"):
+            if key in speculation:
+                lines += [f"# TYPE preload_engine_spec_{key} gauge",
+                          f"preload_engine_spec_{key}{{{labels}}} {speculation[key]:.6f}"]
         return "\n".join(lines) + "\n"

@@ -7,7 +7,7 @@ import pathlib
 import jinja2
 import tokenizers
 
-from preload_daemon.errors import InvalidRequestError
+from preload_daemon.errors import CheckpointError, InvalidRequestError
 
 
 class Tokenizer:
@@ -24,7 +24,13 @@ class Tokenizer:
     @classmethod
     def load(cls, path: pathlib.Path) -> "Tokenizer | None":
         """The checkpoint's tokenizer, or None if it ships none (then only token-id prompts work)."""
-        return cls(path) if (path / "tokenizer.json").exists() else None
+        if not (path / "tokenizer.json").exists():
+            return None
+        try:
+            return cls(path)
+        except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
+            raise CheckpointError(f"{path}: cannot read its tokenizer ({type(e).__name__}: {str(e)[:200]}); fix or "
+                                  "re-export tokenizer.json and tokenizer_config.json") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids

@@ -22,7 +22,7 @@ def daemon_pids(runtime_dir) -> list[int]:
 def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
     out = run_preload("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
     assert out.returncode == 0, out.stderr
-    assert "ready: tiny-llama v1 on cpu:0" in out.stdout
+    assert "ready: tiny-llama v1 (main) on cpu:0" in out.stdout
     try:
         status = run_preload("status", runtime_dir=runtime_dir, check=True).stdout
         assert "serving" in status
