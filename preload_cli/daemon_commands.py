@@ -161,8 +161,9 @@ def cmd_evict(args) -> int:
     name, sep, version = args.target.rpartition("@")
     if not sep:
         name, version = args.target, ""
-    if version and not version.isdigit():
-        print(f"preload evict: bad version {version!r} in {args.target!r}; use MODEL@N, e.g. llama@2", file=sys.stderr)
+    if version and (not version.isdigit() or int(version) == 0):
+        print(f"preload evict: bad version {version!r} in {args.target!r}; use MODEL@N with N >= 1, e.g. llama@2, "
+              "or MODEL alone for every version", file=sys.stderr)
         return 2
     device = parse_device(args.device) if args.device else ""
     holders = [(d, s) for d, s in collect_stats(args.runtime_dir, device)

@@ -167,7 +167,10 @@ class DaemonClient:
                     if on_progress is not None:
                         on_progress(sent, total)
 
-        return list(self._call(self._stub.PublishStream, chunks(), timeout).variants)
+        try:  # no deadline unless given: a large model streams for minutes (the daemon drops a stalled one)
+            return list(self._stub.PublishStream(chunks(), timeout=timeout).variants)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
 
     def set_active(self, model: str, version: int) -> pb.ModelSummary:
         return self._call(self._stub.SetActive, pb.SetActiveRequest(model=model, version=version))

@@ -93,6 +93,8 @@ class DaemonConfig:
     """How often leases of dead processes are looked for."""
     max_message_bytes: int = 64 << 20
     """Largest gRPC message accepted or sent; bigger requests are refused."""
+    publish_stall_s: float = 60.0
+    """A publishing client that sends no tensor data for this long is dropped (its slabs freed)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))

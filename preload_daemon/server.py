@@ -17,7 +17,7 @@ from preload_daemon import __version__
 from preload_daemon import stream
 from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
-from preload_daemon.errors import AccessDeniedError, InvalidRequestError, PreloadError, to_status
+from preload_daemon.errors import AccessDeniedError, InvalidRequestError, LoadingError, PreloadError, to_status
 from preload_daemon.peercred import PeerCredRelay
 from preload_daemon.plan import SHARED_ROLES, Layout, LoadSpec
 from preload_daemon.store import LoadProgress, Model, ModelStore, Retention, Variant
@@ -29,6 +29,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["WeightCache"].full_name
 MAX_NAME = 4096
 MAX_FILES = 100_000
 MAX_KEEP = 1000
+MAX_LOADS = 8  # of the server's 16 RPC threads
+MAX_LEASE_ID = 64
 
 
 def _rpc(method):
@@ -51,6 +53,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         self.relay = relay
         self.started_at = started_at
         self.config = config
+        # Loads and publishes hold an RPC thread each (a queued load waits for the one before it):
+        # bounded, so attaches, leases and status always have threads left.
+        self.loads = threading.BoundedSemaphore(MAX_LOADS)
 
     def LoadModel(self, request, context):
         try:
@@ -59,6 +64,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             retention = _retention(request.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
+        if not self.loads.acquire(blocking=False):
+            context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
+                                                  "retry when one finishes")))
         updates: queue.Queue = queue.Queue()
         result: dict = {}
 
@@ -69,6 +77,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             except BaseException as e:  # handed to the streaming thread below
                 result["error"] = e
             finally:
+                self.loads.release()
                 updates.put(None)
 
         # The load runs on its own thread: a client that disconnects does not cancel it.
@@ -96,13 +105,19 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             retention = _retention(header.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
+        if not self.loads.acquire(blocking=False):
+            context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
+                                                  "retry when one finishes")))
         try:
-            variants = self.store.publish_stream(table, header.model, _chunks(request_iterator), header.version,
-                                                 layouts, header.activate, retention)
+            variants = self.store.publish_stream(table, header.model, _chunks(request_iterator, context,
+                                                                              self.config.publish_stall_s),
+                                                 header.version, layouts, header.activate, retention)
+            return pb.PublishResponse(variants=[self._info(v) for v in variants])
         except Exception as e:
             log.warning("publishing %s failed, nothing was kept: %s", header.model, e)
             self._abort(context, f"publishing {header.model}", e)
-        return pb.PublishResponse(variants=[self._info(v) for v in variants])
+        finally:
+            self.loads.release()
 
     @_rpc
     def SetActive(self, request, context):
@@ -129,11 +144,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def RenewLease(self, request, context):
-        return pb.RenewLeaseResponse(lease=_lease(self.store.renew(request.lease_id)))
+        return pb.RenewLeaseResponse(lease=_lease(self.store.renew(_lease_id(request.lease_id))))
 
     @_rpc
     def Release(self, request, context):
-        self.store.release(request.lease_id)
+        self.store.release(_lease_id(request.lease_id))
         return pb.ReleaseResponse()
 
     @_rpc
@@ -186,6 +201,12 @@ def _spec_from_proto(msg: pb.LoadSpec) -> LoadSpec:
                     component=msg.component or "main")
 
 
+def _lease_id(lease_id: str) -> str:
+    if not lease_id or len(lease_id) > MAX_LEASE_ID:
+        raise InvalidRequestError(f"a lease id is 1..{MAX_LEASE_ID} characters, got {len(lease_id)}")
+    return lease_id
+
+
 def _layout(msg: pb.Layout) -> Layout:
     return Layout(dtype=msg.dtype or "auto", quantization=msg.quantization or "none", tp_size=msg.tp_size or 1,
                   tp_rank=msg.tp_rank, component=msg.component or "main")
@@ -198,19 +219,61 @@ def _retention(msg: pb.Retention) -> Retention:
     return Retention(keep, msg.max_bytes if msg.HasField("max_bytes") else None)
 
 
-def _chunks(request_iterator):
-    """The tensor data of a PublishStream after its header; a client that goes away (killed,
-    cancelled, past its deadline) ends the publish with an error, not a traceback."""
-    count = 0
+def _chunks(request_iterator, context, stall_s: float):
+    """The tensor data of a PublishStream after its header, read by a helper thread into a short
+    queue (bounded memory). A client that goes away (killed, cancelled, past its deadline) or sends
+    nothing for `stall_s` seconds ends the publish with an error, not a traceback or a thread held
+    forever."""
+    pending: queue.Queue = queue.Queue(maxsize=4)
+    stop = threading.Event()
+
+    def read() -> None:
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    pending.put(item, timeout=0.5)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+        try:
+            for chunk in request_iterator:
+                if not put(chunk):
+                    return
+            put(None)
+        except grpc.RpcError:
+            put(_GONE)
+        except Exception as e:  # handed to the publishing thread
+            put(e)
+
+    threading.Thread(target=read, name="publish-reader", daemon=True).start()
+    count, finished = 0, False
     try:
-        for chunk in request_iterator:
-            if chunk.WhichOneof("kind") != "data":
+        while True:
+            try:
+                item = pending.get(timeout=stall_s)
+            except queue.Empty:
+                raise InvalidRequestError(f"no tensor data for {stall_s:g}s after {count} chunk(s); the publish was "
+                                          "dropped") from None
+            if item is None:
+                finished = True
+                return
+            if item is _GONE:
+                raise InvalidRequestError(f"the publishing client went away after {count} chunk(s); nothing was "
+                                          "published")
+            if isinstance(item, Exception):
+                raise item
+            if item.WhichOneof("kind") != "data":
                 raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
             count += 1
-            yield chunk.data
-    except grpc.RpcError:
-        raise InvalidRequestError(f"the publishing client went away after {count} chunk(s); nothing was "
-                                  "published") from None
+            yield item.data
+    finally:
+        stop.set()
+        if not finished:
+            context.cancel()  # ends the reader's wait for a client that stopped sending
+
+
+_GONE = object()
 
 
 def _progress(p: LoadProgress) -> pb.LoadProgress:

@@ -32,6 +32,7 @@ from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
 log = logging.getLogger(__name__)
 DEFAULT_KEEP = 2
 MAX_FAILURES = 16
+MAX_VERSION = 2**31 - 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -146,7 +147,7 @@ class ModelStore:
             checkpoint = Checkpoint(spec.path)
             try:
                 target = loading.number = self._version_for(model, checkpoint, version)
-                plans = [build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)]
+                plans = _unique([build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)])
                 return self._fill(model, target, plans, activate, on_progress,
                                   lambda plan, slab, on_tensor, hasher: execute(plan, checkpoint, slab.data,
                                                                                 on_tensor=on_tensor, hasher=hasher),
@@ -168,7 +169,7 @@ class ModelStore:
                                           f"never reused); publish as v{model.last + 1} or later")
             if same:
                 return max(same, key=lambda v: v.number)
-            return number or model.last + 1
+            return _check_number(model, number or model.last + 1)
 
     # -- publishing from a stream -------------------------------------------------------------------
 
@@ -178,17 +179,17 @@ class ModelStore:
         """A new version from tensors streamed by a live process (stream.py), in `layouts`, else those
         of the active version on this device, else the default layout."""
         model = self._model(name, create=True)
-        with self._loading(model, version, on_progress) as loading:
+        with self._loading(model, version, on_progress, wait=False) as loading:  # a stream cannot queue
             self._set_retention(model, retention)
             with self._lock:
-                number = loading.number = version or model.last + 1
+                number = loading.number = _check_number(model, version or model.last + 1)
                 if number in model.versions or number <= model.last:
                     raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device}; publish "
                                               f"as v{model.last + 1} or later")
                 active = model.versions.get(model.active)
                 layouts = list(layouts) or (list(active.variants) if active is not None else [Layout()])
             spec = LoadSpec(path=table.path, name=model.name)
-            plans = [build_plan(table, spec.with_layout(layout)) for layout in layouts]
+            plans = _unique([build_plan(table, spec.with_layout(layout)) for layout in layouts])
 
             def fill_all(targets: list[tuple[LoadPlan, HostSlab]], on_tensor) -> None:
                 stream.fill(table, [(plan, slab.data) for plan, slab in targets], chunks, on_tensor)
@@ -247,8 +248,11 @@ class ModelStore:
             target.loading -= 1
             for variant in made:
                 target.variants[variant.layout] = variant
-            if created and (activate or model.active not in model.versions):
+            activated = created and (activate or model.active not in model.versions)
+            if activated:
                 model.active = number
+        if activated:  # as SetActive would: the version it replaced may fall out of retention
+            self._retain(model)
         self._on_change()
         if created:
             log.info("%s v%d on %s from %s: %d variant(s)%s", model.name, number, self.device, target.source,
@@ -533,6 +537,9 @@ class ModelStore:
                 break
             victims.append(version)
             held -= version.bytes
+        if needed > model.max_bytes:
+            raise BudgetError(f"{model.name} needs {needed / 2**20:.1f} MiB on {self.device}, more than its whole budget "
+                              f"(--max-bytes {model.max_bytes}); raise --max-bytes, or 0 for no budget")
         if held + needed > model.max_bytes:
             kept = ", ".join(f"v{v.number} ({_why_kept(model, v)}, {v.bytes / 2**20:.1f} MiB)"
                              for v in sorted(model.versions.values(), key=lambda v: v.number) if v not in victims)
@@ -600,35 +607,50 @@ class ModelStore:
     # -- helpers ------------------------------------------------------------------------------------
 
     class _Loading:
-        """One load of a model at a time; a failed one is remembered (`preload status`, wait-ready)."""
+        """One load of a model at a time. A failed one is remembered (`preload status`, wait-ready)
+        under the version number it asked for (publish asks for one), which is then never given to
+        another version; the retention it set is undone."""
 
-        def __init__(self, store: "ModelStore", model: Model, number: int, on_progress):
-            self.store, self.model, self.on_progress = store, model, on_progress
+        def __init__(self, store: "ModelStore", model: Model, number: int, on_progress, wait: bool):
+            self.store, self.model, self.on_progress, self.wait = store, model, on_progress, wait
+            self.requested = number
             self.number: int | Version = number
+            self.retention = (model.keep, model.max_bytes)
 
         def __enter__(self) -> "ModelStore._Loading":
             if not self.model.load_lock.acquire(blocking=False):
+                if not self.wait:
+                    raise LoadingError(f"{self.model.name} is being loaded or published on {self.store.device}; "
+                                       "publish again once that finishes (`preload status`)")
                 self.on_progress(LoadProgress("queued"))
                 self.model.load_lock.acquire()
             with self.store._lock:
                 self.store._loads += 1
                 self.store._models.setdefault(self.model.name, self.model)  # evicted while queued
+                self.retention = (self.model.keep, self.model.max_bytes)
             self.store._on_change()
             return self
 
         def __exit__(self, kind, error, tb) -> None:
-            number = self.number.number if isinstance(self.number, Version) else self.number
             with self.store._lock:
                 self.store._loads -= 1
                 if error is not None:
-                    self.model.failures.appendleft(f"{number}: {kind.__name__}: {error}"[:500])
+                    self.model.keep, self.model.max_bytes = self.retention
+                    if isinstance(self.number, Version):
+                        what = f"{self.number.number} (a variant)"
+                    elif 0 < self.requested <= MAX_VERSION:  # a number asked for (publish): never given out later
+                        what = str(self.requested)
+                        self.model.last = max(self.model.last, self.requested)
+                    else:
+                        what = "-"
+                    self.model.failures.appendleft(f"{what}: {kind.__name__}: {error}"[:500])
                 self.model.load_lock.release()
                 if not self.model.versions and not self.model.failures:
                     self.store._models.pop(self.model.name, None)
             self.store._on_change()
 
-    def _loading(self, model: Model, number: int, on_progress) -> "_Loading":
-        return self._Loading(self, model, number, on_progress)
+    def _loading(self, model: Model, number: int, on_progress, wait: bool = True) -> "_Loading":
+        return self._Loading(self, model, number, on_progress, wait)
 
     def _set_retention(self, model: Model, retention: Retention) -> None:
         with self._lock:
@@ -646,6 +668,21 @@ def key_for(files: tuple[FileIdentity, ...], plan: LoadPlan, content_digest: str
                     quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION,
                     quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())),
                     content_digest=content_digest)
+
+
+def _check_number(model: Model, number: int) -> int:
+    if not 0 < number <= MAX_VERSION:
+        raise InvalidRequestError(f"version {number} of {model.name} is out of range (1..{MAX_VERSION}); "
+                                  f"publish as v{model.last + 1} (the next) instead")
+    return number
+
+
+def _unique(plans: list[LoadPlan]) -> list[LoadPlan]:
+    """One plan per resolved layout (["auto", "float32"] on a float32 model are one variant)."""
+    first: dict[Layout, LoadPlan] = {}
+    for plan in plans:
+        first.setdefault(plan.layout, plan)
+    return list(first.values())
 
 
 def _free(slab: HostSlab) -> None:

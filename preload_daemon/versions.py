@@ -143,8 +143,9 @@ def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib
                 except PreloadError as e:
                     log.warning("could not free %s v%d on %s after the failed publish: %s", name, number,
                                 target.device, e)
+        freed = f"v{number} was freed on {', '.join(t.device for t in made)}; " if made else ""
         raise type(failed[0][1])("; ".join(f"{t.device}: {r}" for t, r in failed) +
-                                 f" (the new version was freed; the active version of {name} is unchanged)")
+                                 f" ({freed}the active version of {name} is unchanged)")
     versions = {r[0].version for r in results}
     if len(versions) != 1:
         raise PreloadError(f"the daemons hold these files as different versions of {name} "
