@@ -1,7 +1,7 @@
 """The `preload` console script: one parser with every command, and main(). The commands live in
 daemon_commands (daemon, serve, status, wait-ready, evict, default-model), engine_commands (engine,
 generate), version_commands (publish, rollback, pin, unpin), demo and bench/ (attach, restart,
-decode, quant, replicas, rollback)."""
+decode, quant, replicas, rollback, spec)."""
 
 import argparse
 import pathlib
@@ -10,7 +10,7 @@ from types import ModuleType
 
 from preload_cli import daemon_commands as dc
 from preload_cli import demo, engine_commands, version_commands
-from preload_cli.bench import attach, decode, quant, replicas, restart, rollback
+from preload_cli.bench import attach, decode, quant, replicas, restart, rollback, spec
 from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
@@ -120,7 +120,7 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     add_module_command(p, demo)
 
     p = sub.add_parser("bench", help="benchmarks: attach time, engine restarts, decode speed, quantization, "
-                                     "replicas, rollback")
+                                     "replicas, rollback, speculative decoding")
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     add_module_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), attach)
     add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
@@ -130,6 +130,8 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
                        replicas)
     add_module_command(bench.add_parser("rollback", help="rollback -> engine ready on the older version vs a cold "
                                         "restart; publish throughput"), rollback)
+    add_module_command(bench.add_parser("spec", help="speculative decoding: tokens/s and tokens per main forward, "
+                                        "draft warm vs cold"), spec)
 
     p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
                        epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)

@@ -133,3 +133,20 @@ def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tin
         assert "starting the engine warm" in err
     finally:
         stop_daemons(runtime_dir)
+
+
+@pytest.mark.slow
+def test_bench_spec_produces_json(tmp_path):
+    from preload_cli.models import tiny_model
+    model = tiny_model("llama", tmp_path / "mtp-llama", mtp_layers=1)
+    out = run_preload("bench", "spec", "--model", model, "--repeats", "1", "--max-tokens", "8", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    rows = doc["decode"]["rows"]
+    assert len(rows) == 3 and doc["decode"]["outputs_match"] and all(r["output_matches"] for r in rows.values())
+    assert rows["self as draft, K=2"]["acceptance_rate"] == 1.0 and rows["no speculation"]["tokens_per_s_median"] > 0
+    variants = doc["restart"]["variants"]
+    assert (variants["warm (ipc_cache)"]["load_format"], variants["warm (ipc_cache)"]["draft_load_format"]) == \
+        ("ipc_cache", "ipc_cache")
+    assert variants["cold (safetensors)"]["draft_load_format"] == "safetensors"
+    assert doc["restart"]["ratios"]["weights_cold_over_warm"] > 0
