@@ -79,9 +79,6 @@ class EngineConfig:
         if self.speculative and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE:
             raise InvalidRequestError(f"--num-speculative-tokens must be in [1, {MAX_SPECULATIVE}], got "
                                       f"{self.num_speculative_tokens}")
-        if self.speculative and self.tp_size > 1:
-            raise InvalidRequestError("speculative decoding runs at --tp-size 1 for now; drop --speculative or "
-                                      "--tp-size")
         if not 0 <= self.wait_for_daemon <= 86400:
             raise InvalidRequestError(f"--wait-for-daemon must be 0..86400 seconds, got {self.wait_for_daemon:g}")
 

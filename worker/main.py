@@ -101,6 +101,8 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
         draft_spec = ArchSpec.from_config(draft.config, f"{config.draft_model}/config.json")
         speculator = Speculator(CausalLM(draft_spec, draft.tensors, group), config.num_speculative_tokens)
     leader = Leader(model, group) if group is not None and group.rank == 0 else model
+    if speculator is not None and isinstance(leader, Leader):  # the followers run the draft's forwards too
+        speculator = Speculator(leader.draft(speculator.model), speculator.k, speculator.kind)
     return Built(weights, leader, group, ranks, speculator, draft if config.speculative else None)
 
 
@@ -112,7 +114,7 @@ def load_draft(config: EngineConfig, main: LoadRequest) -> LoadedWeights:
         spec = dataclasses.replace(main.spec, component="draft")
         return load_weights(config.load_format, dataclasses.replace(main, spec=spec))
     check_draft_vocabulary(config.model, config.draft_model)
-    spec = LoadSpec(path=str(config.draft_model), dtype=config.dtype)
+    spec = LoadSpec(path=str(config.draft_model), dtype=config.dtype, tp_size=config.tp_size, tp_rank=config.tp_rank)
     return load_weights(config.load_format, dataclasses.replace(main, spec=spec, weights_version=""))
 
 
@@ -153,7 +155,10 @@ def run_follower(config: EngineConfig) -> int:
             pass
         return 1
     try:
-        follow(built.model, built.group, config.max_batch, built.model.spec.context_len(config.max_model_len))
+        ahead = config.num_speculative_tokens if config.speculative else 0  # as Engine sizes rank 0's caches
+        follow(built.model, built.group, config.max_batch,
+               built.model.spec.context_len(config.max_model_len) + ahead,
+               built.speculator.model if built.speculator else None)
     except ParallelError as e:
         log.error("%s", e)
         return 1

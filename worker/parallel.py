@@ -19,8 +19,8 @@ from preload_daemon.errors import PreloadError
 
 log = logging.getLogger(__name__)
 
-STOP, FORWARD = 0, 1
-HEADER = 4  # op, batch, tokens per row, all_logits
+STOP, FORWARD, DRAFT, MTP = 0, 1, 2, 3  # what the followers run: nothing more, the model, the draft, the MTP step
+HEADER = 4  # op, batch, tokens per row, flags (1: all logits, 2: hidden states too)
 JSON_BYTES = 1 << 16
 # Followers wait in a broadcast while the engine is idle, which may last days; a dead peer ends the
 # wait at once (its connections close), so this bound only catches a peer that hangs while alive.
@@ -101,27 +101,38 @@ class TPGroup:
             out.append(json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
         return out
 
-    def send_step(self, op: int, input_ids=None, positions=None, slots=None, all_logits: bool = False) -> None:
+    def send_step(self, op: int, input_ids=None, positions=None, slots=None, all_logits: bool = False,
+                  hidden: bool = False, states: torch.Tensor | None = None) -> None:
+        """Announces a forward: `op` with its token ids, positions and slots ([B, T], [B, T], [B]);
+        an MTP step also sends its input states ([B, T, H] in the model's dtype)."""
         if op == STOP:
             dist.broadcast(torch.tensor([STOP, 0, 0, 0], device=self.device), 0)
             return
         batch, t = input_ids.shape
-        dist.broadcast(torch.tensor([FORWARD, batch, t, int(all_logits)], device=self.device), 0)
+        dist.broadcast(torch.tensor([op, batch, t, int(all_logits) | 2 * int(hidden)], device=self.device), 0)
         dist.broadcast(torch.cat([input_ids.reshape(-1), positions.reshape(-1), slots.reshape(-1)])
                        .to(torch.int64).to(self.device), 0)
+        if op == MTP:
+            dist.broadcast(states.contiguous().to(self.device), 0)
 
-    def receive_step(self):
-        """(op, input_ids, positions, slots, all_logits) as rank 0 sent it."""
+    def receive_step(self, states_like: torch.Tensor | None = None):
+        """(op, input_ids, positions, slots, all_logits, hidden, states) as rank 0 sent it;
+        `states_like` gives the dtype and width of an MTP step's states."""
         header = torch.empty(HEADER, dtype=torch.int64, device=self.device)
         dist.broadcast(header, 0)
-        op, batch, t, all_logits = header.tolist()
+        op, batch, t, flags = header.tolist()
         if op == STOP:
-            return STOP, None, None, None, False
+            return STOP, None, None, None, False, False, None
         data = torch.empty(2 * batch * t + batch, dtype=torch.int64, device=self.device)
         dist.broadcast(data, 0)
         data = data.cpu()
         n = batch * t
-        return op, data[:n].view(batch, t), data[n:2 * n].view(batch, t), data[2 * n:], bool(all_logits)
+        states = None
+        if op == MTP:
+            states = torch.empty(batch, t, states_like.shape[-1], dtype=states_like.dtype, device=self.device)
+            dist.broadcast(states, 0)
+        return (op, data[:n].view(batch, t), data[n:2 * n].view(batch, t), data[2 * n:], bool(flags & 1),
+                bool(flags & 2), states)
 
 
 class Leader:
@@ -137,10 +148,19 @@ class Leader:
     def new_cache(self, num_slots: int, max_len: int):
         return self.model.new_cache(num_slots, max_len)
 
-    def forward(self, input_ids, positions, cache, slots, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, input_ids, positions, cache, slots, all_logits: bool = False, hidden: bool = False):
+        return self._run(FORWARD, self.model.forward, input_ids, positions, cache, slots, all_logits, hidden)
+
+    def draft(self, model) -> "LeaderDraft":
+        """Rank 0's view of the draft model (whose shards the followers hold too)."""
+        return LeaderDraft(self, model)
+
+    def _run(self, op: int, method, input_ids, positions, cache, slots, all_logits=False, hidden=False, states=None):
         try:
-            self.group.send_step(FORWARD, input_ids, positions, slots, all_logits)
-            return self.model.forward(input_ids, positions, cache, slots, all_logits)
+            self.group.send_step(op, input_ids, positions, slots, all_logits, hidden, states)
+            if op == MTP:
+                return method(input_ids, states, positions, cache, slots)
+            return method(input_ids, positions, cache, slots, all_logits, hidden)
         except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
             reason = f"the tensor-parallel group broke: {e}"
             self.on_broken(reason)
@@ -156,14 +176,40 @@ class Leader:
                 log.warning("could not tell the other ranks to stop: %s", e)
 
 
-def follow(model, group: TPGroup, num_slots: int, max_len: int) -> None:
-    """A follower rank's life after loading: run every forward rank 0 announces, until it says stop."""
+class LeaderDraft:
+    """Rank 0's draft model (a separate CausalLM, or the MTP layer): each of its forwards is
+    announced to the followers first, like the main model's."""
+
+    def __init__(self, leader: Leader, model):
+        self.leader, self.model = leader, model
+        self.spec, self.dtype = model.spec, model.dtype
+
+    def new_cache(self, num_slots: int, max_len: int):
+        return self.model.new_cache(num_slots, max_len)
+
+    def forward(self, input_ids, positions, cache, slots, all_logits: bool = False, hidden: bool = False):
+        return self.leader._run(DRAFT, self.model.forward, input_ids, positions, cache, slots, all_logits, hidden)
+
+    def step(self, input_ids, states, positions, cache, slots):
+        return self.leader._run(MTP, self.model.step, input_ids, positions, cache, slots, states=states)
+
+
+def follow(model, group: TPGroup, num_slots: int, max_len: int, draft=None) -> None:
+    """A follower rank's life after loading: run every forward rank 0 announces (the model's, and
+    the draft's when it speculates), until it says stop."""
     cache = model.new_cache(num_slots, max_len)
+    draft_cache = draft.new_cache(num_slots, max_len) if draft is not None else None
+    states_like = torch.empty(0, model.spec.hidden_size, dtype=model.dtype)
     while True:
         try:
-            op, input_ids, positions, slots, all_logits = group.receive_step()
+            op, input_ids, positions, slots, all_logits, hidden, states = group.receive_step(states_like)
         except RuntimeError as e:
             raise ParallelError(f"rank {group.rank} lost rank 0: {e}") from e
         if op == STOP:
             return
-        model.forward(input_ids, positions, cache, slots, all_logits)
+        if op == FORWARD:
+            model.forward(input_ids, positions, cache, slots, all_logits, hidden)
+        elif op == DRAFT:
+            draft.forward(input_ids, positions, draft_cache, slots, all_logits, hidden)
+        else:
+            draft.step(input_ids, states, positions, draft_cache, slots)

@@ -118,11 +118,13 @@ class Speculator:
     """What an engine speculates with: a draft model (a separate CausalLM, or the MTP layer) and K."""
 
     model: CausalLM
+    """The draft (at TP > 1, rank 0's parallel.LeaderDraft over it)."""
     k: int
+    kind: str = ""
+    """"mtp" or "draft"; by default from the model's class."""
 
-    @property
-    def kind(self) -> str:
-        return "mtp" if isinstance(self.model, MTPDraft) else "draft"
+    def __post_init__(self) -> None:
+        self.kind = self.kind or ("mtp" if isinstance(self.model, MTPDraft) else "draft")
 
     def runner(self, num_slots: int, max_len: int) -> ModelDraft | MTPDraftRunner:
         """The draft's per-slot state and cache, for an engine of `num_slots` slots."""

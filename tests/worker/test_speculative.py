@@ -172,8 +172,7 @@ def test_separate_draft_warm_and_refused_drafts(runtime_dir, mtp_llama, tiny_lla
                       "--load-format", "safetensors", runtime_dir=runtime_dir)
     assert out.returncode == 1 and "another tokenizer.json" in out.stderr
     for flags, message in ((["--speculative", "draft"], "go together"),
-                           (["--speculative", "mtp", "--num-speculative-tokens", "0"], "must be in [1, 16]"),
-                           (["--speculative", "mtp", "--tp-size", "2"], "--tp-size 1 for now")):
+                           (["--speculative", "mtp", "--num-speculative-tokens", "0"], "must be in [1, 16]")):
         out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", *flags, runtime_dir=runtime_dir)
         assert out.returncode == 1 and message in out.stderr, out.stderr
     out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--speculative", "mtp", "--load-format",
@@ -193,3 +192,31 @@ def test_engine_reports_speculation_in_ready_and_metrics(runtime_dir, mtp_llama,
     rate = next(line for line in metrics.splitlines() if line.startswith("preload_engine_spec_acceptance_rate"))
     assert float(rate.split()[-1]) == 1.0, "the model as its own draft is always accepted"
     assert "preload_engine_spec_tokens_per_main_forward" in metrics
+
+
+@pytest.mark.slow
+def test_tp2_speculation_warm_and_cold_equals_plain_greedy(runtime_dir, mtp_llama, tiny_llama):
+    """Both drafts at TP 2: the followers run the draft's forwards on their shards too."""
+    def generate(*flags):
+        out = run_preload("generate", mtp_llama, "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-tokens", "16",
+                          *flags, runtime_dir=runtime_dir, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    plain = generate("--load-format", "safetensors")["token_ids"]
+    cold = generate("--load-format", "safetensors", "--tp-size", "2", "--speculative", "mtp",
+                    "--num-speculative-tokens", "3")
+    assert cold["token_ids"] == plain and cold["speculation"]["proposed"] > 0
+    served = run_preload("serve", mtp_llama, "--tp-size", "2", "--draft-model", mtp_llama, "--name", "m",
+                         "--no-supervise", runtime_dir=runtime_dir)
+    assert served.returncode == 0, served.stderr
+    try:
+        warm = generate("--tp-size", "2", "--name", "m", "--speculative", "mtp", "--no-fallback")
+        assert warm["token_ids"] == plain
+        assert [r["draft"]["load_format"] for r in warm["ranks"]] == ["ipc_cache", "ipc_cache"]
+        same = generate("--tp-size", "2", "--name", "m", "--speculative", "draft", "--draft-model", mtp_llama,
+                        "--num-speculative-tokens", "2", "--no-fallback")
+        assert same["token_ids"] == plain and same["speculation"]["acceptance_rate"] == 1.0
+    finally:
+        for d in json.loads(run_preload("status", "--json", runtime_dir=runtime_dir).stdout)["daemons"]:
+            os.kill(d["pid"], signal.SIGTERM)
