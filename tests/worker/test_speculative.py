@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from preload_cli.main import main as preload_main
 from preload_cli.models import tiny_model
 from preload_daemon.arch import ArchSpec
 from preload_daemon.plan import LoadSpec
@@ -141,7 +142,7 @@ def test_warm_and_cold_drafts_and_what_ready_says(runtime_dir, mtp_llama, start_
 
 
 def test_separate_draft_warm_and_refused_drafts(runtime_dir, mtp_llama, tiny_llama, checkpoints, tmp_path,
-                                                default_model):
+                                                default_model, capsys):
     served = run_preload("serve", mtp_llama, "--name", "m", "--draft-model", tiny_llama, "--no-supervise",
                          runtime_dir=runtime_dir)
     assert served.returncode == 0, served.stderr
@@ -160,39 +161,20 @@ def test_separate_draft_warm_and_refused_drafts(runtime_dir, mtp_llama, tiny_lla
         for d in json.loads(run_preload("status", "--json", runtime_dir=runtime_dir).stdout)["daemons"]:
             os.kill(d["pid"], signal.SIGTERM)
     wide = tiny_model("llama", checkpoints / "vocab-300", vocab_size=300)
-    out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--speculative", "draft", "--draft-model", wide,
-                      "--load-format", "safetensors", runtime_dir=runtime_dir)
-    assert out.returncode == 1 and "vocabulary of 300 tokens, the main model 256" in out.stderr
     a, b = tmp_path / "a", tmp_path / "b"
     tokenizer = (default_model / "tokenizer.json").read_text()
     for path, text in ((a, tokenizer), (b, tokenizer + "\n")):  # another file: refused, however small the change
         shutil.copytree(tiny_llama, path)
         (path / "tokenizer.json").write_text(text)
-    out = run_preload("generate", a, "--prompt-ids", "1,2", "--speculative", "draft", "--draft-model", b,
-                      "--load-format", "safetensors", runtime_dir=runtime_dir)
-    assert out.returncode == 1 and "another tokenizer.json" in out.stderr
-    for flags, message in ((["--speculative", "draft"], "go together"),
-                           (["--speculative", "mtp", "--num-speculative-tokens", "0"], "must be in [1, 16]")):
-        out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", *flags, runtime_dir=runtime_dir)
-        assert out.returncode == 1 and message in out.stderr, out.stderr
-    out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--speculative", "mtp", "--load-format",
-                      "safetensors", runtime_dir=runtime_dir)
-    assert out.returncode == 1 and "no MTP layers" in out.stderr
-
-
-def test_engine_reports_speculation_in_ready_and_metrics(runtime_dir, mtp_llama, start_engine):
-    import urllib.request
-    engine = start_engine(mtp_llama, "safetensors", "--speculative", "draft", "--draft-model", mtp_llama,
-                          "--num-speculative-tokens", "2")
-    assert engine.ready["draft"]["kind"] == "draft" and engine.ready["speculation"]["num_speculative_tokens"] == 2
-    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}).encode()
-    request = urllib.request.Request(engine.url + "/v1/completions", body, {"Content-Type": "application/json"})
-    urllib.request.urlopen(request, timeout=60).read()
-    metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=10).read().decode()
-    rate = next(line for line in metrics.splitlines() if line.startswith("preload_engine_spec_acceptance_rate"))
-    assert float(rate.split()[-1]) == 1.0, "the model as its own draft is always accepted"
-    assert "preload_engine_spec_tokens_per_main_forward" in metrics
-
+    cases = ((tiny_llama, ["--speculative", "draft", "--draft-model", wide], "vocabulary of 300 tokens, the main model 256"),
+             (a, ["--speculative", "draft", "--draft-model", b], "another tokenizer.json"),
+             (tiny_llama, ["--speculative", "draft"], "go together"),
+             (tiny_llama, ["--speculative", "mtp", "--num-speculative-tokens", "0"], "must be in [1, 16]"),
+             (tiny_llama, ["--speculative", "mtp"], "no MTP layers"))
+    for model, flags, message in cases:  # in this process: each fails before an engine starts
+        assert preload_main(["generate", model, "--prompt-ids", "1,2", "--load-format", "safetensors", *flags,
+                             "--runtime-dir", runtime_dir]) == 1
+        assert message in capsys.readouterr().err, message
 
 @pytest.mark.slow
 def test_tp2_speculation_warm_and_cold_equals_plain_greedy(runtime_dir, mtp_llama, tiny_llama):

@@ -102,12 +102,13 @@ def test_weights_that_do_not_fit_the_engine_config_are_refused(daemon, base, che
     assert out.returncode == 1 and "does not fit this engine's config.json: hidden_size (64 vs 96)" in out.stderr
 
 
-def test_bad_weights_version_flags(runtime_dir, base):
+def test_bad_weights_version_flags(runtime_dir, base, capsys):
+    from preload_cli.main import main
     for flags, message in ((["--weights-version", "two"], "give a version number"),
                            (["--weights-version", "1", "--load-format", "safetensors"], "needs --load-format ipc_cache"),
                            (["--wait-for-daemon", "-1"], "--wait-for-daemon must be")):
-        out = run_preload("generate", base, "--prompt-ids", "1,2", *flags, runtime_dir=runtime_dir)
-        assert out.returncode == 1 and message in out.stderr, out.stderr
+        assert main(["generate", base, "--prompt-ids", "1,2", *flags, "--runtime-dir", runtime_dir]) == 1
+        assert message in capsys.readouterr().err
 
 
 def test_wait_for_daemon_attaches_once_the_daemon_has_loaded(runtime_dir, base, start_engine, start_daemon):
