@@ -64,9 +64,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             retention = _retention(request.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
-        if not self.loads.acquire(blocking=False):
-            context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
-                                                  "retry when one finishes")))
+        self._take_load_slot(context)
         updates: queue.Queue = queue.Queue()
         result: dict = {}
 
@@ -105,9 +103,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             retention = _retention(header.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
-        if not self.loads.acquire(blocking=False):
-            context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
-                                                  "retry when one finishes")))
+        self._take_load_slot(context)
         try:
             variants = self.store.publish_stream(table, header.model, _chunks(request_iterator, context,
                                                                               self.config.publish_stall_s),
@@ -166,6 +162,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                         summaries=[self._summary(m) for m in self.store.models()],
                         serving=bool(variants) and not self.store.is_loading(),
                         runtime_dir=str(self.config.runtime_dir), version=__version__)
+
+    def _take_load_slot(self, context) -> None:
+        """One of the MAX_LOADS slots for a load or publish, or the call is refused (never queued)."""
+        if not self.loads.acquire(blocking=False):
+            context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
+                                                  "retry when one finishes")))
 
     def _abort(self, context, what: str, error: BaseException) -> None:
         if isinstance(error, PreloadError):

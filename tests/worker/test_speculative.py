@@ -176,6 +176,20 @@ def test_separate_draft_warm_and_refused_drafts(runtime_dir, mtp_llama, tiny_lla
                              "--runtime-dir", runtime_dir]) == 1
         assert message in capsys.readouterr().err, message
 
+def test_engine_reports_speculation_in_ready_and_metrics(runtime_dir, mtp_llama, start_engine):
+    import urllib.request
+    engine = start_engine(mtp_llama, "safetensors", "--speculative", "draft", "--draft-model", mtp_llama,
+                          "--num-speculative-tokens", "2")
+    assert engine.ready["draft"]["kind"] == "draft" and engine.ready["speculation"]["num_speculative_tokens"] == 2
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(engine.url + "/v1/completions", body, {"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=60).read()
+    metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=10).read().decode()
+    rate = next(line for line in metrics.splitlines() if line.startswith("preload_engine_spec_acceptance_rate"))
+    assert float(rate.split()[-1]) == 1.0, "the model as its own draft is always accepted"
+    assert "preload_engine_spec_tokens_per_main_forward" in metrics
+
+
 @pytest.mark.slow
 def test_tp2_speculation_warm_and_cold_equals_plain_greedy(runtime_dir, mtp_llama, tiny_llama):
     """Both drafts at TP 2: the followers run the draft's forwards on their shards too."""
