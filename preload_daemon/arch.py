@@ -5,6 +5,7 @@ tensor kind means editing it alone."""
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import re
@@ -17,6 +18,8 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 SCHEMES = ("none", *formats.SCHEMES)
 MAX_TP = 64
 CONFIG_MAX_BYTES = 4 << 20
+JSON_MAX_DEPTH = 64  # real configs nest 3 or 4 levels
+MAX_DIMENSION = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -111,7 +114,8 @@ IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d+)") + "$")
+    # At most 9 digits: a layer number is an int, and int() of a 5000-digit one fails.
+    return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d{1,9})") + "$")
 
 
 _PATTERNS = [(kind, _pattern(kind.template)) for kind in KINDS]
@@ -154,39 +158,50 @@ class ArchSpec:
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "ArchSpec":
-        arch = config.get("architectures")
-        arch = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) else ""
+        arch = _architecture(config, source)
         if arch not in ARCHITECTURES:
-            raise PlanError(f"{source}: architecture {arch or 'missing'!r} is not supported; supported: "
+            raise PlanError(f"{source}: architecture {short_repr(arch or 'missing')} is not supported; supported: "
                             f"{', '.join(ARCHITECTURES)}")
         hidden = _int(config, "hidden_size", source)
         heads = _int(config, "num_attention_heads", source)
+        kv_heads = _int(config, "num_key_value_heads", source, heads)
+        if heads % kv_heads:
+            raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                  f"num_key_value_heads={kv_heads}; each kv head must serve whole query heads")
+        if config.get("head_dim") is None and hidden % heads:
+            raise CheckpointError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
+                                  "set head_dim explicitly")
         for key in ("rope_parameters", "rope_scaling"):
             if config.get(key) is not None and not isinstance(config[key], dict):
                 raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+        rope = config.get(rope_key) or {}
         scaling = dict(rope) if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
         max_pos = _int(config, "max_position_embeddings", source, 4096)
         if scaling is not None:
             scaling.setdefault("original_max_position_embeddings", max_pos)
+            _check_rope_scaling(scaling, f"{source} {rope_key}")
         eos = config.get("eos_token_id")
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-            raise CheckpointError(f"{source}: eos_token_id must be an integer or a list of integers, got {eos!r}")
+            raise CheckpointError(f"{source}: eos_token_id must be an integer or a list of integers, "
+                                  f"got {short_repr(eos)}")
         dtype = config.get("torch_dtype") or config.get("dtype") or ""
+        if not isinstance(dtype, str):
+            raise CheckpointError(f"{source}: torch_dtype must be a string such as \"bfloat16\", "
+                                  f"got {short_repr(dtype)}")
         return cls(
-            source=source, architecture=arch, hidden_size=hidden, num_heads=heads,
-            num_kv_heads=_int(config, "num_key_value_heads", source, heads),
-            head_dim=_int(config, "head_dim", source, hidden // heads if hidden % heads == 0 else 0),
+            source=source, architecture=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+            head_dim=_int(config, "head_dim", source, hidden // heads),
             intermediate_size=_int(config, "intermediate_size", source), vocab_size=_int(config, "vocab_size", source),
             num_layers=_int(config, "num_hidden_layers", source),
             num_mtp_layers=_int(config, "num_nextn_predict_layers", source, 0, minimum=0),
             rms_norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
             rope_theta=_float(rope, "rope_theta", source, _float(config, "rope_theta", source, 10000.0)),
-            rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=str(dtype),
+            rope_scaling=scaling, tie_word_embeddings=_bool(config, "tie_word_embeddings", source),
+            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=dtype,
             # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
-            attention_bias=arch != "Qwen2ForCausalLM" and config.get("attention_bias") is True)
+            attention_bias=arch != "Qwen2ForCausalLM" and _bool(config, "attention_bias", source))
 
     def differences(self, other: "ArchSpec") -> list[str]:
         """The fields that decide weight shapes and the forward pass in which `other` differs."""
@@ -239,8 +254,8 @@ class ArchSpec:
     def check_shape(self, name: str, kind: TensorKind, shape: tuple[int, ...]) -> None:
         expected = kind.shape(self)
         if tuple(shape) != expected:
-            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {list(shape)} but config.json implies "
-                                  f"{list(expected)}; the config does not belong to these weights")
+            raise CheckpointError(f"{self.source}: tensor {name!r} has shape {short_repr(list(shape))} but config.json "
+                                  f"implies {list(expected)}; the config does not belong to these weights")
 
     # -- tensor parallelism --------------------------------------------------------------------
 
@@ -295,30 +310,77 @@ class ArchSpec:
 
 
 def read_config(directory: str | os.PathLike) -> dict:
-    """A checkpoint's config.json: a JSON object of bounded size, or an error naming the fix."""
+    """A checkpoint's config.json: a regular file holding a JSON object of bounded size and depth, or
+    an error naming the fix."""
+    from preload_daemon.checkpoint import read_regular  # checkpoint.py imports this module
+
     path = pathlib.Path(directory) / "config.json"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(CONFIG_MAX_BYTES + 1)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; a checkpoint directory needs the model's config.json next to "
-                              "its *.safetensors files") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e}); fix or re-export the config") from e
+    data = read_regular(path, CONFIG_MAX_BYTES, "a checkpoint directory needs the model's config.json next to its "
+                                                "*.safetensors files")
     return parse_config(data, str(path))
 
 
 def parse_config(data: bytes | str, source: str) -> dict:
-    """config.json's text (from a file or a publishing client) as a JSON object of bounded size."""
+    """config.json's text (from a file or a publishing client) as a JSON object of bounded size and
+    depth: the daemon stores it and serialises it again, which a deeply nested one would not survive."""
     if len(data) > CONFIG_MAX_BYTES:
         raise CheckpointError(f"{source} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
-    try:
-        config = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"{source}: cannot parse ({e}); fix or re-export the config") from e
+    config = load_json(data, source, "fix or re-export the config")
     if not isinstance(config, dict):
-        raise CheckpointError(f"{source}: not a JSON object")
+        raise CheckpointError(f"{source}: not a JSON object; fix or re-export the config")
+    if _too_deep(config, JSON_MAX_DEPTH):
+        raise CheckpointError(f"{source} is nested too deeply (over {JSON_MAX_DEPTH} levels of objects and arrays); "
+                              "that is no model config")
     return config
+
+
+def load_json(data: bytes | str, source: str, fix: str):
+    """Parsed JSON, or a CheckpointError naming `source` and `fix`: malformed text, integers too long
+    to convert and nesting that exhausts the parser's recursion are all the file's fault, never a
+    RecursionError or ValueError for the caller."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{source} is nested too deeply to parse (JSON arrays or objects thousands of levels "
+                              f"deep); {fix}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers of more than 4300 digits
+        raise CheckpointError(f"{source} is not valid JSON ({e}); {fix}") from None
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` levels deep (iteratively:
+    recursing would fail on exactly the values this looks for)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def _architecture(config: dict, source: str) -> str:
+    """The model class config.json names ("" when it names none)."""
+    archs = config.get("architectures")
+    if archs is None or archs == []:
+        return ""
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{source}: architectures must be a list of model class names, e.g. "
+                              f"[\"LlamaForCausalLM\"], got {short_repr(archs)}")
+    return archs[0]
+
+
+def _check_rope_scaling(scaling: dict, where: str) -> None:
+    """The types of the rope scaling fields the engine reads (kernels/rope.py), so a bad one fails
+    the load, not the engine after it."""
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if not isinstance(kind, str):
+        raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
+    _int(scaling, "original_max_position_embeddings", where)
+    if kind == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            _float(scaling, key, where, None)
 
 
 def _int(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:
@@ -326,14 +388,34 @@ def _int(config: dict, key: str, source: str, default: int | None = None, minimu
     value = default if value is None else value
     if value is None:
         raise CheckpointError(f"{source}: missing field {key!r}; a {key} is needed to lay out the weights")
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value > 1 << 40:
-        raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {short_repr(value)}")
+    if value > MAX_DIMENSION:
+        raise CheckpointError(f"{source}: {key}={value} is more than 2**40; that is no real model's {key}")
     return value
 
 
-def _float(config: dict, key: str, source: str, default: float) -> float:
+def _float(config: dict, key: str, source: str, default: float | None) -> float:
     value = config.get(key)
     value = default if value is None else value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-        raise CheckpointError(f"{source}: {key} must be a positive number, got {value!r}")
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise CheckpointError(f"{source}: {key} must be a positive finite number, got {short_repr(value)}")
     return float(value)
+
+
+def _bool(config: dict, key: str, source: str) -> bool:
+    """A true/false field, absent or null meaning false: a string "false" would otherwise count as true."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"{source}: {key} must be true or false, got {short_repr(value)}")
+    return value is True
+
+
+def short_repr(value) -> str:
+    """A value from a checkpoint for a message, cut short: it may be megabytes of JSON, and gRPC
+    drops an error whose details pass 16 KiB."""
+    return short_text(repr(value))
+
+
+def short_text(text: str) -> str:
+    return text if len(text) <= 200 else text[:197] + "..."

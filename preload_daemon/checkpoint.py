@@ -1,23 +1,31 @@
 """Reading Hugging Face checkpoints: config.json plus one or many *.safetensors files (with an
 optional model.safetensors.index.json). Headers are validated before any byte is trusted, tensors
 are read lazily with pread, straight to where they go, and each file has an identity for the cache
-key."""
+key. Every file is opened as a regular file inside the checkpoint directory, and every read is
+bounded: a checkpoint is input, and a bad one gets an error naming the file and the fix, never a
+blocked thread or a traceback."""
 
 import dataclasses
 import hashlib
-import json
 import os
 import pathlib
+import stat
 import struct
 
 import torch
 
-from preload_daemon.arch import read_config
+from preload_daemon.arch import load_json, read_config, short_repr, short_text
 from preload_daemon.errors import CheckpointError
 
 MAX_HEADER_BYTES = 100 << 20
+INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
+INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
+EXTERNAL_FIX = ("copy the file into the directory, or, if the link is meant (a Hugging Face cache snapshot links "
+                "into ../../blobs), pass --allow-external-links to `preload daemon`/`preload serve`")
+_SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -30,13 +38,30 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileIdentity:
-    """What identifies one checkpoint file: if any field changes, the file is not the one loaded."""
+    """What identifies one checkpoint file: if any field changes, the file is not the one loaded.
+
+    mtime can be set back by anyone who can write the file (`cp -p`, `rsync -t`, `touch -r`), so
+    it is not enough: ctime is set by the kernel on every write, rename, chmod or link and cannot be
+    set back from user space, and the device number tells a file from another file system's file
+    with the same inode. Not detected: a write by someone who also resets the system clock (root),
+    or writes to the block device under the file system."""
 
     path: str
     size: int
     mtime_ns: int
     inode: int
     header_sha256: str
+    ctime_ns: int = 0
+    device: int = 0
+
+    @classmethod
+    def of(cls, path: str, info: os.stat_result, header_sha256: str) -> "FileIdentity":
+        return cls(path, info.st_size, info.st_mtime_ns, info.st_ino, header_sha256, info.st_ctime_ns, info.st_dev)
+
+    def same_file(self, info: os.stat_result) -> bool:
+        """Whether a stat of the path shows this very file, unchanged."""
+        return (info.st_size, info.st_mtime_ns, info.st_ino, info.st_ctime_ns, info.st_dev) == \
+            (self.size, self.mtime_ns, self.inode, self.ctime_ns, self.device)
 
     def differences(self, other: "FileIdentity") -> list[str]:
         """Fields that differ; an empty header hash in `other` (a caller that only stat-ed the file,
@@ -58,9 +83,9 @@ class TensorInfo:
 def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity]:
     """Parses and validates one safetensors header. Raises CheckpointError naming the file and the
     first thing wrong with it."""
+    fd, info = open_regular(path)
     try:
-        with open(path, "rb") as f:
-            info = os.fstat(f.fileno())
+        with os.fdopen(fd, "rb") as f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: truncated: {info.st_size} bytes is too short for a safetensors "
@@ -74,13 +99,15 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity
                                       f"{info.st_size}-byte file (truncated?); {FIX}")
             raw = f.read(header_len)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot read: {e}") from e
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e}); {FIX}") from e
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
+    if len(raw) < header_len:
+        raise CheckpointError(f"{path}: ends inside its header (truncated while being read?); {FIX}")
+    header = load_json(raw, f"{path}: header", FIX)
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; {FIX}")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(f"{path}: __metadata__ must be an object of strings, got {short_repr(metadata)}; {FIX}")
 
     data_start = 8 + header_len
     data_len = info.st_size - data_start
@@ -94,41 +121,47 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
-            raise CheckpointError(f"{path}: tensors {first!r} and {second!r} overlap in the data section; {FIX}")
-    identity = FileIdentity(str(path.resolve()), info.st_size, info.st_mtime_ns, info.st_ino,
-                            hashlib.sha256(raw).hexdigest())
+            raise CheckpointError(f"{path}: tensors {short_repr(first)} and {short_repr(second)} overlap in the data "
+                                  f"section; {FIX}")
+    identity = FileIdentity.of(os.path.realpath(path), info, hashlib.sha256(raw).hexdigest())
     return tensors, identity
 
 
 def _tensor_info(path: pathlib.Path, name: str, entry, data_start: int, data_len: int) -> TensorInfo:
-    where = f"{path}: tensor {name!r}"
+    where = f"{path}: tensor {short_repr(name)}"
     if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise CheckpointError(f"{where}: entry needs dtype, shape and data_offsets; {FIX}")
-    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
     if dtype is None:
-        raise CheckpointError(f"{where}: unknown dtype {entry['dtype']!r}; supported: "
+        raise CheckpointError(f"{where}: unknown dtype {short_repr(entry['dtype'])}; supported: "
                               f"{', '.join(SAFETENSORS_DTYPES)}")
     shape, offsets = entry["shape"], entry["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers; {FIX}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} is not a pair of integers; {FIX}")
+    if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)):
+        raise CheckpointError(f"{where}: shape {short_repr(shape)} is not a list of non-negative integers; {FIX}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise CheckpointError(f"{where}: data_offsets {short_repr(offsets)} is not a pair of integers; {FIX}")
     begin, end = offsets
     if not 0 <= begin <= end <= data_len:
-        raise CheckpointError(f"{where}: data_offsets [{begin}, {end}] fall outside the {data_len}-byte data "
+        raise CheckpointError(f"{where}: data_offsets {short_repr(offsets)} fall outside the {data_len}-byte data "
                               f"section (truncated file?); {FIX}")
-    numel = 1
+    nbytes = dtype.itemsize
     for d in shape:
-        numel *= d
-    if numel * dtype.itemsize != end - begin:
-        raise CheckpointError(f"{where}: shape {shape} x {entry['dtype']} is {numel * dtype.itemsize} bytes but "
+        nbytes *= d
+    if nbytes != end - begin:
+        size = nbytes if nbytes < 1 << 64 else "over 2**64"  # str() of a 5000-digit int fails
+        raise CheckpointError(f"{where}: shape {short_repr(shape)} x {entry['dtype']} is {size} bytes but "
                               f"data_offsets span {end - begin}; {FIX}")
     return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
+def _is_int(value) -> bool:
+    """A JSON integer: true and false are ints to Python, not to a header."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def refresh_identity(files: tuple[FileIdentity, ...]) -> tuple[FileIdentity, ...]:
-    """The identity of the same files as they are on disk now. A stat is enough when size, mtime and
-    inode are unchanged; only a file that changed has its header read again."""
+    """The identity of the same files as they are on disk now. A stat is enough when the file is
+    unchanged (FileIdentity.same_file); only a file that changed has its header read again."""
     fresh = []
     for ident in files:
         try:
@@ -136,86 +169,180 @@ def refresh_identity(files: tuple[FileIdentity, ...]) -> tuple[FileIdentity, ...
         except OSError:
             fresh.append(FileIdentity(ident.path, 0, 0, 0, "missing"))
             continue
-        if (info.st_size, info.st_mtime_ns, info.st_ino) == (ident.size, ident.mtime_ns, ident.inode):
+        if ident.same_file(info):
             fresh.append(ident)
         else:
             try:
                 fresh.append(read_header(pathlib.Path(ident.path))[1])
             except CheckpointError:
-                fresh.append(FileIdentity(ident.path, info.st_size, info.st_mtime_ns, info.st_ino, "unreadable"))
+                fresh.append(FileIdentity.of(ident.path, info, "unreadable"))
     return tuple(fresh)
 
 
-def stat_identity(directory: str | os.PathLike) -> tuple[FileIdentity, ...]:
+def stat_identity(directory: str | os.PathLike, *, allow_external: bool = False) -> tuple[FileIdentity, ...]:
     """The identity of a checkpoint's weight files from one stat each, without reading them: what an
     engine sends the daemon to say which files it was started on (the header hash is left empty)."""
-    path = pathlib.Path(directory).resolve()
+    path = checkpoint_dir(directory)
     identity = []
-    for file in weight_files(path):
+    for file in weight_files(path, allow_external=allow_external):
         try:
             info = os.stat(file)
         except OSError as e:
             raise CheckpointError(f"{file}: cannot stat ({e})") from e
-        identity.append(FileIdentity(str(file.resolve()), info.st_size, info.st_mtime_ns, info.st_ino, ""))
+        identity.append(FileIdentity.of(os.path.realpath(file), info, ""))
     return tuple(identity)
 
 
-def weight_files(path: pathlib.Path) -> list[pathlib.Path]:
-    """The *.safetensors files of a checkpoint directory: those its index names, else all of them."""
-    if not path.is_dir():
+def checkpoint_dir(directory: str | os.PathLike) -> pathlib.Path:
+    """`directory` resolved: the root every file of the checkpoint must lie in."""
+    _check_no_nul(directory)
+    path = pathlib.Path(os.path.realpath(directory))  # not Path.resolve: it raises on a symlink loop
+    try:
+        is_dir = stat.S_ISDIR(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        is_dir = False
+    except OSError as e:
+        raise CheckpointError(f"{short_repr(str(path))}: cannot open ({e.strerror or e}); pass a Hugging Face "
+                              "checkpoint directory") from None
+    if not is_dir:
         raise CheckpointError(f"{path}: not a directory; pass a Hugging Face checkpoint directory "
                               "(config.json plus *.safetensors)")
+    return path
+
+
+def weight_files(path: pathlib.Path, *, allow_external: bool = False) -> list[pathlib.Path]:
+    """The *.safetensors files of a checkpoint directory (see checkpoint_dir): those its index names,
+    else all of them. Each must lie inside the directory unless `allow_external`."""
     index = path / INDEX_FILE
-    if index.exists():
-        weight_map = read_index(index)
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).is_file()]
+    if os.path.lexists(index):
+        weight_map = read_index(inside(path, index, allow_external))
+        files = [inside(path, path / name, allow_external) for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not os.path.exists(f)]
         if missing:
-            raise CheckpointError(f"{index} names files that do not exist: {', '.join(missing)}; "
-                                  "copy the whole checkpoint directory")
-        return [path / f for f in files]
-    files = sorted(path.glob("*.safetensors"))
+            raise CheckpointError(f"{index} names files that do not exist: "
+                                  f"{', '.join(map(short_text, missing[:5]))}; copy the whole checkpoint directory")
+        return files
+    files = [inside(path, f, allow_external) for f in sorted(path.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files; convert the weights to safetensors first")
     return files
 
 
 def read_index(index: pathlib.Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: cannot read its weight_map ({e}); fix or delete the index") from e
+    """The index's weight_map (tensor name -> the file holding it). Every file must be a plain file
+    name in the index's directory: the map is input, and a path in it could send the daemon anywhere."""
+    content = load_json(read_regular(index, INDEX_MAX_BYTES, INDEX_FIX), str(index), INDEX_FIX)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: weight_map is not an object")
+        raise CheckpointError(f"{index}: no weight_map object (tensor name -> file name); {INDEX_FIX}")
+    for name, file in weight_map.items():
+        problem = _file_name_problem(file)
+        if problem:
+            raise CheckpointError(f"{index}: weight_map[{short_repr(name)}] = {short_repr(file)} {problem}; "
+                                  f"{INDEX_FIX}")
     return weight_map
 
 
-class Checkpoint:
-    """A checkpoint directory, opened lazily: headers now, bytes only when a tensor is read."""
+def _file_name_problem(file) -> str:
+    """What is wrong with an index entry as the name of a file in the index's directory, or ""."""
+    if not isinstance(file, str) or file in ("", ".", ".."):
+        return "is not a file name"
+    if "\0" in file:
+        return "contains a NUL byte"
+    if file.startswith("/"):
+        return "is an absolute path; an index may only name files in its own directory"
+    if ".." in file.split("/"):
+        return "leaves the checkpoint directory with '..'; an index may only name files in its own directory"
+    if "/" in file:
+        return "is a path, not a file name; an index may only name files in its own directory"
+    return ""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = pathlib.Path(path).resolve()
-        if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: not a directory; pass a Hugging Face checkpoint directory "
-                                  "(config.json plus *.safetensors)")
+
+def inside(root: pathlib.Path, path: pathlib.Path, allow_external: bool) -> pathlib.Path:
+    """`path` (in `root`, a resolved directory), refused if a symlink takes it outside `root` and the
+    caller does not allow that: the daemon would read, and serve to every engine, a file the
+    checkpoint directory does not contain (/dev/zero, another user's model, a file being written)."""
+    resolved = pathlib.Path(os.path.realpath(path))
+    if not allow_external and not resolved.is_relative_to(root):
+        raise CheckpointError(f"{path} links to {resolved}, outside the checkpoint directory {root}; {EXTERNAL_FIX}")
+    return path
+
+
+def open_regular(path: pathlib.Path, missing_fix: str = FIX) -> tuple[int, os.stat_result]:
+    """A read-only fd on `path` and its fstat. It must be a regular file: reading a FIFO would block
+    the loading thread forever, a device like /dev/zero would feed it endless bytes. The open does
+    not block (a FIFO's open waits for a writer) and the file opened must be the one checked, not
+    one swapped in between."""
+    _check_no_nul(path)
+    try:
+        before = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing; {missing_fix}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}); {missing_fix}") from None
+    for test, kind in _SPECIAL:
+        if test(before.st_mode):
+            raise CheckpointError(f"{path} is {kind}, not a regular file; a checkpoint's files must be regular "
+                                  "files (reading this one would block or never end): replace it with the real file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot open ({e.strerror or e})") from None
+    info = os.fstat(fd)
+    if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path} was replaced while it was being opened; retry once the checkpoint is written")
+    os.set_blocking(fd, True)
+    return fd, info
+
+
+def read_regular(path: pathlib.Path, limit: int, missing_fix: str = FIX) -> bytes:
+    """The whole of `path`, a regular file of at most `limit` bytes (see open_regular)."""
+    fd, info = open_regular(path, missing_fix)
+    try:
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1) if info.st_size <= limit else b""
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
+    if info.st_size > limit or len(data) > limit:
+        raise CheckpointError(f"{path} is {max(info.st_size, len(data))} bytes, more than the {limit >> 20} MiB a "
+                              f"{path.name} may be; that is not a real one")
+    return data
+
+
+def _check_no_nul(path: str | os.PathLike) -> None:
+    if "\0" in os.fspath(path):
+        raise CheckpointError(f"{short_repr(os.fspath(path))}: a path cannot contain a NUL byte; pass the checkpoint "
+                              "directory's real path")
+
+
+class Checkpoint:
+    """A checkpoint directory, opened lazily: headers now, bytes only when a tensor is read. Every
+    file must lie inside the directory unless `allow_external` (see inside)."""
+
+    def __init__(self, path: str | os.PathLike, *, allow_external: bool = False):
+        self.path = checkpoint_dir(path)
+        inside(self.path, self.path / "config.json", allow_external)
         self.config = read_config(self.path)
         self.tensors: dict[str, TensorInfo] = {}
         self.identity: list[FileIdentity] = []
-        for file in weight_files(self.path):
+        self._identity_of: dict[pathlib.Path, FileIdentity] = {}
+        for file in weight_files(self.path, allow_external=allow_external):
             tensors, identity = read_header(file)
             twice = sorted(tensors.keys() & self.tensors.keys())
             if twice:
-                raise CheckpointError(f"{self.path}: tensor {twice[0]!r} appears in both "
+                raise CheckpointError(f"{self.path}: tensor {short_repr(twice[0])} appears in both "
                                       f"{self.tensors[twice[0]].file.name} and {file.name}; {FIX}")
             self.tensors.update(tensors)
             self.identity.append(identity)
+            self._identity_of[file] = identity
         self._check_index()
         self._fds: dict[pathlib.Path, int] = {}
 
     @property
     def architecture(self) -> str:
         archs = self.config.get("architectures") or []
-        if not archs:
+        if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
             raise CheckpointError(f"{self.path}/config.json has no 'architectures' entry; add the model class, "
                                   "e.g. \"architectures\": [\"LlamaForCausalLM\"]")
         return archs[0]
@@ -239,15 +366,29 @@ class Checkpoint:
             raise ValueError(f"{name}: {out.numel()} bytes from {skip} run past its {info.nbytes} bytes")
         fd = self._fds.get(info.file)
         if fd is None:
-            fd = self._fds[info.file] = os.open(info.file, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._fds[info.file] = self._open(info.file)
         view = memoryview(out.numpy()).cast("B")
         done = 0
         while done < len(view):
-            n = os.preadv(fd, [view[done:]], info.start + skip + done)
+            try:
+                n = os.preadv(fd, [view[done:]], info.start + skip + done)
+            except OSError as e:
+                raise CheckpointError(f"{info.file}: reading {short_repr(name)} failed ({e.strerror or e})") from e
             if n == 0:
-                raise CheckpointError(f"{info.file}: ends early while reading {name!r}; the file was truncated "
-                                      f"after it was opened; {FIX}")
+                raise CheckpointError(f"{info.file}: ends early while reading {short_repr(name)}; the file was "
+                                      f"truncated after it was opened; {FIX}")
             done += n
+
+    def _open(self, file: pathlib.Path) -> int:
+        """An fd on `file`, which must still be the file whose header was read: one replaced or
+        rewritten since would put other bytes under the same identity."""
+        fd, info = open_regular(file)
+        ident = self._identity_of[file]
+        if not ident.same_file(info):
+            os.close(fd)
+            raise CheckpointError(f"{file} changed after its header was read (rewritten while loading?); load the "
+                                  "checkpoint again once it is written")
+        return fd
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -256,10 +397,10 @@ class Checkpoint:
 
     def _check_index(self) -> None:
         index = self.path / INDEX_FILE
-        if not index.exists():
+        if not os.path.lexists(index):
             return
         for name, file in read_index(index).items():
             info = self.tensors.get(name)
             if info is None or info.file.name != file:
-                raise CheckpointError(f"{index} places tensor {name!r} in {file}, but that file does not hold "
-                                      "it; regenerate the index")
+                raise CheckpointError(f"{index} places tensor {short_repr(name)} in {file}, but that file does not "
+                                      "hold it; regenerate the index")

@@ -67,9 +67,13 @@ STATUS_CODES: dict[type[PreloadError], grpc.StatusCode] = {
 _BY_NAME = {cls.__name__: cls for cls in STATUS_CODES}
 
 
+MAX_DETAILS = 8 << 10  # gRPC drops status details over 16 KiB, and the error class with them
+
+
 def to_status(error: PreloadError) -> tuple[grpc.StatusCode, str]:
     code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
-    return code, f"{type(error).__name__}: {error}"
+    details = f"{type(error).__name__}: {error}"
+    return code, details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS - 14] + " ... (cut)"
 
 
 def from_rpc_error(error: grpc.RpcError) -> PreloadError:

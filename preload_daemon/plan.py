@@ -7,9 +7,10 @@ import dataclasses
 import torch
 
 from kernels import quant
-from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
+from preload_daemon.arch import (DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify, short_repr,
+                                 short_text)
 from preload_daemon.buffers import DTYPES
-from preload_daemon.checkpoint import Checkpoint
+from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
 from preload_daemon.errors import CheckpointError, PlanError
 
 ALIGNMENT = 256
@@ -154,6 +155,8 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
     for name, kind in _component_tensors(checkpoint, arch, spec.component):
         info = checkpoint.tensors[name]
         arch.check_shape(name, kind, info.shape)
+        if not (prequantized and kind.quantizable):  # _block_scale checks those
+            _check_stored_dtype(checkpoint, info, kind)
         shard = arch.shard(kind, info.shape, spec.tp_size, spec.tp_rank)
         shape = list(info.shape)
         if shard is not None:
@@ -182,24 +185,53 @@ def _prequantized_scheme(checkpoint: Checkpoint) -> str | None:
     config = checkpoint.config.get("quantization_config")
     if not config:
         return None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{checkpoint.path}/config.json: quantization_config must be an object, got "
+                              f"{short_repr(config)}; fix or re-export the config")
     method, block = config.get("quant_method"), config.get("weight_block_size")
-    if method == "fp8" and list(block or []) == [quant.FP8_BLOCK, quant.FP8_BLOCK]:
+    if method == "fp8" and block == [quant.FP8_BLOCK, quant.FP8_BLOCK]:
         return "fp8_block"
-    raise CheckpointError(f"{checkpoint.path}: quantization_config {method!r} with weight_block_size {block} is not "
-                          "supported; pre-quantized checkpoints must be FP8 with weight_block_size [128, 128]")
+    raise CheckpointError(f"{checkpoint.path}: quantization_config {short_repr(method)} with weight_block_size "
+                          f"{short_repr(block)} is not supported; pre-quantized checkpoints must be FP8 with "
+                          "weight_block_size [128, 128]")
+
+
+def _check_stored_dtype(checkpoint: Checkpoint, info: TensorInfo, kind: TensorKind) -> None:
+    """Weights are floats of 16 bits or more (8-bit floats only with their scales, in a pre-quantized
+    checkpoint): an integer or bool tensor where a weight belongs would be copied as stored and only
+    fail in the engine, after the load succeeded."""
+    if not info.dtype.is_floating_point or info.dtype.itemsize < 2:
+        raise CheckpointError(f"{_where(checkpoint, info)}: tensor {short_repr(info.name)} is stored as "
+                              f"{str(info.dtype).removeprefix('torch.')}, but a {kind.role} weight must be float16, "
+                              "bfloat16, float32 or float64 (8-bit floats only in a pre-quantized checkpoint whose "
+                              f"config.json has a quantization_config); {FIX}")
+
+
+def _where(checkpoint: Checkpoint, info: TensorInfo) -> str:
+    """The file holding a tensor, for messages (a streamed checkpoint has none)."""
+    return str(info.file) if info.file.name else str(checkpoint.path)
+
+
+def _file_set(checkpoint: Checkpoint) -> str:
+    """The files a checkpoint's tensors came from, for messages."""
+    files = sorted({info.file.name for info in checkpoint.tensors.values() if info.file.name})
+    if not files:
+        return str(checkpoint.path)
+    shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return f"{checkpoint.path} ({shown})"
 
 
 def _block_scale(checkpoint: Checkpoint, name: str, shard: Shard | None):
     """(source name, shard, shape) of a pre-quantized weight's 128x128 block scales."""
     scale_name = name + "_scale_inv"
     info = checkpoint.tensors.get(scale_name)
-    if info is None or checkpoint.tensors[name].dtype != torch.float8_e4m3fn:
+    if info is None or checkpoint.tensors[name].dtype != torch.float8_e4m3fn or not info.dtype.is_floating_point:
         raise CheckpointError(f"{checkpoint.path}: pre-quantized {name!r} needs float8_e4m3fn data and a "
-                              f"{scale_name!r} tensor; re-export the checkpoint")
+                              f"floating-point {scale_name!r} tensor; re-export the checkpoint")
     block = quant.FP8_BLOCK
     expected = tuple(-(-d // block) for d in checkpoint.tensors[name].shape)
     if tuple(info.shape) != expected:
-        raise CheckpointError(f"{checkpoint.path}: {scale_name!r} has shape {list(info.shape)}, expected "
+        raise CheckpointError(f"{checkpoint.path}: {scale_name!r} has shape {short_repr(list(info.shape))}, expected "
                               f"{list(expected)} for 128x128 blocks")
     if shard is None:
         return scale_name, None, tuple(info.shape)
@@ -217,7 +249,7 @@ def _target_dtype(arch: ArchSpec, spec) -> torch.dtype:
         return DTYPES[spec.dtype]
     name = arch.torch_dtype or "bfloat16"
     if name not in DTYPE_CHOICES[1:]:
-        raise CheckpointError(f"{arch.source}: torch_dtype {name!r} is not one of "
+        raise CheckpointError(f"{arch.source}: torch_dtype {short_repr(name)} is not one of "
                               f"{', '.join(DTYPE_CHOICES[1:])}; pass --dtype explicitly")
     return DTYPES[name]
 
@@ -244,13 +276,15 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
             known.append((-1 if layer is None else layer, name, kind))
     if unknown:
         raise CheckpointError(f"{checkpoint.path}: {len(unknown)} tensor(s) of no kind {arch.architecture} has, e.g. "
-                              f"{', '.join(sorted(unknown)[:3])}; is config.json's architecture right?")
+                              f"{', '.join(map(short_text, sorted(unknown)[:3]))}; is config.json's architecture "
+                              "right?")
     names = {name for _, name, _ in known}
     if component == "main":
         missing = [n for n in arch.required() if n not in names]
         if missing:
-            raise CheckpointError(f"{checkpoint.path}: {len(missing)} tensor(s) that config.json needs are missing, "
-                                  f"e.g. {', '.join(missing[:3])}; the checkpoint is incomplete")
+            raise CheckpointError(f"{_file_set(checkpoint)}: {len(missing)} tensor(s) that config.json needs are "
+                                  f"missing, e.g. {', '.join(missing[:3])}; the checkpoint is incomplete (copy or "
+                                  "download all of its files), or config.json does not belong to it")
     elif not known:
         raise PlanError(f"{checkpoint.path}: component 'draft' asked for, but the checkpoint has no MTP layers "
                         "(num_nextn_predict_layers is 0 or absent)")

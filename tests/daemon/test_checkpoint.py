@@ -1,6 +1,7 @@
 import json
 import os
 import struct
+import time
 
 import pytest
 import torch
@@ -82,6 +83,11 @@ GOOD = {"t": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}
     ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}}, b"\0" * 8, None, "fall outside"),
     ({"t": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative integers"),
     ({"t": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, None, "needs dtype, shape and data_offsets"),
+    ({"t": {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "unknown dtype \\['F32'\\]"),
+    ({"t": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, b"\0" * 8, None, "non-negative integers"),
+    ({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, True]}}, b"\0" * 8, None, "not a pair of integers"),
+    ({"__metadata__": {"format": ["pt"]}}, b"", None, "__metadata__ must be an object of strings"),
+    (b"[" * 100_000 + b"]" * 100_000, b"", None, "header is nested too deeply"),
     ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
       "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12, None, "overlap"),
 ])
@@ -110,13 +116,20 @@ def test_missing_config_and_weights(tmp_path):
 
 
 def test_identity_changes_when_rewritten_in_place(tmp_path):
-    """Same shapes, new values, same header: the identity still changes (mtime), and the stat-only
-    refresh notices it."""
+    """Same shapes, new values, same header, and the old mtime put back (as `cp -p`, `rsync -t` or
+    `touch -r` do): the identity still changes (ctime, which user space cannot set back), and the
+    stat-only refresh notices it."""
     make_dir(tmp_path)
     before = Checkpoint(tmp_path).identity
     assert refresh_identity(tuple(before)) == tuple(before)
-    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.int8)}, str(tmp_path / "model.safetensors"))
-    os.utime(tmp_path / "model.safetensors", ns=(before[0].mtime_ns + 10**9, before[0].mtime_ns + 10**9))
+    file = tmp_path / "model.safetensors"
+    old = os.stat(file)
+    time.sleep(0.01)
+    save_file({"a": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.int8)}, str(tmp_path / "new"))
+    with open(file, "r+b") as f:  # as `cp -p new model.safetensors` does: the same inode, rewritten
+        f.write((tmp_path / "new").read_bytes())
+    os.utime(file, ns=(old.st_atime_ns, old.st_mtime_ns))
     after = refresh_identity(tuple(before))
-    assert after[0].header_sha256 == before[0].header_sha256
-    assert "mtime_ns" in after[0].differences(before[0])
+    assert (after[0].header_sha256, after[0].size, after[0].mtime_ns, after[0].inode) == \
+        (before[0].header_sha256, before[0].size, before[0].mtime_ns, before[0].inode)
+    assert after[0].differences(before[0]) == ["ctime_ns"]

@@ -88,7 +88,7 @@ def test_shapes_that_contradict_config(tmp_path, tiny_llama):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").symlink_to(tiny_llama / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"down_proj.weight. has shape \[64, 128\] but config.json implies \[64, 96\]"):
-        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+        build_plan(Checkpoint(tmp_path, allow_external=True), LoadSpec(path=str(tmp_path)))
 
 
 def test_unknown_architecture(tmp_path, tiny_llama):
@@ -97,7 +97,7 @@ def test_unknown_architecture(tmp_path, tiny_llama):
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").symlink_to(tiny_llama / "model.safetensors")
     with pytest.raises(PlanError, match="'GPT2LMHeadModel' is not supported"):
-        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+        build_plan(Checkpoint(tmp_path, allow_external=True), LoadSpec(path=str(tmp_path)))
 
 
 def test_mtp_layers_form_the_draft_component(tmp_path, tiny_llama):
