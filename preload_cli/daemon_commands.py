@@ -9,12 +9,14 @@ import sys
 import time
 
 from preload_daemon.config import DaemonConfig, parse_device
-from preload_daemon.errors import PreloadError
+from preload_daemon.errors import AccessDeniedError, PreloadError
 
 
 def cmd_daemon(args) -> int:
     from preload_daemon import daemon
-    return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir, http_port=args.http_port))
+    return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir, http_port=args.http_port,
+                                   max_sessions=args.max_sessions, allow_external_links=args.allow_external_links,
+                                   load_timeout_s=args.load_timeout))
 
 
 def cmd_serve(args) -> int:
@@ -22,7 +24,7 @@ def cmd_serve(args) -> int:
     return supervisor.serve(args.model, name=args.name, tp_size=args.tp_size, devices=args.devices, dtype=args.dtype,
                             quantization=args.quantization, runtime_dir=args.runtime_dir, log_level=args.log_level,
                             supervise=not args.no_supervise, keep=args.keep, max_bytes=args.max_bytes,
-                            draft_model=args.draft_model)
+                            draft_model=args.draft_model, allow_external_links=args.allow_external_links)
 
 
 def cmd_default_model(args) -> int:
@@ -48,7 +50,11 @@ def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str
 
 
 def cmd_status(args) -> int:
-    rows = collect_stats(args.runtime_dir)
+    try:
+        rows = collect_stats(args.runtime_dir)
+    except AccessDeniedError as e:
+        print(f"preload status: {e}", file=sys.stderr)
+        return 1
     if args.json:
         from google.protobuf import json_format
         print(json.dumps({"runtime_dir": str(args.runtime_dir), "daemons": [
@@ -59,17 +65,19 @@ def cmd_status(args) -> int:
         print(f"no daemons in {args.runtime_dir}; start one with `preload serve MODEL`")
         return 0
     now = time.time()
-    daemons = [["DEVICE", "PID", "UPTIME", "STATE", "MODELS", "RESIDENT", "LEASES"]]
+    daemons = [["DEVICE", "PID", "UPTIME", "STATE", "MODELS", "RESIDENT", "LEASES", "SESSIONS"]]
     versions = [["MODEL", "VERSION", "DEVICE", "ACTIVE", "PINNED", "STATE", "VARIANTS", "BYTES", "LEASES", "SOURCE"]]
     variants = [["MODEL", "VERSION", "DEVICE", "RANK", "DTYPE", "QUANT", "COMPONENT", "BYTES", "TENSORS", "LEASES"]]
-    failures = []
+    failures, notes = [], []
     for dev, s in rows:
         if isinstance(s, Exception):
-            daemons.append([dev, "-", "-", "unreachable", "-", "-", "-"])
+            daemons.append([dev, "-", "-", "unreachable", "-", "-", "-", "-"])
+            notes.append(f"  {dev}: {s}")
             continue
         daemons.append([s.device, str(s.pid), human_seconds(now - s.started_at),
                         "serving" if s.serving else "not serving", str(len(s.summaries)),
-                        human_bytes(s.resident_bytes), str(s.num_leases)])
+                        human_bytes(s.resident_bytes), str(s.num_leases), str(s.num_sessions)])
+        notes += [f"  {s.device}: {line}" for line in s.recovery]
         for m in s.summaries:
             for v in m.versions:
                 versions.append([m.name, str(v.version), s.device, "*" if v.active else "", "pin" if v.pinned else "",
@@ -86,7 +94,56 @@ def cmd_status(args) -> int:
             print(table(rows_))
     if failures:
         print("\nrecent failed loads:\n" + "\n".join(f"  {f}" for f in failures))
+    if notes:
+        print("\nunreachable daemons, and what each daemon recovered at start:\n" + "\n".join(notes))
     return 0
+
+
+def cmd_verify(args) -> int:
+    """Re-hashes slabs on their daemons against the digests they were sealed with. Exit 0 if all
+    match, 1 if any does not (or no daemon holds the model)."""
+    from preload_daemon.client import DaemonClient
+    name, version = split_target(args.target) if args.target else ("", 0)
+    device = parse_device(args.device) if args.device else ""
+    rows = [["MODEL", "VERSION", "DEVICE", "LAYOUT", "SLAB", "DIGEST", "OK"]]
+    results = []
+    for dev, stats in collect_stats(args.runtime_dir, device):
+        if isinstance(stats, Exception) or (name and not any(m.name == name for m in stats.summaries)):
+            continue
+        with DaemonClient.for_device(dev, args.runtime_dir, timeout=600) as client:
+            for check in client.verify(name, version).slabs:
+                layout = check.layout
+                results.append({"model": check.model, "version": check.version, "device": dev, "slab": check.slab,
+                                "expected": check.expected, "actual": check.actual, "ok": check.ok})
+                rows.append([check.model, str(check.version), dev, f"{layout.dtype}/{layout.quantization} rank "
+                             f"{layout.tp_rank}/{layout.tp_size} {layout.component}", check.slab, check.actual,
+                             "ok" if check.ok else f"CHANGED (sealed as {check.expected})"])
+    bad = [r for r in results if not r["ok"]]
+    if args.json:
+        print(json.dumps({"slabs": results, "ok": bool(results) and not bad}, indent=2))
+    elif results:
+        print(table(rows))
+    if not results:
+        print(f"preload verify: no slabs{' of ' + name if name else ''} on the daemons in {args.runtime_dir}",
+              file=sys.stderr)
+        return 1
+    if bad:
+        print(f"preload verify: {len(bad)} slab(s) changed after they were sealed; evict and load them again "
+              "(`preload evict MODEL@V --force`, then `preload serve`), and find who writes to /dev/shm",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """MODEL or MODEL@VERSION."""
+    name, sep, version = target.rpartition("@")
+    if not sep:
+        return target, 0
+    if not version.isdigit() or int(version) == 0:
+        raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with N >= 1, e.g. llama@2, or MODEL "
+                           "alone for every version")
+    return name, int(version)
 
 
 # `preload wait-ready` exit codes (argparse uses 2 for bad usage).

@@ -60,6 +60,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="attach to this version of --name (a number, or 'active') instead of the version loaded "
                         "from MODEL's files; MODEL still gives the config and tokenizer, and there is no cold "
                         "fallback")
+    p.add_argument("--allow-external-links", action="store_true",
+                   help="a cold load may read checkpoint files that link out of MODEL's directory (a Hugging Face "
+                        "cache snapshot)")
     p.add_argument("--wait-for-daemon", type=float, default=0.0, metavar="S",
                    help="with ipc_cache, wait up to S seconds for a daemon that is absent or still loading before "
                         "falling back (default 0: fall back at once)")
@@ -120,7 +123,8 @@ def engine_config(args):
         max_model_len=args.max_model_len, tp_size=args.tp_size, tp_rank=rank or 0,
         rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
         rendezvous_env=torchrun, replica=args.replica, num_threads=threads, weights_version=args.weights_version,
-        wait_for_daemon=args.wait_for_daemon, speculative=args.speculative,
+        wait_for_daemon=args.wait_for_daemon, allow_external_links=args.allow_external_links,
+        speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=pathlib.Path(os.path.abspath(args.draft_model)) if args.draft_model else None)
     return config

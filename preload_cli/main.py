@@ -59,6 +59,12 @@ def add_module_command(parser: argparse.ArgumentParser, module: ModuleType) -> N
     parser.set_defaults(func=module.run)
 
 
+def add_external_links(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-external-links", action="store_true",
+                   help="load checkpoint files that are symlinks out of the model directory (a Hugging Face cache "
+                        "snapshot links into ../../blobs); refused by default")
+
+
 def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Weight-cache daemons and engine workers that attach "
                                      "to them zero-copy.", formatter_class=RAW)
@@ -68,7 +74,13 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
                        epilog="examples:\n  preload daemon --device cpu:0\n  preload daemon --device cpu:1 "
                               "--http-port 8101", formatter_class=RAW)
     p.add_argument("--device", default="cpu:0", type=device_arg, help="cpu:N or cuda:N (default cpu:0)")
-    p.add_argument("--http-port", type=int, default=None, help="also serve HTTP /health and /ready on this port")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve HTTP /health, /ready and /metrics on this port")
+    p.add_argument("--max-sessions", type=int, default=1024,
+                   help="attached processes beyond which new sessions are refused (default 1024)")
+    p.add_argument("--load-timeout", type=float, default=3600.0, metavar="S",
+                   help="a load or publish still running after S seconds fails and frees what it made (default 3600)")
+    add_external_links(p)
     p.set_defaults(func=dc.cmd_daemon)
 
     p = sub.add_parser("serve", help="start (or reuse) daemons, load a model on every rank, supervise",
@@ -84,6 +96,7 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
                    help="also load this draft checkpoint (for engines with --speculative draft); a checkpoint with "
                         "MTP layers gets its draft component without this")
     p.add_argument("--no-supervise", action="store_true", help="exit once loaded, leaving the daemons running")
+    add_external_links(p)
     version_commands.add_retention(p)
     p.set_defaults(func=dc.cmd_serve)
 
@@ -110,6 +123,13 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p.add_argument("--device", default="", help="only on this daemon (default: every daemon holding it)")
     p.add_argument("--force", action="store_true", help="evict even if leased (mapped workers keep their pages)")
     p.set_defaults(func=dc.cmd_evict)
+
+    p = sub.add_parser("verify", help="re-hash slabs against the digests they were sealed with",
+                       epilog="examples:\n  preload verify\n  preload verify llama@3 --json", formatter_class=RAW)
+    p.add_argument("target", nargs="?", default="", metavar="MODEL[@VERSION]", help="default: every slab")
+    p.add_argument("--device", default="", help="only on this daemon (default: every daemon)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=dc.cmd_verify)
 
     p = sub.add_parser("default-model", help="print the embedded default model's path (converting it once)",
                        epilog="examples:\n  preload default-model\n  preload serve \"$(preload default-model)\"",

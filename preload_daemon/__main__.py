@@ -18,12 +18,18 @@ def main(argv=None) -> int:
                         help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
                              "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
-    parser.add_argument("--http-port", type=int, default=None, help="also serve HTTP /health and /ready on this port")
+    parser.add_argument("--http-port", type=int, default=None,
+                        help="also serve HTTP /health, /ready and /metrics on this port")
+    parser.add_argument("--max-sessions", type=int, default=1024, help="attached processes at most (default 1024)")
+    parser.add_argument("--load-timeout", type=float, default=3600.0, help="seconds a load may take (default 3600)")
+    parser.add_argument("--allow-external-links", action="store_true",
+                        help="load checkpoint files that link outside their directory (Hugging Face cache snapshots)")
     args = parser.parse_args(argv)
     configure_logging(args.log_level)
     try:
         return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir or default_runtime_dir(),
-                                       http_port=args.http_port)) or 0
+                                       http_port=args.http_port, max_sessions=args.max_sessions, load_timeout_s=args.load_timeout,
+                                       allow_external_links=args.allow_external_links)) or 0
     except PreloadError as e:
         print(f"preload daemon: {e}", file=sys.stderr)
         return 1

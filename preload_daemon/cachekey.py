@@ -44,10 +44,14 @@ class CacheKey:
     @classmethod
     def from_proto(cls, msg: pb.CacheKey) -> "CacheKey":
         return cls(
-            files=tuple(FileIdentity(f.path, f.size, f.mtime_ns, f.inode, f.header_sha256) for f in msg.files),
+            files=tuple(file_identity(f) for f in msg.files),
             architecture=msg.architecture, tp_size=msg.tp_size, tp_rank=msg.tp_rank, dtype=msg.dtype,
             quantization=msg.quantization, component=msg.component, format_version=msg.format_version,
             quant_params=tuple(sorted(msg.quant_params.items())), content_digest=msg.content_digest)
+
+
+def file_identity(msg: pb.FileIdentity) -> FileIdentity:
+    return FileIdentity(msg.path, msg.size, msg.mtime_ns, msg.inode, msg.header_sha256, msg.ctime_ns, msg.device)
 
 
 def file_differences(mine: tuple[FileIdentity, ...], theirs: tuple[FileIdentity, ...]) -> list[str]:

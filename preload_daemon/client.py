@@ -15,9 +15,13 @@ Publishing to every TP rank's daemon at once, with the pointer moved only when a
 
 import collections.abc
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import select
+import socket
+import threading
 
 import grpc
 import torch
@@ -27,8 +31,10 @@ from preload_daemon.buffers import dtype_from_name, dtype_name, typed_view
 from preload_daemon.cachekey import CacheKey
 from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import default_runtime_dir, parse_device, socket_path
-from preload_daemon.errors import InvalidRequestError, from_rpc_error
+from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, InvalidRequestError, PreloadError,
+                                   from_rpc_error)
 from preload_daemon.plan import Layout, LoadSpec
+from preload_daemon.sessions import SessionError, open_session, session_path
 from preload_daemon.slab import map_slab
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
@@ -68,9 +74,24 @@ class AttachedModel(collections.abc.Mapping):
     def version(self) -> int:
         return self.manifest.version
 
+    @property
+    def layout(self) -> Layout:
+        key = self.key
+        return Layout(dtype=key.dtype, quantization=key.quantization, tp_size=key.tp_size, tp_rank=key.tp_rank,
+                      component=key.component)
+
+    def wait_lost(self, timeout: float) -> bool:
+        """True once the daemon is gone (it closed this client's session: exited or was killed),
+        and with it this lease; False after `timeout` seconds otherwise."""
+        return self._client.wait_session_closed(timeout)
+
     def renew(self) -> None:
         """Confirms the lease still stands (raises NotFoundError if it was reaped or the daemon restarted)."""
         self._client.renew(self.lease_id)
+
+    def close(self) -> None:
+        """Closes the client this lease came from (its session: the daemon ends the lease)."""
+        self._client.close()
 
     def release(self) -> None:
         """Gives the lease back. The views stay readable until this object is garbage-collected."""
@@ -88,6 +109,8 @@ class DaemonClient:
             ("grpc.enable_http_proxy", 0)])
         self._stub = pb_grpc.WeightCacheStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._session = None
+        self._session_lock = threading.Lock()
 
     @classmethod
     def for_device(cls, device: str = "cpu:0", runtime_dir: str | os.PathLike | None = None,
@@ -102,13 +125,51 @@ class DaemonClient:
         self.close()
 
     def close(self) -> None:
+        """Closes the channel and the session: the daemon ends this client's leases."""
         self._channel.close()
+        with self._session_lock:
+            if self._session is not None:
+                self._session[0].close()
+                self._session = None
 
     def _call(self, method, request, timeout: float | None = None):
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self._error(e) from None
+
+    def _error(self, error: grpc.RpcError) -> PreloadError:
+        if error.code() == grpc.StatusCode.UNAVAILABLE and "permission denied" in (error.details() or "").lower():
+            return access_denied(self.path)
+        return from_rpc_error(error)
+
+    def session(self) -> str:
+        """The token of this client's session with the daemon, opened on first use and kept open
+        for the client's life: the daemon ties this client's leases to this process through it."""
+        with self._session_lock:
+            if self._session is None:
+                path = session_path(self.path)
+                try:
+                    self._session = open_session(path, min(self.timeout, 10.0))
+                except SessionError as e:
+                    if e.errno == errno.EACCES:
+                        raise access_denied(self.path, str(e)) from None
+                    raise DaemonUnavailableError(f"{e}; start the daemon with `preload daemon` or `preload serve`") \
+                        from None
+            return self._session[1]
+
+    def wait_session_closed(self, timeout: float) -> bool:
+        """True once the daemon closed this client's session (it exited or was killed): the
+        leases of this client are gone. Returns False after `timeout` seconds otherwise."""
+        with self._session_lock:
+            sock = self._session[0] if self._session is not None else None
+        if sock is None:
+            return True
+        try:
+            readable, _, _ = select.select([sock], [], [], timeout)
+            return bool(readable) and not sock.recv(1, socket.MSG_DONTWAIT)  # b"": the daemon's EOF
+        except (OSError, ValueError):
+            return True
 
     def load(self, spec: LoadSpec, on_progress=None, timeout: float | None = None, *,
              layouts: tuple[Layout, ...] = (), version: int = 0, activate: bool = True,
@@ -136,7 +197,7 @@ class DaemonClient:
                 if update.HasField("model"):
                     return list(update.variants) or [update.model]
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self._error(e) from None
         raise InvalidRequestError("the daemon ended the load stream without a result; see its log")
 
     def publish(self, name: str, tensors, config: dict, *, version: int = 0, layouts: tuple[Layout, ...] = (),
@@ -170,7 +231,7 @@ class DaemonClient:
         try:  # no deadline unless given: a large model streams for minutes (the daemon drops a stalled one)
             return list(self._stub.PublishStream(chunks(), timeout=timeout).variants)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise self._error(e) from None
 
     def set_active(self, model: str, version: int) -> pb.ModelSummary:
         return self._call(self._stub.SetActive, pb.SetActiveRequest(model=model, version=version))
@@ -191,7 +252,7 @@ class DaemonClient:
         """Leases the variant `layout` (default: the version's first main variant) of `version`, else
         of the version loaded from `files` (checkpoint.stat_identity of the caller's checkpoint),
         else of the active version."""
-        request = pb.AttachRequest(model=model, version=version,
+        request = pb.AttachRequest(model=model, version=version, session=self.session(),
                                    files=[pb.FileIdentity(**dataclasses.asdict(f)) for f in files])
         if layout is not None:
             request.layout.CopyFrom(_layout(layout))
@@ -205,6 +266,11 @@ class DaemonClient:
 
     def evict(self, model: str, version: int = 0, force: bool = False) -> list[pb.ModelInfo]:
         return list(self._call(self._stub.Evict, pb.EvictRequest(model=model, version=version, force=force)).evicted)
+
+    def verify(self, model: str = "", version: int = 0, timeout: float | None = None) -> pb.VerifyResponse:
+        """Has the daemon re-hash its slabs (of `model`, `version`; all by default) against the
+        digests they were sealed with."""
+        return self._call(self._stub.Verify, pb.VerifyRequest(model=model, version=version), timeout)
 
     def stats(self, timeout: float | None = None) -> pb.Stats:
         return self._call(self._stub.GetStats, pb.GetStatsRequest(), timeout)
@@ -220,6 +286,20 @@ def attach(model: str, device: str = "cpu:0", runtime_dir: str | os.PathLike | N
     """Attaches to `model` on the daemon for `device`: {name: tensor} views, zero-copy, leased."""
     client = DaemonClient.for_device(device, runtime_dir)
     return client.attach(model, version, layout)
+
+
+def access_denied(path: pathlib.Path, detail: str = "") -> AccessDeniedError:
+    """The error a stranger gets: the kernel refused the connection because the daemon's runtime
+    directory and sockets belong to another user."""
+    try:
+        owner = path.parent.stat().st_uid
+    except OSError:
+        owner = -1
+    whose = f"this daemon serves uid {owner}" if owner >= 0 else "this daemon serves another user"
+    detail = f": {detail}" if detail else ""
+    return AccessDeniedError(f"permission denied: {whose}, and you are uid {os.getuid()} ({path}{detail}); "
+                             "run your own daemon with `preload daemon`, or set PRELOAD_RUNTIME_DIR to a directory "
+                             "of your own")
 
 
 def _layout(layout: Layout) -> pb.Layout:

@@ -2,16 +2,19 @@
 that follow from it. Nothing else in the daemon reads os.environ."""
 
 import dataclasses
-import hashlib
+import fcntl
 import logging
 import os
 import pathlib
 import re
+import secrets
+import stat
 import sys
 
 from preload_daemon.errors import InvalidRequestError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+log = logging.getLogger(__name__)
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -54,27 +57,151 @@ def default_runtime_dir() -> pathlib.Path:
     return pathlib.Path(f"/tmp/preload-{os.getuid()}")
 
 
-def ensure_private_dir(path: pathlib.Path) -> pathlib.Path:
-    """Creates `path` with mode 0700, or checks that an existing one is ours and private."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
+RUNTIME_DIR_FIX = "set PRELOAD_RUNTIME_DIR to a directory of your own"
+
+
+def ensure_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib.Path:
+    """Creates `path` with mode 0700, or checks that an existing one is ours and private. It lives in
+    shared places (/tmp, /dev/shm) where a stranger may have planted a symlink or a directory of
+    their own at the name first, so nothing here follows a symlink at `path`, and a mode is fixed
+    through a file descriptor, never by path. `fix` is what the error tells the user to do."""
+    _make_dirs(pathlib.Path(path))
+    return check_private_dir(pathlib.Path(path), fix)
+
+
+def _make_dirs(path: pathlib.Path) -> None:
+    """mkdir -p with mode 0700 for every directory it creates; existing ones are left alone."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        if path.parent == path:
+            raise
+        _make_dirs(path.parent)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+
+
+def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib.Path:
+    """Refuses `path` unless it is a real directory (not a symlink) owned by us; drops group and
+    other permissions if it has any. Raises FileNotFoundError if it does not exist."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise InvalidRequestError(f"{path} is a symbolic link (to {os.readlink(path)}), not a directory; "
+                                  f"refusing to follow it, since whoever made it chooses where it points. {fix}")
+    if not stat.S_ISDIR(info.st_mode):
+        raise InvalidRequestError(f"{path} exists but is not a directory; {fix}")
     if info.st_uid != os.getuid():
-        raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); "
-                                  "set PRELOAD_RUNTIME_DIR to a directory of your own")
+        raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); {fix}")
     if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+        _make_private(path, info, fix)
     return path
+
+
+def _make_private(path: pathlib.Path, seen: os.stat_result, fix: str) -> None:
+    """chmod 0700 through a descriptor opened without following a symlink, after checking that it
+    is still the directory we lstat-ed (not swapped for another since)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise InvalidRequestError(f"{path} changed while being checked ({e.strerror}); {fix}") from None
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino, info.st_uid) != (seen.st_dev, seen.st_ino, os.getuid()):
+            raise InvalidRequestError(f"{path} was replaced while being checked; {fix}")
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def socket_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:
     return runtime_dir / f"daemon-{device.replace(':', '-')}.sock"
 
 
+SHM_RECORD = "shm-dir"
+_SHM_NAME = re.compile(r"preload-[0-9a-f]{16}")
+_SHM_RECORD_MAX_BYTES = 64
+
+
 def shm_dir_for(runtime_dir: pathlib.Path, shm_root: pathlib.Path = pathlib.Path("/dev/shm")) -> pathlib.Path:
-    """The private slab directory for one runtime dir: distinct per user and per runtime dir, so two
-    daemons (or two users, or two test sessions) never share slab names."""
-    tag = hashlib.sha256(str(runtime_dir.resolve()).encode()).hexdigest()[:12]
-    return shm_root / f"preload-{os.getuid()}-{tag}"
+    """The private slab directory of one runtime dir, shared by all of its daemons. Its name is
+    random (shm_root/preload-<16 hex digits>), so no stranger can plant something at it before it
+    exists, and is recorded in runtime_dir/shm-dir; it is made anew, and the record rewritten, when
+    it has vanished (after a reboot, or when the last daemon removed it empty). Creates runtime_dir
+    (0700) if needed. Daemons starting at once take turns on a lock, so they all get the same one."""
+    runtime_dir = ensure_private_dir(pathlib.Path(runtime_dir))
+    fix = (f"delete {runtime_dir / SHM_RECORD} so that the next daemon makes a new shared-memory directory, "
+           f"or {RUNTIME_DIR_FIX}")
+    dir_fd = os.open(runtime_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)  # released by close
+        name = _read_shm_record(runtime_dir, dir_fd)
+        if name is not None:
+            try:
+                return check_private_dir(shm_root / name, fix)
+            except FileNotFoundError:
+                log.info("%s is gone (reboot?); making a new shared-memory directory", shm_root / name)
+        path = _make_shm_dir(shm_root, fix)
+        _write_shm_record(dir_fd, path.name)
+        return path
+    finally:
+        os.close(dir_fd)
+
+
+def _read_shm_record(runtime_dir: pathlib.Path, dir_fd: int) -> str | None:
+    """The directory name in runtime_dir/shm-dir, or None if there is none or it holds something
+    else than a name we write (a torn write after a crash, say: then a new directory is made and the
+    record replaced). Anything but a regular file there was put by hand, so it is refused."""
+    record = runtime_dir / SHM_RECORD
+    try:
+        fd = os.open(SHM_RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:  # ELOOP: a symlink
+        raise InvalidRequestError(f"cannot read {record} ({e.strerror}); it should be a small file that "
+                                  "preload writes: delete it") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequestError(f"{record} is not a regular file; it should be a small file that preload "
+                                      "writes: delete it")
+        data = os.read(fd, _SHM_RECORD_MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    name = data.decode("ascii", "replace").strip()
+    if len(data) > _SHM_RECORD_MAX_BYTES or not _SHM_NAME.fullmatch(name):
+        log.warning("%s holds %r, not a directory name preload writes; replacing it with a new one", record, data[:40])
+        return None
+    return name
+
+
+def _make_shm_dir(shm_root: pathlib.Path, fix: str) -> pathlib.Path:
+    """A new 0700 directory with a random name under shm_root."""
+    while True:
+        path = shm_root / f"preload-{secrets.token_hex(8)}"
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:  # 64 random bits: only if someone guessed it
+            continue
+        except OSError as e:
+            raise InvalidRequestError(f"cannot create a shared-memory directory in {shm_root} ({e.strerror}); "
+                                      "check that it exists and is writable (is /dev/shm mounted?)") from None
+        return check_private_dir(path, fix)
+
+
+def _write_shm_record(dir_fd: int, name: str) -> None:
+    """Replaces the record atomically (a temporary file renamed over it): a reader sees the old name
+    or the new one, never a partial one."""
+    temp = f".{SHM_RECORD}-{secrets.token_hex(4)}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        os.write(fd, f"{name}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(temp, SHM_RECORD, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -86,13 +213,22 @@ class DaemonConfig:
     runtime_dir: pathlib.Path = dataclasses.field(default_factory=default_runtime_dir)
     """Private directory (0700) for the sockets, logs and pid files of this user's daemons."""
     shm_dir: pathlib.Path | None = None
-    """Where host slabs live; by default a private directory under /dev/shm derived from runtime_dir."""
+    """Where host slabs live; by default a private directory with a random name under /dev/shm,
+    recorded in runtime_dir (see shm_dir_for)."""
     http_port: int | None = None
     """If set, also answer HTTP /health and /ready on 127.0.0.1:http_port (0 picks a free port)."""
     reap_interval_s: float = 1.0
     """How often leases of dead processes are looked for."""
     max_message_bytes: int = 64 << 20
     """Largest gRPC message accepted or sent; bigger requests are refused."""
+    allow_external_links: bool = False
+    """Load checkpoint files that link outside their directory (a Hugging Face cache snapshot does)."""
+    load_timeout_s: float = 3600.0
+    """A load or publish still running after this long fails and frees what it made."""
+    max_sessions: int = 1024
+    """Open sessions (one per attached process) beyond which new ones are refused."""
+    max_rpcs: int = 256
+    """Concurrent RPCs beyond which new ones are refused with RESOURCE_EXHAUSTED."""
     publish_stall_s: float = 60.0
     """A publishing client that sends no tensor data for this long is dropped (its slabs freed)."""
 
@@ -103,6 +239,9 @@ class DaemonConfig:
             object.__setattr__(self, "shm_dir", shm_dir_for(self.runtime_dir))
         if self.reap_interval_s <= 0:
             raise InvalidRequestError(f"reap_interval_s must be positive, got {self.reap_interval_s}")
+        if not self.load_timeout_s > 0 or self.max_sessions < 1 or self.max_rpcs < 1:
+            raise InvalidRequestError(f"--load-timeout must be positive and --max-sessions at least 1; got "
+                                      f"{self.load_timeout_s:g} and {self.max_sessions}")
 
     @property
     def socket_path(self) -> pathlib.Path:

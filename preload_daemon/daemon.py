@@ -8,6 +8,8 @@ import signal
 import socket
 import threading
 
+from prometheus_client import CONTENT_TYPE_LATEST
+
 from preload_daemon.config import DaemonConfig
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.server import DaemonServer
@@ -64,7 +66,8 @@ def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPSer
     class Probes(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             if self.path == "/health":
-                self._reply(200, {"status": "alive", "device": server.config.device})
+                self._reply(200, {"status": "alive", "device": server.config.device, "pid": os.getpid(),
+                                  "sessions": len(server.sessions), "recovery": server.store.recovery})
             elif self.path == "/ready":
                 ready = server.ready()
                 models = [{"name": m.name, "active_version": m.active,
@@ -72,13 +75,17 @@ def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPSer
                           for m in server.store.models()]
                 self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
                                                     "loading": server.store.is_loading(), "models": models})
+            elif self.path == "/metrics":
+                self._send(200, server.metrics.text(), CONTENT_TYPE_LATEST)
             else:
-                self._reply(404, {"error": f"no such endpoint {self.path}; try /health or /ready"})
+                self._reply(404, {"error": f"no such endpoint {self.path}; try /health, /ready or /metrics"})
 
         def _reply(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
+            self._send(code, json.dumps(body).encode(), "application/json")
+
+        def _send(self, code: int, data: bytes, content_type: str) -> None:
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

@@ -1,5 +1,7 @@
 """Leases: each Attach pins a model version for one process, identified by pid and start time
-(a recycled pid is a different process). Leases of dead processes are reaped."""
+(a recycled pid is a different process) as the kernel reported them when the process opened its
+session (sessions.py). A lease ends when its session's connection closes; leases of processes that
+are gone are also reaped by pid, as a second line."""
 
 import dataclasses
 import secrets
@@ -17,14 +19,15 @@ class Lease:
     version: int
     created_at: float
     renewed_at: float
+    session: str = ""
 
     @classmethod
-    def new(cls, pid: int, model: str, version: int) -> "Lease":
+    def new(cls, pid: int, pid_start_time: float, model: str, version: int, session: str = "") -> "Lease":
         now = time.time()
-        return cls(secrets.token_hex(8), pid, process_start_time(pid), model, version, now, now)
+        return cls(secrets.token_hex(8), pid, pid_start_time, model, version, now, now, session)
 
     def holder_alive(self) -> bool:
-        return process_start_time(self.pid) == self.pid_start_time
+        return self.pid_start_time >= 0 and process_start_time(self.pid) == self.pid_start_time
 
 
 def process_start_time(pid: int) -> float:

@@ -1,6 +1,12 @@
 """The gRPC server: a thin servicer over the ModelStore, the standard health and reflection
-services, and the uid check on every call. PreloadErrors become gRPC statuses here, in one place."""
+services, and the session socket that ties leases to processes. PreloadErrors become gRPC statuses
+here, in one place.
 
+gRPC serves its Unix socket directly. Only this uid (and root) can reach it: the runtime directory
+is 0700 and the socket 0600, so the kernel refuses strangers before any byte is read. Callers are
+identified where it matters, for leases, through their session (sessions.py)."""
+
+import fcntl
 import functools
 import logging
 import os
@@ -10,17 +16,20 @@ import time
 from concurrent import futures
 
 import grpc
+import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from preload_daemon import __version__
 from preload_daemon import stream
-from preload_daemon.checkpoint import FileIdentity
+from preload_daemon.cachekey import file_identity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
-from preload_daemon.errors import AccessDeniedError, InvalidRequestError, LoadingError, PreloadError, to_status
-from preload_daemon.peercred import PeerCredRelay
+from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, PreloadError, to_status
+from preload_daemon.metrics import DaemonMetrics
 from preload_daemon.plan import SHARED_ROLES, Layout, LoadSpec
-from preload_daemon.store import LoadProgress, Model, ModelStore, Retention, Variant
+from preload_daemon.records import LoadProgress, Model, Retention, Variant, check_name
+from preload_daemon.sessions import SessionServer, session_path
+from preload_daemon.store import ModelStore
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
 
@@ -34,23 +43,28 @@ MAX_LEASE_ID = 64
 
 
 def _rpc(method):
-    """Maps PreloadError to its status code; anything else is an internal error, logged."""
+    """Maps PreloadError to its status code; anything else is an internal error, logged. Counts
+    errors by kind."""
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
             return method(self, request, context)
         except PreloadError as e:
+            self.metrics.errors.labels(type(e).__name__).inc()
             context.abort(*to_status(e))
         except Exception:
+            self.metrics.errors.labels("internal").inc()
             log.exception("%s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method.__name__}; see the daemon log")
     return wrapper
 
 
 class WeightCacheServicer(pb_grpc.WeightCacheServicer):
-    def __init__(self, store: ModelStore, relay: PeerCredRelay, started_at: float, config: DaemonConfig):
+    def __init__(self, store: ModelStore, sessions: SessionServer, started_at: float, config: DaemonConfig,
+                 metrics: DaemonMetrics):
         self.store = store
-        self.relay = relay
+        self.sessions = sessions
+        self.metrics = metrics
         self.started_at = started_at
         self.config = config
         # Loads and publishes hold an RPC thread each (a queued load waits for the one before it):
@@ -65,6 +79,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         except PreloadError as e:
             context.abort(*to_status(e))
         self._take_load_slot(context)
+        started = time.monotonic()
         updates: queue.Queue = queue.Queue()
         result: dict = {}
 
@@ -86,6 +101,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                 yield update
         if "error" in result:
             self._abort(context, f"loading {spec.name}", result["error"])
+        self._count_load(started)
         variants = [self._info(v) for v in result["variants"]]
         total = sum(v.plan.tensor_bytes for v in result["variants"])
         tensors = sum(len(v.plan.entries) for v in result["variants"])
@@ -104,10 +120,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         except PreloadError as e:
             context.abort(*to_status(e))
         self._take_load_slot(context)
+        started = time.monotonic()
         try:
             variants = self.store.publish_stream(table, header.model, _chunks(request_iterator, context,
                                                                               self.config.publish_stall_s),
                                                  header.version, layouts, header.activate, retention)
+            self._count_load(started)
             return pb.PublishResponse(variants=[self._info(v) for v in variants])
         except Exception as e:
             log.warning("publishing %s failed, nothing was kept: %s", header.model, e)
@@ -131,12 +149,20 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
     @_rpc
     def Attach(self, request, context):
         layout = _layout(request.layout) if request.HasField("layout") else None
-        files = tuple(FileIdentity(f.path, f.size, f.mtime_ns, f.inode, f.header_sha256) for f in request.files)
+        files = tuple(file_identity(f) for f in request.files)
         if len(files) > MAX_FILES:
             raise InvalidRequestError(f"{len(files)} checkpoint files is more than {MAX_FILES}")
-        peer = self.relay.peer(context.peer())
-        variant, lease = self.store.attach(request.model, peer.pid, request.version, layout, files)
-        return pb.AttachResponse(manifest=_manifest(variant), lease=_lease(lease))
+        check_name(request.model)
+        session = self.sessions.get(request.session) if len(request.session) <= MAX_LEASE_ID else None
+        if session is None:
+            raise NotFoundError("Attach needs the token of an open session: connect to the daemon's session socket "
+                                f"({self.sessions.path.name}) and keep it open (DaemonClient.attach does this)")
+        started = time.monotonic()
+        variant, lease = self.store.attach(request.model, session, request.version, layout, files)
+        response = pb.AttachResponse(manifest=_manifest(variant), lease=_lease(lease))
+        self.metrics.attaches.inc()
+        self.metrics.attach_seconds.observe(time.monotonic() - started)
+        return response
 
     @_rpc
     def RenewLease(self, request, context):
@@ -161,7 +187,22 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                         models=[self._info(v) for v in variants],
                         summaries=[self._summary(m) for m in self.store.models()],
                         serving=bool(variants) and not self.store.is_loading(),
-                        runtime_dir=str(self.config.runtime_dir), version=__version__)
+                        runtime_dir=str(self.config.runtime_dir), version=__version__,
+                        num_sessions=len(self.sessions), recovery=self.store.recovery,
+                        adoption_seconds=self.store.adoption_seconds, adopted_bytes=self.store.adopted_bytes)
+
+    @_rpc
+    def Verify(self, request, context):
+        started = time.monotonic()
+        checks = self.store.verify(request.model, request.version)
+        slabs = [pb.SlabCheck(model=v.name, version=v.version.number, layout=_layout_proto(v.layout), slab=v.slab.id,
+                              expected=v.slab.digest, actual=actual, ok=actual == v.slab.digest)
+                 for v, actual in checks]
+        for check in slabs:
+            if not check.ok:
+                log.error("slab %s of %s v%d was changed after it was sealed: digest %s, sealed as %s", check.slab,
+                          check.model, check.version, check.actual, check.expected)
+        return pb.VerifyResponse(slabs=slabs, seconds=time.monotonic() - started)
 
     def _take_load_slot(self, context) -> None:
         """One of the MAX_LOADS slots for a load or publish, or the call is refused (never queued)."""
@@ -169,7 +210,13 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
             context.abort(*to_status(LoadingError(f"{MAX_LOADS} loads and publishes are in flight on this daemon; "
                                                   "retry when one finishes")))
 
+    def _count_load(self, started: float) -> None:
+        self.metrics.loads.labels("ok").inc()
+        self.metrics.load_seconds.observe(time.monotonic() - started)
+
     def _abort(self, context, what: str, error: BaseException) -> None:
+        self.metrics.loads.labels("failed").inc()
+        self.metrics.errors.labels(type(error).__name__ if isinstance(error, PreloadError) else "internal").inc()
         if isinstance(error, PreloadError):
             context.abort(*to_status(error))
         log.error("%s failed", what, exc_info=error)
@@ -212,6 +259,11 @@ def _lease_id(lease_id: str) -> str:
 def _layout(msg: pb.Layout) -> Layout:
     return Layout(dtype=msg.dtype or "auto", quantization=msg.quantization or "none", tp_size=msg.tp_size or 1,
                   tp_rank=msg.tp_rank, component=msg.component or "main")
+
+
+def _layout_proto(layout: Layout) -> pb.Layout:
+    return pb.Layout(dtype=layout.dtype, quantization=layout.quantization, tp_size=layout.tp_size,
+                     tp_rank=layout.tp_rank, component=layout.component)
 
 
 def _retention(msg: pb.Retention) -> Retention:
@@ -304,53 +356,36 @@ def _manifest(variant: Variant) -> pb.Manifest:
                  for slab, entries in parts for e in entries])
 
 
-class _UidCheck(grpc.ServerInterceptor):
-    """Every RPC, health and reflection included, must come through the relay from our own uid."""
-
-    def __init__(self, relay: PeerCredRelay):
-        self.relay = relay
-        self.uid = os.getuid()
-
-    def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
-        return handler._replace(**{k: self._guard(getattr(handler, k)) for k in kinds if getattr(handler, k)})
-
-    def _guard(self, behavior):
-        def guarded(request, context):
-            peer = self.relay.peer(context.peer())
-            if peer is None or peer.uid != self.uid:
-                who = f"uid {peer.uid} (pid {peer.pid})" if peer else f"unidentified peer {context.peer()}"
-                log.warning("refused %s: only uid %d may use this daemon", who, self.uid)
-                context.abort(*to_status(AccessDeniedError(
-                    f"{who} may not use this daemon; it serves uid {self.uid} only. Run your own daemon "
-                    "with `preload daemon` under your user")))
-            return behavior(request, context)
-        return guarded
-
-
 class DaemonServer:
-    """The running server: gRPC on the internal socket, the peer-checking relay on the public one."""
+    """The running server: gRPC on the daemon's socket, sessions on the one beside it."""
 
     def __init__(self, config: DaemonConfig):
         self.config = config
         ensure_private_dir(config.runtime_dir)
+        self._lock_fd = _lock_device(config)
+        self.serving_since = 0.0
         self.health = health.HealthServicer()
-        self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health)
-        self.internal_path = config.runtime_dir / f".grpc-{config.device.replace(':', '-')}-{os.getpid()}.sock"
-        self.relay = PeerCredRelay(config.socket_path, self.internal_path)
+        self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health,
+                                allow_external=config.allow_external_links, load_timeout_s=config.load_timeout_s)
+        self.store.adopt()
+        self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions)
         options = [("grpc.max_receive_message_length", config.max_message_bytes),
                    ("grpc.max_send_message_length", config.max_message_bytes)]
+        # RPCs past the cap are refused by gRPC with RESOURCE_EXHAUSTED; idle connections cost no thread.
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
-                                  interceptors=[_UidCheck(self.relay)], options=options)
-        self.servicer = WeightCacheServicer(self.store, self.relay, time.time(), config)
+                                  options=options, maximum_concurrent_rpcs=config.max_rpcs)
+        self.metrics = DaemonMetrics(self, psutil.Process().create_time())
+        self.servicer = WeightCacheServicer(self.store, self.sessions, time.time(), config, self.metrics)
         pb_grpc.add_WeightCacheServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.internal_path.unlink(missing_ok=True)
-        self.server.add_insecure_port(f"unix:{self.internal_path}")
+        config.socket_path.unlink(missing_ok=True)
+        old_umask = os.umask(0o177)  # the socket is born 0600
+        try:
+            self.server.add_insecure_port(f"unix:{config.socket_path}")
+        finally:
+            os.umask(old_umask)
+        os.chmod(config.socket_path, 0o600)
         self.update_health()
 
     @property
@@ -359,26 +394,44 @@ class DaemonServer:
 
     def start(self) -> None:
         self.server.start()
-        self.relay.start()
+        self.sessions.start()
 
     def ready(self) -> bool:
         """Serving: at least one model loaded and no load in flight."""
         return bool(self.store.variants()) and not self.store.is_loading()
 
     def update_health(self) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if self.ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        ready = self.ready()
+        if ready and not self.serving_since:
+            self.serving_since = time.time()
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", status)
         self.health.set(SERVICE, status)
 
     def stop(self, grace: float = 2.0) -> None:
-        self.relay.close()
         self.server.stop(grace).wait()
-        self.internal_path.unlink(missing_ok=True)
+        self.sessions.close()
+        self.config.socket_path.unlink(missing_ok=True)
         self.store.close()
+        os.close(self._lock_fd)
         try:
             self.config.shm_dir.rmdir()  # shared with this runtime dir's other daemons: only if empty
         except OSError:
             pass
+
+
+def _lock_device(config: DaemonConfig) -> int:
+    """One daemon per device and runtime dir: an exclusive lock the kernel drops when the daemon
+    dies, so a new daemon knows the slabs it finds have no live owner."""
+    path = config.runtime_dir / f"daemon-{config.device.replace(':', '-')}.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InvalidRequestError(f"a daemon for {config.device} already runs in {config.runtime_dir}; use it "
+                                  "(`preload status`) or stop it before starting another") from None
+    return fd
 
 
 def create_server(config: DaemonConfig) -> tuple[DaemonServer, str]:

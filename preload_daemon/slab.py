@@ -6,6 +6,7 @@ import os
 import pathlib
 import secrets
 import shutil
+import threading
 
 import torch
 
@@ -32,6 +33,7 @@ class HostSlab:
         self.id = path.stem
         self.digest = ""
         self._mapping = mapping
+        self._use = threading.Lock()
         self.data = bytes_tensor(mapping)
 
     @classmethod
@@ -57,18 +59,41 @@ class HostSlab:
         os.close(fd)
         return cls(path, size, mapping)
 
+    @classmethod
+    def open(cls, path: pathlib.Path, size: int, digest: str) -> "HostSlab":
+        """A sealed slab a previous daemon left (adopt.py), mapped read-only."""
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        slab = cls(path, size, mapping)
+        slab.digest = digest
+        return slab
+
     def seal(self, digest: str) -> None:
         """Marks the slab written: the file becomes read-only (0400) and keeps its digest."""
         self.digest = digest
         os.chmod(self.path, 0o400)
 
+    def hash(self) -> str:
+        """The digest of the slab's bytes as they are now ("" if the slab was freed meanwhile)."""
+        with self._use:  # close() waits: the mapping must not go away under the hasher
+            if self.data is None:
+                return ""
+            hasher = new_hasher()
+            hasher.update(memoryview(self.data.numpy()))
+            return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
+
     def unlink(self) -> None:
-        """Removes the file. Processes that mapped it keep their pages until they unmap."""
+        """Removes the file and its record. Processes that mapped it keep their pages until they unmap."""
         self.path.unlink(missing_ok=True)
+        self.path.with_name(self.path.name + ".json").unlink(missing_ok=True)
 
     def close(self) -> None:
-        self.data = None
-        self._mapping.close()
+        with self._use:
+            self.data = None
+            self._mapping.close()
 
 
 def map_slab(path: str, size: int) -> torch.Tensor:

@@ -18,119 +18,72 @@ import threading
 import time
 from collections.abc import Callable
 
-from preload_daemon import stream
+from preload_daemon import adopt, stream
 from preload_daemon.arch import ArchSpec, parse_config
-from preload_daemon.cachekey import CacheKey, file_differences
+from preload_daemon.cachekey import file_differences
 from preload_daemon.checkpoint import Checkpoint, FileIdentity, refresh_identity
-from preload_daemon.errors import (BudgetError, InvalidRequestError, LeasedError, LoadingError, NotFoundError,
-                                   PlanError, StaleError)
+from preload_daemon.errors import InvalidRequestError, LeasedError, LoadingError, NotFoundError, PlanError, StaleError
 from preload_daemon.execute import execute
 from preload_daemon.leases import Lease
-from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, Layout, LoadPlan, LoadSpec, build_plan
+from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
+from preload_daemon.records import (MAX_VERSION, LoadProgress, Model, Retention, Variant, Version, budget_victims,
+                                    check_name, check_number, common_dir, evictable, key_for, pick_variant,
+                                    unique_plans)
+from preload_daemon.sessions import Session
 from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
 
 log = logging.getLogger(__name__)
-DEFAULT_KEEP = 2
-MAX_FAILURES = 16
-MAX_VERSION = 2**31 - 1
-
-
-@dataclasses.dataclass(slots=True)
-class LoadProgress:
-    stage: str
-    bytes_done: int = 0
-    bytes_total: int = 0
-    tensors_done: int = 0
-    tensors_total: int = 0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Retention:
-    keep: int | None = None
-    """Newest unpinned, unleased, inactive versions kept; None leaves the model's setting."""
-    max_bytes: int | None = None
-    """Budget of all the model's versions on this device; 0 means none; None leaves the setting."""
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Variant:
-    """One layout of one version: a slab and the plan that filled it."""
-
-    version: "Version"
-    layout: Layout
-    """With the dtype resolved."""
-    plan: LoadPlan
-    key: CacheKey
-    slab: HostSlab
-    loaded_at: float
-    load_seconds: float
-    leases: dict[str, Lease] = dataclasses.field(default_factory=dict)
-    base: "Variant | None" = None
-    """A draft's main variant (same dtype, scheme and rank), whose embedding and lm_head it shares
-    by reference instead of holding copies."""
-
-    @property
-    def name(self) -> str:
-        return self.version.model.name
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Version:
-    model: "Model"
-    number: int
-    source: str
-    """The checkpoint directory, or "stream:LABEL" for a version a live process published."""
-    files: tuple[FileIdentity, ...]
-    """The checkpoint files as loaded (empty for a streamed version)."""
-    config_json: str
-    arch: ArchSpec
-    created_at: float
-    variants: dict[Layout, Variant] = dataclasses.field(default_factory=dict)
-    pinned: bool = False
-    loading: int = 0
-    """Loads adding variants right now."""
-    stale_reason: str = ""
-
-    @property
-    def state(self) -> str:
-        return "loading" if self.loading and not self.variants else "stale" if self.stale_reason else "ready"
-
-    @property
-    def bytes(self) -> int:
-        return sum(v.slab.size for v in self.variants.values())
-
-    @property
-    def num_leases(self) -> int:
-        return sum(len(v.leases) for v in self.variants.values())
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class Model:
-    name: str
-    versions: dict[int, Version] = dataclasses.field(default_factory=dict)
-    active: int = 0
-    last: int = 0
-    """The highest version number given out: numbers are never reused, even after eviction."""
-    keep: int = DEFAULT_KEEP
-    max_bytes: int = 0
-    failures: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=MAX_FAILURES))
-    load_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    """Loads of one model run one at a time, so two never create the same version twice."""
-
-    @property
-    def bytes(self) -> int:
-        return sum(v.bytes for v in self.versions.values())
 
 
 class ModelStore:
-    def __init__(self, device: str, shm_dir, on_change: Callable[[], None] = lambda: None):
+    def __init__(self, device: str, shm_dir, on_change: Callable[[], None] = lambda: None,
+                 allow_external: bool = False, load_timeout_s: float = 3600.0):
         self.device = device
+        self.load_timeout_s = load_timeout_s
+        """A load or publish still running after this long fails and frees what it made."""
+        self.allow_external = allow_external
+        """Checkpoint files may link outside their directory (checkpoint.Checkpoint)."""
         self.shm_dir = shm_dir
-        self._on_change = on_change
+        self._notify = on_change
         self._lock = threading.RLock()
         self._models: dict[str, Model] = {}
         self._leases: dict[str, Variant] = {}
+        self._ended: collections.deque = collections.deque(maxlen=4096)
+        """Sessions that closed recently: an Attach racing its session's close is refused."""
         self._loads = 0
+        self.recovery: list[str] = []
+        """What was adopted from, or discarded of, a previous daemon's slabs (adopt.py)."""
+        self.adopted_bytes, self.adoption_seconds = 0, 0.0
+        self.leases_ended: collections.Counter = collections.Counter()
+        """By how: released, session (its process exited), reaped, evicted."""
+
+    def adopt(self) -> adopt.Adopted:
+        """Takes over the slabs a previous daemon on this device left (its caller holds the
+        device's lock, so no live daemon owns them)."""
+        found = adopt.adopt(self.shm_dir, self.device)
+        with self._lock:
+            self._models.update(found.models)
+            self.recovery = found.report
+            self.adopted_bytes, self.adoption_seconds = found.bytes, found.seconds
+        for line in found.report:
+            log.info("recovery on %s: %s", self.device, line)
+        if found.models:
+            log.info("adopted %d model(s), %.1f MiB on %s in %.3fs, without reading a checkpoint", len(found.models),
+                     found.bytes / 2**20, self.device, found.seconds)
+        self._on_change()
+        return found
+
+    def _on_change(self) -> None:
+        """After every change of models, versions or pointers: saves the pointers for a daemon
+        that adopts this one's slabs, and tells the server (health)."""
+        with self._lock:
+            models = [m for m in self._models.values() if m.versions]
+            try:
+                adopt.write_state(self.shm_dir, self.device, models)
+            except OSError as e:
+                log.warning("cannot save the model pointers in %s: %s (a restarted daemon would activate the newest "
+                            "versions)", self.shm_dir, e)
+        self._notify()
 
     # -- loading from a directory -------------------------------------------------------------------
 
@@ -144,10 +97,10 @@ class ModelStore:
         model = self._model(spec.name, create=True)
         with self._loading(model, version, on_progress) as loading:
             self._set_retention(model, retention)
-            checkpoint = Checkpoint(spec.path)
+            checkpoint = Checkpoint(spec.path, allow_external=self.allow_external)
             try:
                 target = loading.number = self._version_for(model, checkpoint, version)
-                plans = _unique([build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)])
+                plans = unique_plans([build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)])
                 return self._fill(model, target, plans, activate, on_progress,
                                   lambda plan, slab, on_tensor, hasher: execute(plan, checkpoint, slab.data,
                                                                                 on_tensor=on_tensor, hasher=hasher),
@@ -169,7 +122,7 @@ class ModelStore:
                                           f"never reused); publish as v{model.last + 1} or later")
             if same:
                 return max(same, key=lambda v: v.number)
-            return _check_number(model, number or model.last + 1)
+            return check_number(model, number or model.last + 1)
 
     # -- publishing from a stream -------------------------------------------------------------------
 
@@ -182,14 +135,14 @@ class ModelStore:
         with self._loading(model, version, on_progress, wait=False) as loading:  # a stream cannot queue
             self._set_retention(model, retention)
             with self._lock:
-                number = loading.number = _check_number(model, version or model.last + 1)
+                number = loading.number = check_number(model, version or model.last + 1)
                 if number in model.versions or number <= model.last:
                     raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device}; publish "
                                               f"as v{model.last + 1} or later")
                 active = model.versions.get(model.active)
                 layouts = list(layouts) or (list(active.variants) if active is not None else [Layout()])
             spec = LoadSpec(path=table.path, name=model.name)
-            plans = _unique([build_plan(table, spec.with_layout(layout)) for layout in layouts])
+            plans = unique_plans([build_plan(table, spec.with_layout(layout)) for layout in layouts])
 
             def fill_all(targets: list[tuple[LoadPlan, HostSlab]], on_tensor) -> None:
                 stream.fill(table, [(plan, slab.data) for plan, slab in targets], chunks, on_tensor)
@@ -228,11 +181,12 @@ class ModelStore:
                     model.last = max(model.last, number)
                 target.loading += 1
             self._on_change()
+            deadline = time.monotonic() + self.load_timeout_s
             if fill_all is not None:
-                made = self._fill_stream(target, todo, fill_all, on_progress, tensors_total, bytes_total)
+                made = self._fill_stream(target, todo, fill_all, on_progress, tensors_total, bytes_total, deadline)
             else:
                 for plan in todo:
-                    made.append(self._fill_one(target, plan, execute_one, on_progress))
+                    made.append(self._fill_one(target, plan, execute_one, on_progress, deadline))
         except BaseException:
             for variant in made:
                 _free(variant.slab)
@@ -259,13 +213,14 @@ class ModelStore:
                      len(made), " (active)" if model.active == number else "")
         return [target.variants[p.layout] for p in plans]
 
-    def _fill_one(self, version: Version, plan: LoadPlan, execute_one, on_progress) -> Variant:
+    def _fill_one(self, version: Version, plan: LoadPlan, execute_one, on_progress, deadline: float) -> Variant:
         start = time.monotonic()
         slab = self._new_slab(version, plan)
         progress = LoadProgress("reading", 0, plan.tensor_bytes, 0, len(plan.entries))
         on_progress(progress)
 
         def on_tensor(entry) -> None:
+            self._check_deadline(version, deadline)
             progress.bytes_done += entry.nbytes
             progress.tensors_done += 1
             on_progress(progress)
@@ -282,7 +237,7 @@ class ModelStore:
         return variant
 
     def _fill_stream(self, version: Version, plans: list[LoadPlan], fill_all, on_progress, tensors_total,
-                     bytes_total) -> list[Variant]:
+                     bytes_total, deadline: float) -> list[Variant]:
         start = time.monotonic()
         slabs: list[HostSlab] = []
         try:
@@ -292,6 +247,7 @@ class ModelStore:
             on_progress(progress)
 
             def on_tensor(info) -> None:
+                self._check_deadline(version, deadline)
                 progress.bytes_done += info.nbytes
                 progress.tensors_done += 1
                 on_progress(progress)
@@ -312,9 +268,15 @@ class ModelStore:
             made.append(self._seal(version, plan, slab, digest, seconds, tuple(made)))
         return made
 
+    def _check_deadline(self, version: Version, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise LoadingError(f"loading {version.model.name} v{version.number} on {self.device} took longer than "
+                               f"{self.load_timeout_s:g}s (the daemon's --load-timeout); nothing of it was kept. "
+                               "Raise --load-timeout for very large checkpoints or slow disks")
+
     def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
         layout = plan.layout
-        label = f"{self.device.replace(':', '')}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
+        label = f"{adopt.device_tag(self.device)}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
                 f"{layout.component}-{layout.dtype}-{layout.quantization}"
         return HostSlab.create(self.shm_dir, label, plan.total_bytes)
 
@@ -329,11 +291,15 @@ class ModelStore:
         if plan.layout.component == "draft":
             main = dataclasses.replace(plan.layout, component="main")
             variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
+        try:
+            adopt.write_record(variant)
+        except OSError as e:
+            log.warning("cannot write the record of slab %s: %s (a restarted daemon could not adopt it)", slab.id, e)
         return variant
 
     # -- attaching ----------------------------------------------------------------------------------
 
-    def attach(self, name: str, pid: int, version: int = 0, layout: Layout | None = None,
+    def attach(self, name: str, session: Session, version: int = 0, layout: Layout | None = None,
                files: tuple[FileIdentity, ...] = ()) -> tuple[Variant, Lease]:
         """Leases the variant a caller wants: of `version` if given, else of the version loaded from
         `files` (the caller's checkpoint as it sees it), else of the active version; with `layout`
@@ -346,12 +312,14 @@ class ModelStore:
                                    "(`preload wait-ready --model NAME --version V` waits for it)")
             if target.model.versions.get(target.number) is not target:
                 raise NotFoundError(f"{name} v{target.number} was freed on {self.device} while attaching; attach again")
-            variant = self._pick_variant(target, layout)
-            lease = Lease.new(pid, name, target.number)
+            variant = pick_variant(target, layout, self.device)
+            if session.token in self._ended:
+                raise NotFoundError(f"the session of pid {session.pid} closed while attaching; attach again")
+            lease = Lease.new(session.pid, session.pid_start_time, name, target.number, session.token)
             variant.leases[lease.id] = lease
             self._leases[lease.id] = variant
-        log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, pid, name, target.number, variant.layout,
-                 self.device)
+        log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, session.pid, name, target.number,
+                 variant.layout, self.device)
         return variant, lease
 
     def _pick_version(self, name: str, number: int, files: tuple[FileIdentity, ...]) -> Version:
@@ -381,26 +349,8 @@ class ModelStore:
         versions = ", ".join(f"v{v.number} from {v.source}" for v in sorted(model.versions.values(),
                                                                           key=lambda v: v.number)) or "none"
         raise NotFoundError(f"no version of {name} on {self.device} was loaded from the caller's checkpoint files "
-                            f"({len(files)} file(s) in {_common_dir(files)}); versions: {versions}. Load it with "
+                            f"({len(files)} file(s) in {common_dir(files)}); versions: {versions}. Load it with "
                             "`preload serve DIR`, or attach by version (--weights-version)")
-
-    def _pick_variant(self, version: Version, layout: Layout | None) -> Variant:
-        variants = list(version.variants.values())
-        if layout is None:
-            main = [v for v in variants if v.layout.component == "main"] or variants
-            if not main:
-                raise NotFoundError(f"{version.model.name} v{version.number} has no variants on {self.device}")
-            return main[0]
-        wanted = layout.resolve(version.arch)
-        found = version.variants.get(wanted)
-        if found is not None:
-            return found
-        closest = min(variants, key=lambda v: len(v.layout.differences(wanted)), default=None)
-        have = "; ".join(str(v.layout) for v in variants) or "none"
-        diffs = f" (closest differs in {', '.join(closest.layout.differences(wanted))})" if closest else ""
-        raise StaleError(f"{version.model.name} v{version.number} on {self.device} has no variant {wanted}{diffs}; "
-                         f"it has: {have}. Load that layout with `preload serve` (same --dtype, --quantization, "
-                         "--tp-size as the engine)")
 
     def _check_fresh(self, version: Version) -> None:
         """Marks a version stale when its checkpoint files changed on disk since it was loaded: no
@@ -424,14 +374,26 @@ class ModelStore:
             lease.renewed_at = time.time()
             return lease
 
-    def release(self, lease_id: str) -> None:
+    def release(self, lease_id: str, why: str = "released", how: str = "released") -> None:
         with self._lock:
             variant = self._leases.pop(lease_id, None)
             if variant is None:
                 raise NotFoundError(f"lease {lease_id} is unknown or was already released")
             lease = variant.leases.pop(lease_id)
-        log.info("lease %s released by pid %d", lease_id, lease.pid)
+            self.leases_ended[how] += 1
+        log.info("lease %s of pid %d on %s v%d %s", lease_id, lease.pid, lease.model, lease.version, why)
         self._retain(variant.version.model)
+
+    def end_session(self, session: Session) -> None:
+        """A session's connection closed (its process exited, or let go): its leases end now."""
+        with self._lock:
+            self._ended.append(session.token)
+            ids = [i for i, v in self._leases.items() if v.leases[i].session == session.token]
+        for lease_id in ids:
+            try:
+                self.release(lease_id, "ended with its session (the process exited or closed its client)", "session")
+            except NotFoundError:
+                continue
 
     def reap(self) -> list[Lease]:
         """Drops the leases of processes that are gone; returns them."""
@@ -440,11 +402,20 @@ class ModelStore:
         dead = [lease for lease in leases if not lease.holder_alive()]
         for lease in dead:
             try:
-                self.release(lease.id)
+                self.release(lease.id, "reaped: its process is gone", "reaped")
             except NotFoundError:
                 continue
-            log.info("reaped lease %s of dead pid %d (%s v%d)", lease.id, lease.pid, lease.model, lease.version)
         return dead
+
+    def verify(self, name: str = "", number: int = 0) -> list[tuple[Variant, str]]:
+        """Re-hashes the slabs of `name` (every model if empty), version `number` (every version if
+        0): (variant, the digest its bytes have now). A mismatch means the slab was written after
+        it was sealed, which only this uid (or root) can do."""
+        with self._lock:
+            models = [self._model(name)] if name else list(self._models.values())
+            variants = [var for m in models for v in ([self._version(m, number)] if number else m.versions.values())
+                        for var in v.variants.values()]
+        return [(variant, variant.slab.hash()) for variant in variants]
 
     # -- versions -----------------------------------------------------------------------------------
 
@@ -457,6 +428,7 @@ class ModelStore:
                 raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
             previous, model.active = model.active, number
         log.info("%s: active version v%d -> v%d on %s", name, previous, number, self.device)
+        self._on_change()
         self._retain(model)
         return model
 
@@ -465,6 +437,7 @@ class ModelStore:
         with self._lock:
             self._version(model, number).pinned = pinned
         log.info("%s v%d %s on %s", name, number, "pinned" if pinned else "unpinned", self.device)
+        self._on_change()
         if not pinned:
             self._retain(model)
         return model
@@ -499,6 +472,7 @@ class ModelStore:
             for variant in version.variants.values():
                 for lease_id in variant.leases:
                     self._leases.pop(lease_id, None)
+                    self.leases_ended["evicted"] += 1
                 _free(variant.slab)
                 freed.append(variant)
             log.info("freed %s v%d on %s (%d variant(s), %.1f MiB)", model.name, version.number, self.device,
@@ -510,15 +484,10 @@ class ModelStore:
             self._models.pop(model.name, None)
         return freed
 
-    def _evictable(self, model: Model, protect: Version | None = None) -> list[Version]:
-        """Versions retention may free, newest first: not active, pinned, leased or loading."""
-        return sorted((v for v in model.versions.values() if v.number != model.active and not v.pinned
-                       and not v.num_leases and not v.loading and v is not protect), key=lambda v: -v.number)
-
     def _retain(self, model: Model) -> None:
         """Frees the versions beyond the newest `keep` evictable ones."""
         with self._lock:
-            victims = self._evictable(model)[model.keep:]
+            victims = evictable(model)[model.keep:]
             if victims:
                 log.info("retention (keep %d) frees %s v%s on %s", model.keep, model.name,
                          ", v".join(str(v.number) for v in victims), self.device)
@@ -529,23 +498,7 @@ class ModelStore:
     def _make_room(self, model: Model, needed: int, target: Version) -> None:
         """Within the byte budget, frees the oldest evictable versions until `needed` more bytes fit,
         or refuses (caller holds the lock)."""
-        if not needed or not model.max_bytes or model.bytes + needed <= model.max_bytes:
-            return
-        victims, held = [], model.bytes
-        for version in reversed(self._evictable(model, protect=target)):
-            if held + needed <= model.max_bytes:
-                break
-            victims.append(version)
-            held -= version.bytes
-        if needed > model.max_bytes:
-            raise BudgetError(f"{model.name} needs {needed / 2**20:.1f} MiB on {self.device}, more than its whole budget "
-                              f"(--max-bytes {model.max_bytes}); raise --max-bytes, or 0 for no budget")
-        if held + needed > model.max_bytes:
-            kept = ", ".join(f"v{v.number} ({_why_kept(model, v)}, {v.bytes / 2**20:.1f} MiB)"
-                             for v in sorted(model.versions.values(), key=lambda v: v.number) if v not in victims)
-            raise BudgetError(f"{model.name} needs {needed / 2**20:.1f} MiB more on {self.device}, but its budget "
-                              f"(--max-bytes {model.max_bytes}) holds {model.bytes / 2**20:.1f} MiB that cannot be "
-                              f"freed: {kept or 'nothing'}; unpin or release versions, or raise --max-bytes")
+        victims = budget_victims(model, needed, target)
         if victims:
             log.info("budget of %s frees v%s on %s", model.name, ", v".join(str(v.number) for v in victims),
                      self.device)
@@ -554,7 +507,7 @@ class ModelStore:
     # -- reading the store --------------------------------------------------------------------------
 
     def _model(self, name: str, create: bool = False) -> Model:
-        _check_name(name)
+        check_name(name)
         with self._lock:
             model = self._models.get(name)
             if model is None:
@@ -603,6 +556,7 @@ class ModelStore:
                 _free(variant.slab)
             self._models.clear()
             self._leases.clear()
+            adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)
 
     # -- helpers ------------------------------------------------------------------------------------
 
@@ -660,52 +614,6 @@ class ModelStore:
                 model.max_bytes = retention.max_bytes
 
 
-def key_for(files: tuple[FileIdentity, ...], plan: LoadPlan, content_digest: str = "") -> CacheKey:
-    """The cache key of a variant: its source files, its plan's layout and the digest of its bytes."""
-    spec = plan.spec
-    return CacheKey(files=tuple(files), architecture=plan.architecture, tp_size=spec.tp_size,
-                    tp_rank=spec.tp_rank, dtype=str(plan.dtype).removeprefix("torch."),
-                    quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION,
-                    quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())),
-                    content_digest=content_digest)
-
-
-def _check_number(model: Model, number: int) -> int:
-    if not 0 < number <= MAX_VERSION:
-        raise InvalidRequestError(f"version {number} of {model.name} is out of range (1..{MAX_VERSION}); "
-                                  f"publish as v{model.last + 1} (the next) instead")
-    return number
-
-
-def _unique(plans: list[LoadPlan]) -> list[LoadPlan]:
-    """One plan per resolved layout (["auto", "float32"] on a float32 model are one variant)."""
-    first: dict[Layout, LoadPlan] = {}
-    for plan in plans:
-        first.setdefault(plan.layout, plan)
-    return list(first.values())
-
-
 def _free(slab: HostSlab) -> None:
     slab.close()
     slab.unlink()
-
-
-def _why_kept(model: Model, version: Version) -> str:
-    if version.number == model.active:
-        return "active"
-    if version.pinned:
-        return "pinned"
-    if version.num_leases:
-        pids = sorted({lease.pid for var in version.variants.values() for lease in var.leases.values()})
-        return f"leased by pid {', '.join(map(str, pids))}"
-    return "loading" if version.loading else "being loaded"
-
-
-def _common_dir(files: tuple[FileIdentity, ...]) -> str:
-    dirs = sorted({f.path.rsplit("/", 1)[0] for f in files})
-    return dirs[0] if len(dirs) == 1 else f"{len(dirs)} directories"
-
-
-def _check_name(name: str) -> None:
-    if not name or len(name) > 256 or "\0" in name:
-        raise InvalidRequestError(f"model name {name[:80]!r} must be 1..256 characters, without NUL")

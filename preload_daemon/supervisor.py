@@ -27,13 +27,14 @@ START_TIMEOUT_S = 60.0
 class DaemonProcess:
     """A daemon this command started (and stops on exit)."""
 
-    def __init__(self, device: str, runtime_dir: pathlib.Path, log_level: str = "INFO"):
+    def __init__(self, device: str, runtime_dir: pathlib.Path, log_level: str = "INFO",
+                 allow_external_links: bool = False):
         self.device = device
         self.config = DaemonConfig(device=device, runtime_dir=runtime_dir)
         self.log_file = open(self.config.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "preload_daemon", "--device", device, "--runtime-dir", str(runtime_dir),
-             "--log-level", log_level],
+             "--log-level", log_level, *(["--allow-external-links"] if allow_external_links else [])],
             stdin=subprocess.DEVNULL, stdout=self.log_file, stderr=subprocess.STDOUT)
 
     def wait_started(self, timeout: float = START_TIMEOUT_S) -> None:
@@ -66,8 +67,10 @@ class DaemonProcess:
         self.log_file.close()
 
 
-def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO") -> DaemonProcess | None:
-    """Reuses the daemon serving `device` if one answers; otherwise starts one and returns it."""
+def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO",
+                  allow_external_links: bool = False) -> DaemonProcess | None:
+    """Reuses the daemon serving `device` if one answers (with the options it was started with);
+    otherwise starts one and returns it."""
     config = DaemonConfig(device=device, runtime_dir=runtime_dir)
     with DaemonClient(config.socket_path, timeout=2.0) as client:
         try:
@@ -77,7 +80,7 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
         except DaemonUnavailableError:
             pass
     ensure_private_dir(runtime_dir)
-    daemon = DaemonProcess(device, runtime_dir, log_level)
+    daemon = DaemonProcess(device, runtime_dir, log_level, allow_external_links)
     daemon.wait_started()
     log.info("started daemon for %s (pid %d, log %s)", device, daemon.proc.pid, config.log_path)
     return daemon
@@ -86,7 +89,7 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
 def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str = "", dtype: str = "auto",
           quantization: str = "none", runtime_dir: pathlib.Path, log_level: str = "INFO",
           supervise: bool = True, keep: int | None = None, max_bytes: int | None = None,
-          draft_model: str | None = None) -> int:
+          draft_model: str | None = None, allow_external_links: bool = False) -> int:
     """Starts (or reuses) one daemon per device, loads rank r of `model` (default: the embedded default
     model) on device r, and then, if `supervise`, watches the daemons until SIGINT/SIGTERM; otherwise
     returns once loaded and leaves them running. A checkpoint not loaded before becomes a new version
@@ -105,7 +108,7 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
         signal.signal(sig, lambda *_: stop.set())
     try:
         for device in device_list:
-            daemon = ensure_daemon(device, runtime_dir, log_level)
+            daemon = ensure_daemon(device, runtime_dir, log_level, allow_external_links)
             if daemon is not None:
                 started.append(daemon)
         published = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,

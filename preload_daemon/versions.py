@@ -7,12 +7,13 @@ the active one never stopped serving. Used by `preload serve/publish/rollback/pi
 
 import dataclasses
 import logging
+import os
 import pathlib
 import sys
 import threading
 from collections.abc import Callable
 
-from preload_daemon.client import DaemonClient
+from preload_daemon.client import DaemonClient, access_denied
 from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
@@ -39,9 +40,13 @@ class Target:
 
 
 def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """(device, socket) for every daemon socket in the runtime dir."""
+    """(device, socket) for every daemon socket in the runtime dir. AccessDeniedError if the
+    directory is another user's (whose daemons we may not use)."""
+    runtime_dir = pathlib.Path(runtime_dir)
+    if runtime_dir.is_dir() and not os.access(runtime_dir, os.R_OK | os.X_OK):
+        raise access_denied(runtime_dir / "daemon.sock")
     found = []
-    for path in sorted(pathlib.Path(runtime_dir).glob("daemon-*.sock")):
+    for path in sorted(runtime_dir.glob("daemon-*.sock")):
         kind, _, index = path.stem.removeprefix("daemon-").partition("-")
         found.append((f"{kind}:{index}", path))
     return found

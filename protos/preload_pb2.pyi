@@ -151,18 +151,22 @@ class PinRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class FileIdentity(_message.Message):
-    __slots__ = ("path", "size", "mtime_ns", "inode", "header_sha256")
+    __slots__ = ("path", "size", "mtime_ns", "inode", "header_sha256", "ctime_ns", "device")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MTIME_NS_FIELD_NUMBER: _ClassVar[int]
     INODE_FIELD_NUMBER: _ClassVar[int]
     HEADER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    CTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     mtime_ns: int
     inode: int
     header_sha256: str
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., inode: _Optional[int] = ..., header_sha256: _Optional[str] = ...) -> None: ...
+    ctime_ns: int
+    device: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., inode: _Optional[int] = ..., header_sha256: _Optional[str] = ..., ctime_ns: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class CacheKey(_message.Message):
     __slots__ = ("files", "content_digest", "architecture", "tp_size", "tp_rank", "dtype", "quantization", "quant_params", "component", "format_version")
@@ -355,16 +359,18 @@ class ListModelsResponse(_message.Message):
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., summaries: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("model", "version", "layout", "files")
+    __slots__ = ("model", "version", "layout", "files", "session")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     layout: Layout
     files: _containers.RepeatedCompositeFieldContainer[FileIdentity]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., files: _Optional[_Iterable[_Union[FileIdentity, _Mapping]]] = ...) -> None: ...
+    session: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., files: _Optional[_Iterable[_Union[FileIdentity, _Mapping]]] = ..., session: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("manifest", "lease")
@@ -417,7 +423,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("device", "pid", "started_at", "resident_bytes", "num_leases", "models", "serving", "runtime_dir", "version", "summaries")
+    __slots__ = ("device", "pid", "started_at", "resident_bytes", "num_leases", "models", "serving", "runtime_dir", "version", "summaries", "num_sessions", "recovery", "adoption_seconds", "adopted_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
@@ -428,6 +434,10 @@ class Stats(_message.Message):
     RUNTIME_DIR_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SUMMARIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
+    ADOPTION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     pid: int
     started_at: float
@@ -438,4 +448,42 @@ class Stats(_message.Message):
     runtime_dir: str
     version: str
     summaries: _containers.RepeatedCompositeFieldContainer[ModelSummary]
-    def __init__(self, device: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., num_leases: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., serving: _Optional[bool] = ..., runtime_dir: _Optional[str] = ..., version: _Optional[str] = ..., summaries: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
+    num_sessions: int
+    recovery: _containers.RepeatedScalarFieldContainer[str]
+    adoption_seconds: float
+    adopted_bytes: int
+    def __init__(self, device: _Optional[str] = ..., pid: _Optional[int] = ..., started_at: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., num_leases: _Optional[int] = ..., models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., serving: _Optional[bool] = ..., runtime_dir: _Optional[str] = ..., version: _Optional[str] = ..., summaries: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., num_sessions: _Optional[int] = ..., recovery: _Optional[_Iterable[str]] = ..., adoption_seconds: _Optional[float] = ..., adopted_bytes: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("model", "version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SlabCheck(_message.Message):
+    __slots__ = ("model", "version", "layout", "slab", "expected", "actual", "ok")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    SLAB_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    layout: Layout
+    slab: str
+    expected: str
+    actual: str
+    ok: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., slab: _Optional[str] = ..., expected: _Optional[str] = ..., actual: _Optional[str] = ..., ok: _Optional[bool] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("slabs", "seconds")
+    SLABS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    slabs: _containers.RepeatedCompositeFieldContainer[SlabCheck]
+    seconds: float
+    def __init__(self, slabs: _Optional[_Iterable[_Union[SlabCheck, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...

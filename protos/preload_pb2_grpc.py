@@ -86,6 +86,11 @@ class WeightCacheStub:
                 request_serializer=preload__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=preload__pb2.Stats.FromString,
                 _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/preload.v1.WeightCache/Verify',
+                request_serializer=preload__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=preload__pb2.VerifyResponse.FromString,
+                _registered_method=True)
 
 
 class WeightCacheServicer:
@@ -158,6 +163,13 @@ class WeightCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Verify(self, request, context):
+        """Re-hashes slabs and compares them with the digests they were sealed with.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +222,11 @@ def add_WeightCacheServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=preload__pb2.GetStatsRequest.FromString,
                     response_serializer=preload__pb2.Stats.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=preload__pb2.VerifyRequest.FromString,
+                    response_serializer=preload__pb2.VerifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -484,6 +501,33 @@ class WeightCache:
             '/preload.v1.WeightCache/GetStats',
             preload__pb2.GetStatsRequest.SerializeToString,
             preload__pb2.Stats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/preload.v1.WeightCache/Verify',
+            preload__pb2.VerifyRequest.SerializeToString,
+            preload__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

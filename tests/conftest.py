@@ -56,6 +56,14 @@ def default_model() -> pathlib.Path:
     return default_model_path()
 
 
+def wait_until(predicate, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def runtime_dir():
     """A short private runtime dir (Unix socket paths are limited to 108 bytes), and its slabs."""

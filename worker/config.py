@@ -42,6 +42,8 @@ class EngineConfig:
     weights_version: str = ""
     """With ipc_cache: "" attaches to the version loaded from `model`'s files, "active" to the name's
     active version, a number to that version."""
+    allow_external_links: bool = False
+    """A cold load may read checkpoint files that link outside the model directory."""
     wait_for_daemon: float = 0.0
     """With ipc_cache: seconds to wait for a daemon that is absent or still loading before falling back."""
     speculative: str = ""

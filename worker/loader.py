@@ -10,6 +10,7 @@
 import dataclasses
 import logging
 import pathlib
+import threading
 import time
 
 import torch
@@ -56,13 +57,15 @@ class LoadRequest:
     fallback: bool = True
     weights_version: str = ""
     """"" (the version loaded from spec.path's files), "active", or a version number."""
+    allow_external: bool = False
+    """Checkpoint files may link outside the model directory (checkpoint.Checkpoint)."""
     wait_for_daemon: float = 0.0
     """Seconds to keep asking a daemon that is absent or still loading before giving up."""
 
 
 def load_safetensors(request: LoadRequest) -> LoadedWeights:
     started = time.time()
-    checkpoint = Checkpoint(request.spec.path)
+    checkpoint = Checkpoint(request.spec.path, allow_external=request.allow_external)
     try:
         plan = build_plan(checkpoint, request.spec)
         slab = torch.empty(plan.total_bytes, dtype=torch.uint8)
@@ -103,7 +106,7 @@ def attach(request: LoadRequest) -> AttachedModel:
     spec = request.spec
     by_version = request.weights_version not in ("", "active")
     version = int(request.weights_version) if by_version else 0
-    files = stat_identity(spec.path) if not request.weights_version else ()
+    files = stat_identity(spec.path, allow_external=request.allow_external) if not request.weights_version else ()
     deadline = time.monotonic() + request.wait_for_daemon
     waited = False
     client = DaemonClient.for_device(request.device, request.runtime_dir, timeout=10)  # renews the lease later
@@ -129,6 +132,63 @@ def attach(request: LoadRequest) -> AttachedModel:
         client.close()
         raise
     return attached
+
+
+class LeaseKeeper:
+    """Keeps an ipc_cache attachment leased across daemon restarts. When the daemon goes away (its
+    session closes), the mapped host slab stays valid, so the engine goes on serving and reports
+    itself degraded; the keeper asks every `retry_s` for the same weights (version and layout) from
+    whichever daemon comes back on the device, and once one holds them (a daemon that adopted the
+    slab, or reloaded the same bytes: equal content digest) takes a new lease there."""
+
+    def __init__(self, weights: LoadedWeights, device: str, runtime_dir: pathlib.Path | None, retry_s: float = 0.5):
+        self.weights, self.device, self.runtime_dir, self.retry_s = weights, device, runtime_dir, retry_s
+        self.lost = ""
+        """Why the lease is gone, while it is; "" while attached."""
+        self.reattached = 0
+        self._stop = threading.Event()
+
+    def start(self) -> "LeaseKeeper":
+        threading.Thread(target=self._run, name="lease-keeper", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            attached = self.weights.attached
+            if not attached.wait_lost(1.0):
+                continue
+            what = f"{attached.manifest.model} v{attached.version} ({attached.layout})"
+            self.lost = f"lost the daemon on {self.device}, which leased {what}; serving from the mapped slab " \
+                        "and re-attaching when a daemon holds it again"
+            log.warning("%s", self.lost)
+            while not self._stop.wait(self.retry_s):
+                try:
+                    self.weights.attached = self._reattach(attached)
+                    attached.close()
+                except PreloadError as e:
+                    self.lost = self.lost.split("; last try:")[0] + f"; last try: {e}"
+                    continue
+                self.lost = ""
+                self.reattached += 1
+                log.info("re-attached %s on %s with a new lease", what, self.device)
+                break
+
+    def _reattach(self, old: AttachedModel) -> AttachedModel:
+        client = DaemonClient.for_device(self.device, self.runtime_dir, timeout=5)
+        try:
+            new = client.attach(old.manifest.model, old.version, old.layout)
+        except BaseException:
+            client.close()
+            raise
+        if new.key.content_digest != old.key.content_digest:
+            new.release()
+            client.close()
+            raise StaleError(f"the daemon holds other bytes for {old.manifest.model} v{old.version} "
+                             f"({new.key.content_digest} vs {old.key.content_digest})")
+        return new
 
 
 def assemble(tensors: dict[str, torch.Tensor], parts) -> dict[str, torch.Tensor | QuantizedWeight]:

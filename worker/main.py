@@ -22,7 +22,7 @@ from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.plan import LoadSpec
 from worker.config import EngineConfig
 from worker.engine import Engine, SamplingParams
-from worker.loader import LoadedWeights, LoadRequest, load_weights
+from worker.loader import LeaseKeeper, LoadedWeights, LoadRequest, load_weights
 from worker.model import CausalLM, MTPDraft
 from worker.parallel import Leader, ParallelError, Rendezvous, TPGroup, follow
 from worker.speculative import Speculator
@@ -70,7 +70,7 @@ def build(config: EngineConfig, process_start: float, group: TPGroup | None) -> 
     try:
         request = LoadRequest(spec=config.load_spec(), device=config.device, runtime_dir=config.runtime_dir,
                               fallback=config.fallback, weights_version=config.weights_version,
-                              wait_for_daemon=config.wait_for_daemon)
+                              wait_for_daemon=config.wait_for_daemon, allow_external=config.allow_external_links)
         weights = load_weights(config.load_format, request)
         doc.update(load_format=weights.load_format, fallback_reason=weights.fallback_reason,
                    weights_start=weights.started, weights_done=weights.finished, weights_version=weights.version)
@@ -154,6 +154,9 @@ def run_follower(config: EngineConfig) -> int:
         except RuntimeError:
             pass
         return 1
+    for weights in (built.weights, built.draft):  # this rank's leases survive a restart of its daemon
+        if weights is not None and weights.attached is not None:
+            LeaseKeeper(weights, config.device, config.runtime_dir).start()
     try:
         ahead = config.num_speculative_tokens if config.speculative else 0  # as Engine sizes rank 0's caches
         follow(built.model, built.group, config.max_batch,
@@ -231,7 +234,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             print(json.dumps({"event": "ready", "port": where if not uds else 0, "uds": uds, **body}), flush=True)
             log.info("engine for %s ready on %s (%s%s)", state.name, where, built.weights.load_format,
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
-            state.watch_lease()
+            state.keep_leases([built.weights, built.draft], config.device, config.runtime_dir)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             log.error("engine for %s failed to start: %s", state.name, reason)

@@ -22,7 +22,7 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 def build_app(state: WorkerState) -> Starlette:
     async def health(_: Request):
-        return JSONResponse({"status": "alive", "model": state.name})
+        return JSONResponse(state.health())
 
     async def ready(_: Request):
         body = state.readiness()

@@ -6,9 +6,10 @@ import os
 import threading
 import time
 
-from preload_daemon.errors import InvalidRequestError, PreloadError
+from preload_daemon.errors import InvalidRequestError
+from worker import metrics
 from worker.engine import Engine
-from worker.loader import LoadedWeights
+from worker.loader import LeaseKeeper, LoadedWeights
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class WorkerState:
         self.tokenizer: Tokenizer | None = None
         self.weights: LoadedWeights | None = None
         self.failure = ""
+        self.keepers: list[LeaseKeeper] = []
         self._ready = threading.Event()
 
     def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None,
@@ -68,7 +70,15 @@ class WorkerState:
                 body["speculation"] = self.engine.speculation()
         if status != "ready":
             body["reason"] = self.not_ready_reason()
+        if degraded := self.degraded():
+            body["degraded"] = degraded
         return body
+
+    def health(self) -> dict:
+        """The /health body: alive, or degraded (serving, but without its daemon) and why."""
+        degraded = self.degraded()
+        return {"status": "degraded" if degraded else "alive", "model": self.name,
+                **({"reason": degraded} if degraded else {})}
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -78,41 +88,13 @@ class WorkerState:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def watch_lease(self, interval: float = 1.0) -> None:
-        """While attached, confirm the lease every `interval`; if the daemon goes away, stop
-        reporting ready rather than serve from weights nobody vouches for any more."""
-        attached = self.weights.attached if self.weights else None
-        if attached is None:
-            return
+    def keep_leases(self, weights: list[LoadedWeights], device: str, runtime_dir) -> None:
+        """Keeps the daemon leases of `weights` (main, draft) across daemon restarts (LeaseKeeper):
+        while one is lost, /health says degraded and why."""
+        self.keepers = [LeaseKeeper(w, device, runtime_dir).start() for w in weights if w and w.attached]
 
-        def watch() -> None:
-            while not self.failure:
-                time.sleep(interval)
-                try:
-                    attached.renew()
-                except PreloadError as e:
-                    self.failure = f"lost the daemon's lease on {self.name}: {e}"
-                    log.error("%s; no longer ready", self.failure)
-
-        threading.Thread(target=watch, name="lease-watch", daemon=True).start()
+    def degraded(self) -> str:
+        return "; ".join(k.lost for k in self.keepers if k.lost)
 
     def metrics_text(self) -> str:
-        stats = self.engine.stats if self.engine else {}
-        labels = f'model="{self.name}",replica="{self.replica}"'
-        lines = ["# TYPE preload_engine_ready gauge", f"preload_engine_ready{{{labels}}} {int(self.is_ready())}"]
-        if "weights_done" in self.timings:
-            fmt = f'{labels},load_format="{self.weights.load_format}"'
-            lines += ["# TYPE preload_engine_weights_seconds gauge",
-                      f"preload_engine_weights_seconds{{{fmt}}} "
-                      f'{self.timings["weights_done"] - self.timings["weights_start"]:.6f}',
-                      "# TYPE preload_engine_start_to_ready_seconds gauge",
-                      f"preload_engine_start_to_ready_seconds{{{fmt}}} "
-                      f'{self.timings["ready"] - self.timings["process_start"]:.6f}']
-        for key, value in stats.items():
-            lines += [f"# TYPE preload_engine_{key}_total counter", f"preload_engine_{key}_total{{{labels}}} {value}"]
-        speculation = self.engine.speculation() if self.engine else {}
-        for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_main_forward"):
-            if key in speculation:
-                lines += [f"# TYPE preload_engine_spec_{key} gauge",
-                          f"preload_engine_spec_{key}{{{labels}}} {speculation[key]:.6f}"]
-        return "\n".join(lines) + "\n"
+        return metrics.metrics_text(self)

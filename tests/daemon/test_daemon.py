@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -18,10 +17,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from safetensors.torch import load_file, save_file
 
 from preload_cli.models import synthetic_checkpoint
-from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
 from preload_daemon.checkpoint import stat_identity
+from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
 from preload_daemon.plan import Layout, LoadSpec
-from tests.conftest import REPO, copy_checkpoint
+from preload_daemon.sessions import session_path
+from tests.conftest import REPO, copy_checkpoint, run_preload, wait_until
 
 
 class Probe:
@@ -35,14 +35,6 @@ class Probe:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(30)
-
-
-def wait_until(predicate, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_attach_from_another_process_is_bitwise_and_zero_copy(daemon, tiny_llama):
@@ -98,7 +90,7 @@ def test_killed_worker_lease_is_reaped_then_evict_works(daemon, tiny_llama):
     probe.proc.kill()
     probe.proc.wait()
     wait_until(lambda: not daemon.client.list_models()[0].leases, timeout=10, what="lease reaping")
-    assert "reaped lease" in daemon.output()
+    assert "ended with its session" in daemon.output()
     with pytest.raises(NotFoundError):
         daemon.client.renew(probe.report["lease"])
     assert [m.version for m in daemon.client.evict("tiny-llama")] == [1]
@@ -126,8 +118,15 @@ def test_checkpoint_rewritten_in_place_is_never_served_as_the_old_one(daemon, ti
     ckpt = tmp_path / "ckpt"
     tensors = copy_checkpoint(tiny_llama, ckpt)
     daemon.client.load(LoadSpec(path=str(ckpt)))
-    save_file({k: v + 1 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))
-    with pytest.raises(StaleError, match=r"files\[.*model.safetensors\]\.mtime_ns"):
+    file = ckpt / "model.safetensors"
+    old = os.stat(file)
+    save_file({k: v + 1 for k, v in tensors.items()}, str(tmp_path / "new"))  # same size and header: new values
+    with open(file, "r+b") as f:  # written over in place, and the old mtime put back, as `cp -p` does
+        f.write((tmp_path / "new").read_bytes())
+    os.utime(file, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (os.stat(file).st_size, os.stat(file).st_mtime_ns, os.stat(file).st_ino) == \
+        (old.st_size, old.st_mtime_ns, old.st_ino)
+    with pytest.raises(StaleError, match=r"files\[.*model.safetensors\]\.ctime_ns"):
         daemon.client.attach("ckpt", files=stat_identity(ckpt))  # as an engine started on the files asks
     assert daemon.client.list_models()[0].state == "stale"
     old = daemon.client.attach("ckpt", version=1)  # v1 is still v1's weights: attaching by number works
@@ -185,6 +184,37 @@ def test_http_probes(start_daemon, tiny_llama):
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
     ready = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/ready"))
     assert ready["ready"] and ready["models"][0]["name"] == "tiny-llama"
+    attached = daemon.client.attach("tiny-llama")
+    with pytest.raises(NotFoundError):
+        daemon.client.attach("no-such-model")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    bytes_ = daemon.client.list_models()[0].slab_bytes
+    for line in ('preload_daemon_loads_total{outcome="ok"} 1.0', "preload_daemon_attaches_total 1.0",
+                 "preload_daemon_attach_seconds_count 1.0", 'preload_daemon_errors_total{kind="NotFoundError"} 1.0',
+                 f'preload_daemon_resident_bytes{{model="tiny-llama",version="1"}} {float(bytes_)}',
+                 'preload_daemon_leases{model="tiny-llama",version="1"} 1.0', "preload_daemon_sessions 1.0",
+                 "preload_daemon_serving 1.0", "preload_daemon_start_to_serving_seconds "):
+        assert line in metrics, line
+    attached.release()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    assert 'preload_daemon_leases_ended_total{how="released"} 1.0' in metrics
+
+
+def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llama):
+    """A same-uid process can chmod a slab back and write it; `preload verify` (and adoption by a
+    restarted daemon) re-hashes it and says so."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    assert [c.ok for c in daemon.client.verify().slabs] == [True]
+    [slab] = daemon.config.shm_dir.glob("*.slab")
+    os.chmod(slab, 0o600)
+    with open(slab, "r+b") as f:
+        f.seek(4096)
+        f.write(b"\x01")
+    [check] = daemon.client.verify("tiny-llama", 1).slabs
+    assert not check.ok and check.expected != check.actual
+    out = run_preload("verify", runtime_dir=daemon.config.runtime_dir)
+    assert out.returncode == 1 and "CHANGED" in out.stdout and "changed after they were sealed" in out.stderr
+    assert "was changed after it was sealed" in daemon.output()
 
 
 def test_oversized_and_malformed_requests(daemon, tiny_llama):
@@ -210,8 +240,9 @@ def test_oversized_and_malformed_requests(daemon, tiny_llama):
 
 
 def test_other_uid_cannot_use_the_socket(daemon, tiny_llama):
-    """As `nobody`: the private directory refuses the connection; and with the directory opened up,
-    the SO_PEERCRED check refuses the call."""
+    """As `nobody`: the kernel refuses the connection (private directory), and the client says whose
+    daemon it is; with the directory opened up, the session socket's SO_PEERCRED check refuses the
+    session, so nobody gets a lease."""
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as nobody")
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
@@ -222,27 +253,31 @@ def test_other_uid_cannot_use_the_socket(daemon, tiny_llama):
         "import os, sys\n"
         "from preload_daemon.client import DaemonClient\n"
         "from preload_daemon.errors import PreloadError\n"
+        "from preload_cli.main import main\n"
         "client = DaemonClient(%r, timeout=5)\n"
         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
         "try:\n    client.attach('tiny-llama')\n    print('ATTACHED')\n"
         "except PreloadError as e:\n    print(type(e).__name__, e)\n"
-    ) % str(daemon.config.socket_path)
+        "print('status exit', main(['status', '--runtime-dir', %r]))\n"
+    ) % (str(daemon.config.socket_path), str(daemon.config.runtime_dir))
 
     def as_nobody() -> str:
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=REPO)
         return out.stdout + out.stderr
 
-    assert "DaemonUnavailableError" in as_nobody()
-    runtime = daemon.config.runtime_dir
+    out = as_nobody()
+    assert "AccessDeniedError permission denied: this daemon serves uid 0, and you are uid 65534" in out, out
+    assert "preload status: permission denied: this daemon serves uid 0" in out and "status exit 1" in out, out
+    runtime, sessions = daemon.config.runtime_dir, session_path(daemon.config.socket_path)
     os.chmod(runtime, 0o755)
-    os.chmod(daemon.config.socket_path, 0o777)
+    os.chmod(sessions, 0o777)
     try:
         out = as_nobody()
     finally:
         os.chmod(runtime, 0o700)
-        os.chmod(daemon.config.socket_path, 0o600)
-    assert "AccessDeniedError" in out and "uid 65534" in out, out
-    assert "refused uid 65534" in daemon.output()
+        os.chmod(sessions, 0o600)
+    assert "AccessDeniedError" in out and "this daemon serves uid 0" in out, out
+    assert "refused a session of uid 65534" in daemon.output()
     assert daemon.client.attach("tiny-llama").version == 1
 
 

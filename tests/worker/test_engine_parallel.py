@@ -164,7 +164,7 @@ def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir
         assert back["restarts"] == 1 and back["engine"]["pid"] != replicas[0]
         assert back["engine"]["load_format"] == "ipc_cache"
         metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=30).read().decode()
-        assert f'preload_engine_ready{{model="{default_model.name}",replica="1"}} 1' in metrics
+        assert f'preload_engine_ready{{model="{default_model.name}",replica="1"}} 1.0' in metrics
         assert 'preload_router_replica_restarts_total{replica="0"} 1' in metrics
         router = engine.proc.pid
         children = [c.pid for c in psutil.Process(router).children(recursive=True)]

@@ -1,6 +1,7 @@
 """Engine workers as real processes: warm and cold starts, fallback, readiness, the HTTP API."""
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -10,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from preload_daemon.plan import LoadSpec
-from tests.conftest import copy_checkpoint
+from tests.conftest import copy_checkpoint, wait_until
 from worker.loader import FallbackRefusedError, LoadRequest, load_ipc_cache, load_safetensors
 
 PROMPT = [5, 17, 99, 3, 200, 41]
@@ -74,8 +75,13 @@ def test_stale_checkpoint_is_never_served_warm(daemon, tiny_llama, tmp_path, sta
     ckpt = tmp_path / "ckpt"
     tensors = copy_checkpoint(tiny_llama, ckpt)
     daemon.client.load(LoadSpec(path=str(ckpt)))
-    save_file({k: v * 2 for k, v in tensors.items()}, str(ckpt / "model.safetensors"))  # same shapes, new values
-    with pytest.raises(FallbackRefusedError, match="StaleError.*mtime_ns"):
+    file = ckpt / "model.safetensors"
+    old = os.stat(file)
+    save_file({k: v * 2 for k, v in tensors.items()}, str(tmp_path / "new"))  # same shapes, new values
+    with open(file, "r+b") as f:  # written over in place, the old mtime put back (`cp -p`)
+        f.write((tmp_path / "new").read_bytes())
+    os.utime(file, ns=(old.st_atime_ns, old.st_mtime_ns))
+    with pytest.raises(FallbackRefusedError, match="StaleError.*ctime_ns"):
         load_ipc_cache(LoadRequest(spec=LoadSpec(path=str(ckpt)), runtime_dir=daemon.config.runtime_dir,
                                    fallback=False))
     engine = start_engine(ckpt, "ipc_cache")
@@ -131,7 +137,7 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
     assert [c["index"] for c in batch["choices"]] == [0, 1]
     assert batch["usage"]["completion_tokens"] == 24
     metrics = urllib.request.urlopen(engine.url + "/metrics").read().decode()
-    assert 'preload_engine_ready{model="tiny-llama",replica="0"} 1' in metrics
+    assert 'preload_engine_ready{model="tiny-llama",replica="0"} 1.0' in metrics
 
 
 def test_openai_client_against_the_default_model(runtime_dir, default_model, start_engine):
@@ -149,20 +155,44 @@ def test_openai_client_against_the_default_model(runtime_dir, default_model, sta
     assert "Paris" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
 
 
-def test_engine_stops_reporting_ready_when_its_daemon_vanishes(daemon, tiny_llama, start_engine):
+def test_engine_survives_a_killed_daemon_and_reattaches_to_its_successor(daemon, tiny_llama, start_engine,
+                                                                        start_daemon):
+    """kill -9 of the daemon: the engine goes on serving from the mapped slab and says degraded in
+    /health; a new daemon on the device adopts the slab (no checkpoint read, same digest, same
+    version numbering) and the engine re-attaches on its own."""
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    digest = daemon.client.list_models()[0].key.content_digest
+    slabs = sorted(p.name for p in daemon.config.shm_dir.glob("*.slab"))
     engine = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
-    assert urllib.request.urlopen(engine.url + "/ready").status == 200
+    before = complete(engine)["choices"][0]["text"]
     daemon.proc.kill()
-    deadline = time.monotonic() + 15
+    daemon.proc.wait()
+    health = wait_for_health(engine, "degraded")
+    assert "lost the daemon on cpu:0" in health["reason"], health
+    assert urllib.request.urlopen(engine.url + "/ready").status == 200
+    assert complete(engine)["choices"][0]["text"] == before
+    successor = start_daemon()
+    wait_for_health(engine, "alive")
+    [info] = successor.client.list_models()
+    assert (info.version, info.key.content_digest) == (1, digest)
+    assert [lease.pid for lease in info.leases] == [engine.proc.pid]
+    assert sorted(p.name for p in successor.config.shm_dir.glob("*.slab")) == slabs
+    stats = successor.client.stats()
+    assert any(line.startswith("adopted tiny-llama v1") for line in stats.recovery), stats.recovery
+    assert "loaded tiny-llama" not in successor.output()  # adopted, not read again
+    assert complete(engine)["choices"][0]["text"] == before
+    metrics = urllib.request.urlopen(engine.url + "/metrics").read().decode()
+    assert 'preload_engine_reattached_total{model="tiny-llama",replica="0"} 1.0' in metrics
+    assert successor.client.load(LoadSpec(path=str(tiny_llama), dtype="float16")).version == 1
+    engine.stop()
+    wait_until(lambda: not successor.client.list_models()[0].leases, timeout=10, what="the engine's lease to end")
+
+
+def wait_for_health(engine, status: str, timeout: float = 20) -> dict:
+    deadline = time.monotonic() + timeout
     while True:
-        try:
-            urllib.request.urlopen(engine.url + "/ready")
-        except urllib.error.HTTPError as e:
-            assert e.code == 503 and "lost the daemon's lease" in json.load(e)["reason"]
-            break
-        assert time.monotonic() < deadline, "the engine kept reporting ready"
-        time.sleep(0.2)
-    with pytest.raises(urllib.error.HTTPError) as err:
-        complete(engine)
-    assert err.value.code == 503
+        body = json.load(urllib.request.urlopen(engine.url + "/health"))
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, f"/health stayed {body}"
+        time.sleep(0.1)

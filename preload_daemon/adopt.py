@@ -1,0 +1,239 @@
+"""Crash recovery: a daemon that starts on a device adopts the host slabs a previous daemon left.
+
+Beside each sealed slab (`NAME.slab`) the daemon writes a record (`NAME.slab.json`): the model,
+version and layout the slab holds, its tensor table, its digest and where its weights came from.
+Each device's model pointers (active version, last number given out, retention, pins) are kept in
+`state-DEVICE.json`. Both are written atomically (a temporary file, then rename) in the private
+shared-memory directory, and live as long as the slabs do (until reboot).
+
+A new daemon on the device reads them, re-hashes every slab against its record's digest, and
+installs what checks out as the versions and variants they were, without reading any checkpoint.
+Anything partial or corrupt (a slab without a record: a load that did not finish; a record that
+does not parse, names another size, or whose slab's bytes changed) is discarded and reported.
+Leases are not adopted: engines re-register theirs with the new daemon. JSON only, no pickle.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import stat
+import time
+
+from preload_daemon.arch import ArchSpec, parse_config
+from preload_daemon.buffers import dtype_from_name
+from preload_daemon.checkpoint import FileIdentity
+from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
+from preload_daemon.records import MAX_VERSION, Model, Variant, Version, key_for
+from preload_daemon.slab import HostSlab
+
+log = logging.getLogger(__name__)
+RECORD_FORMAT = 1
+MAX_RECORD_BYTES = 256 << 20  # a tensor table of ~1M entries
+RECORD_SUFFIX = ".json"
+
+
+def device_tag(device: str) -> str:
+    """The prefix of a device's slab names ("cpu0"): a daemon only adopts or sweeps its own."""
+    return device.replace(":", "")
+
+
+def state_path(shm_dir: pathlib.Path, device: str) -> pathlib.Path:
+    return shm_dir / f"state-{device_tag(device)}.json"
+
+
+def write_record(variant: Variant) -> None:
+    """The record beside a freshly sealed slab."""
+    version, plan, slab = variant.version, variant.plan, variant.slab
+    record = {
+        "format": RECORD_FORMAT, "slab": slab.path.name, "size": slab.size, "digest": slab.digest,
+        "model": version.model.name, "version": version.number, "source": version.source,
+        "files": [dataclasses.asdict(f) for f in version.files], "config_json": version.config_json,
+        "created_at": version.created_at, "layout": dataclasses.asdict(variant.layout),
+        "dtype": str(plan.dtype).removeprefix("torch."), "loaded_at": variant.loaded_at,
+        "load_seconds": variant.load_seconds, "total_bytes": plan.total_bytes,
+        "entries": [[e.name, e.role, str(e.dtype).removeprefix("torch."), list(e.shape), e.offset, e.nbytes, e.part,
+                     e.quant_scheme, [list(p) for p in e.quant_params]] for e in plan.entries],
+    }
+    _write_atomic(slab.path.with_name(slab.path.name + RECORD_SUFFIX), json.dumps(record).encode())
+
+
+def write_state(shm_dir: pathlib.Path, device: str, models: list[Model]) -> None:
+    """The device's model pointers, rewritten after every change."""
+    state = {"format": RECORD_FORMAT, "device": device, "models": [
+        {"name": m.name, "active": m.active, "last": m.last, "keep": m.keep, "max_bytes": m.max_bytes,
+         "pinned": sorted(n for n, v in m.versions.items() if v.pinned)} for m in models]}
+    _write_atomic(state_path(shm_dir, device), json.dumps(state).encode())
+
+
+def _write_atomic(path: pathlib.Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass
+class Adopted:
+    models: dict[str, Model]
+    report: list[str]
+    seconds: float
+    bytes: int
+
+
+def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
+    """Everything of `device` that a previous daemon left in `shm_dir`: the models it can rebuild
+    (versions and variants, no leases) and a line per slab adopted or discarded. Discarded slabs
+    and records are deleted."""
+    started = time.monotonic()
+    tag = device_tag(device) + "-"
+    report: list[str] = []
+    if not shm_dir.is_dir():
+        return Adopted({}, report, 0.0, 0)
+    state = _read_state(shm_dir, device, report)
+    models: dict[str, Model] = {}
+    slabs = sorted(p for p in shm_dir.iterdir() if p.name.startswith(tag) and p.name.endswith(".slab"))
+    records = {p for p in shm_dir.iterdir() if p.name.startswith(tag) and p.name.endswith(".slab" + RECORD_SUFFIX)}
+    adopted_bytes = 0
+    drafts: list[tuple[Variant, Layout]] = []
+    for path in slabs:
+        record_path = path.with_name(path.name + RECORD_SUFFIX)
+        records.discard(record_path)
+        try:
+            variant = _adopt_one(path, record_path, device, models, state)
+        except _Discard as e:
+            report.append(f"discarded {path.name}: {e}")
+            log.warning("discarding slab %s: %s", path.name, e)
+            path.unlink(missing_ok=True)
+            record_path.unlink(missing_ok=True)
+            continue
+        adopted_bytes += variant.slab.size
+        if variant.layout.component == "draft":
+            drafts.append((variant, dataclasses.replace(variant.layout, component="main")))
+        report.append(f"adopted {variant.name} v{variant.version.number} ({variant.layout}): "
+                      f"{variant.slab.size / 2**20:.1f} MiB, digest checked")
+    for variant, main in drafts:  # a draft borrows its main variant's embedding and lm_head
+        variant.base = variant.version.variants.get(main)
+        if variant.base is None:
+            report.append(f"discarded {variant.slab.path.name}: its main variant ({main}) was not adopted")
+            variant.version.variants.pop(variant.layout)
+            adopted_bytes -= variant.slab.size
+            variant.slab.close()
+            variant.slab.unlink()
+    for orphan in sorted(records):
+        report.append(f"discarded {orphan.name}: a record without its slab")
+        orphan.unlink(missing_ok=True)
+    for model in models.values():
+        _restore_pointers(model, state.get(model.name, {}))
+    for name in list(models):
+        if not models[name].versions:
+            del models[name]
+    return Adopted(models, report, time.monotonic() - started, adopted_bytes)
+
+
+class _Discard(Exception):
+    pass
+
+
+def _adopt_one(path: pathlib.Path, record_path: pathlib.Path, device: str, models: dict[str, Model],
+               state: dict) -> Variant:
+    if not os.path.lexists(record_path):
+        raise _Discard("no record beside it (a load that did not finish)")
+    record = _read_json(record_path, "its record")
+    try:
+        layout = Layout(**record["layout"])
+        number = int(record["version"])
+        if record.get("format") != RECORD_FORMAT or record["slab"] != path.name or not 0 < number <= MAX_VERSION:
+            raise _Discard("its record is of another format or names another slab")
+        entries = tuple(PlanEntry(name=n, role=role, dtype=dtype_from_name(dt), shape=tuple(int(d) for d in shape),
+                                  offset=int(offset), nbytes=int(nbytes), shard=None, source=n, part=part,
+                                  quant_scheme=scheme, quant_params=tuple((str(k), str(v)) for k, v in params))
+                        for n, role, dt, shape, offset, nbytes, part, scheme, params in record["entries"])
+        files = tuple(FileIdentity(**f) for f in record["files"])
+        name, size, digest = str(record["model"]), int(record["size"]), str(record["digest"])
+        arch = ArchSpec.from_config(parse_config(record["config_json"], record["source"]), record["source"])
+        dtype = dtype_from_name(record["dtype"])
+    except _Discard:
+        raise
+    except Exception as e:  # whatever a damaged record holds
+        raise _Discard(f"its record does not parse ({type(e).__name__}: {e})") from None
+    if any(e.offset + e.nbytes > size for e in entries):
+        raise _Discard("its record places tensors past the slab's end")
+    slab = _open_slab(path, size, digest)
+    model = models.setdefault(name, Model(name))
+    version = model.versions.get(number)
+    if version is None:
+        version = model.versions[number] = Version(model, number, str(record["source"]), files,
+                                                   record["config_json"], arch, float(record["created_at"]))
+        version.pinned = number in state.get(name, {}).get("pinned", [])
+    if layout in version.variants:
+        slab.close()
+        raise _Discard(f"{name} v{number} ({layout}) was adopted from another slab already")
+    spec = LoadSpec(path=version.source, name=name, **dataclasses.asdict(layout))
+    plan = LoadPlan(spec, arch, dtype, entries, int(record["total_bytes"]))
+    variant = Variant(version, plan.layout, plan, key_for(files, plan, digest), slab, float(record["loaded_at"]),
+                      float(record["load_seconds"]))
+    version.variants[variant.layout] = variant
+    return variant
+
+
+def _open_slab(path: pathlib.Path, size: int, digest: str) -> HostSlab:
+    """The slab, mapped read-only, if it is a regular file of ours of the recorded size whose
+    bytes still hash to the recorded digest."""
+    try:
+        info = os.lstat(path)
+    except OSError as e:
+        raise _Discard(f"cannot stat it: {e.strerror}") from None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise _Discard("it is not a regular file of this user")
+    if info.st_size != size:
+        raise _Discard(f"it has {info.st_size} bytes, its record says {size}")
+    slab = HostSlab.open(path, size, digest)
+    actual = slab.hash()
+    if actual != digest:
+        slab.close()
+        raise _Discard(f"its bytes changed after it was sealed (digest {actual}, sealed as {digest})")
+    return slab
+
+
+def _read_state(shm_dir: pathlib.Path, device: str, report: list[str]) -> dict[str, dict]:
+    path = state_path(shm_dir, device)
+    if not path.exists():
+        return {}
+    try:
+        state = _read_json(path, "the state file")
+        return {str(m["name"]): {"active": int(m["active"]), "last": int(m["last"]), "keep": int(m["keep"]),
+                                 "max_bytes": int(m["max_bytes"]), "pinned": [int(n) for n in m["pinned"]]}
+                for m in state["models"]}
+    except Exception as e:
+        report.append(f"ignored {path.name}: {e} (active versions default to the newest adopted)")
+        return {}
+
+
+def _read_json(path: pathlib.Path, what: str):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise _Discard(f"cannot open {what}: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size > MAX_RECORD_BYTES:
+            raise _Discard(f"{what} is not a regular file of this user under {MAX_RECORD_BYTES} bytes")
+        data = f.read(MAX_RECORD_BYTES + 1)
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise _Discard(f"{what} is not valid JSON ({type(e).__name__})") from None
+
+
+def _restore_pointers(model: Model, saved: dict) -> None:
+    numbers = sorted(model.versions)
+    model.last = max(saved.get("last", 0), numbers[-1])
+    model.keep = saved.get("keep", model.keep)
+    model.max_bytes = saved.get("max_bytes", model.max_bytes)
+    active = saved.get("active", 0)
+    model.active = active if active in model.versions else numbers[-1]

@@ -1,0 +1,225 @@
+"""Sessions: who the daemon's callers are, and when they die, from the kernel.
+
+gRPC serves its own Unix socket, which the runtime directory's permissions (0700, socket 0600)
+close to other users, but gRPC Python cannot say which process is on a connection. So a client
+that wants leases first opens a session: a plain connection to the daemon's session socket. On
+accept the daemon reads the caller's pid and uid with SO_PEERCRED and answers one line, `OK TOKEN`
+(or `ERR REASON` and closes). The client names the token in Attach, and the daemon binds the
+lease to the kernel's pid. The client keeps the connection open and sends nothing; when the process
+exits, however it exits (SIGKILL, zombie, crash), the kernel closes the connection and the daemon
+drops the session's leases at once. A client learns the same way that its daemon died.
+
+One thread watches every session with a selector: no thread per connection. The number of
+sessions is capped, with a clear refusal. accept() errors (EMFILE, say) are logged and retried
+with back-off, never fatal.
+"""
+
+import dataclasses
+import errno
+import logging
+import os
+import pathlib
+import secrets
+import selectors
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from preload_daemon.leases import process_start_time
+
+log = logging.getLogger(__name__)
+_CRED = struct.Struct("3i")
+MAX_LINE = 512
+BACKOFF_S = (0.05, 2.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Session:
+    token: str
+    pid: int
+    uid: int
+    pid_start_time: float
+
+
+class SessionServer:
+    def __init__(self, path: pathlib.Path, on_close: Callable[[Session], None], max_sessions: int = 1024):
+        self.path = path
+        self.uid = os.getuid()
+        self.max_sessions = max_sessions
+        self._on_close = on_close
+        self._sessions: dict[str, Session] = {}
+        self._sockets: dict[socket.socket, Session] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self.refused = 0
+        self.accept_errors = 0
+        path.unlink(missing_ok=True)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        old_umask = os.umask(0o177)  # born 0600: no window with wider permissions
+        try:
+            self._listener.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        self._listener.listen(512)
+        self._listener.setblocking(False)
+        self._thread = threading.Thread(target=self._loop, name="sessions", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def get(self, token: str) -> Session | None:
+        """The open session with this token (None once its connection closed)."""
+        with self._lock:
+            return self._sessions.get(token)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake_w.send(b"x")
+        self._thread.join(timeout=5)
+        self._listener.close()
+        self.path.unlink(missing_ok=True)
+        for sock in list(self._sockets):
+            sock.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- the selector thread ------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._listener, selectors.EVENT_READ, "accept")
+        selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+        backoff, paused_until = BACKOFF_S[0], 0.0
+        while not self._closed.is_set():
+            timeout = max(0.0, paused_until - time.monotonic()) if paused_until else None
+            for key, _ in selector.select(timeout):
+                if key.data == "accept":
+                    error = self._accept(selector)
+                    if error is None:
+                        backoff = BACKOFF_S[0]
+                        continue
+                    self.accept_errors += 1
+                    log.warning("accept() on %s failed: %s; accepting again in %.2fs", self.path, error, backoff)
+                    selector.unregister(self._listener)
+                    paused_until = time.monotonic() + backoff
+                    backoff = min(backoff * 2, BACKOFF_S[1])
+                elif key.data == "wake":
+                    self._wake_r.recv(64)
+                else:
+                    self._read(selector, key.fileobj)
+            if paused_until and time.monotonic() >= paused_until:
+                paused_until = 0.0
+                selector.register(self._listener, selectors.EVENT_READ, "accept")
+        selector.close()
+
+    def _accept(self, selector) -> OSError | None:
+        """Accepts what is waiting; returns an error that should pause accepting (out of file
+        descriptors or memory), None otherwise."""
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return None
+            except OSError as e:
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO):
+                    continue
+                return e
+            try:
+                self._open(selector, conn)
+            except OSError as e:
+                log.warning("dropping a session connection on %s: %s", self.path, e)
+                conn.close()
+
+    def _open(self, selector, conn: socket.socket) -> None:
+        pid, uid, _ = _CRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
+        conn.setblocking(False)
+        refusal = ""
+        if uid not in (self.uid, 0):
+            refusal = f"permission denied: this daemon serves uid {self.uid}; run your own with `preload daemon`"
+            log.warning("refused a session of uid %d (pid %d): only uid %d may use this daemon", uid, pid, self.uid)
+        elif len(self) >= self.max_sessions:
+            refusal = (f"too many sessions: this daemon holds {self.max_sessions} (its --max-sessions); close idle "
+                       "clients or raise the cap")
+            log.warning("refused a session of pid %d: %d sessions open (the cap)", pid, self.max_sessions)
+        start = process_start_time(pid) if not refusal else -1.0
+        if not refusal and start < 0:
+            refusal = f"pid {pid} has exited"
+        if refusal:
+            self.refused += 1
+            _send_line(conn, f"ERR {refusal}")
+            conn.close()
+            return
+        session = Session(secrets.token_hex(16), pid, uid, start)
+        with self._lock:
+            self._sessions[session.token] = session
+            self._sockets[conn] = session
+        selector.register(conn, selectors.EVENT_READ, "session")
+        _send_line(conn, f"OK {session.token}")
+        log.debug("session of pid %d opened", pid)
+
+    def _read(self, selector, conn: socket.socket) -> None:
+        """A client sends nothing after connecting: data is discarded, EOF or an error ends the session."""
+        try:
+            if conn.recv(4096):
+                return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        selector.unregister(conn)
+        conn.close()
+        with self._lock:
+            session = self._sockets.pop(conn)
+            self._sessions.pop(session.token, None)
+        log.debug("session of pid %d closed", session.pid)
+        try:
+            self._on_close(session)
+        except Exception:
+            log.exception("releasing the leases of pid %d failed", session.pid)
+
+
+def _send_line(conn: socket.socket, line: str) -> None:
+    try:
+        conn.send((line[:MAX_LINE - 1] + "\n").encode())  # a fresh socket's buffer takes one short line
+    except OSError:
+        pass
+
+
+class SessionError(OSError):
+    """The daemon refused a session, or did not answer."""
+
+
+def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socket, str]:
+    """Client side: connects to a daemon's session socket; returns the socket (keep it open for as
+    long as the leases should live) and the token to name in Attach."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+        line = b""
+        while not line.endswith(b"\n") and len(line) < MAX_LINE:
+            chunk = sock.recv(MAX_LINE - len(line))
+            if not chunk:
+                break
+            line += chunk
+    except OSError as e:
+        sock.close()
+        raise SessionError(e.errno or 0, f"cannot open a session on {path}: {e.strerror or e}") from e
+    status, _, rest = line.decode(errors="replace").strip().partition(" ")
+    if status != "OK" or not rest:
+        sock.close()
+        raise SessionError(errno.EACCES if "permission" in rest else errno.ECONNREFUSED,
+                           rest or f"the daemon on {path} closed the session without an answer")
+    return sock, rest
+
+
+def session_path(socket_path: pathlib.Path) -> pathlib.Path:
+    """The session socket beside a daemon's gRPC socket."""
+    return socket_path.with_name(socket_path.name.replace("daemon-", "session-", 1))

@@ -1,0 +1,94 @@
+"""Crash recovery in the store: a new store on the device adopts the slabs a previous one left
+(versions, variants, pointers, pins, numbering), re-hashing each; anything partial, corrupt or
+changed is discarded and reported; another device's slabs are left alone."""
+
+import os
+
+import pytest
+
+from preload_daemon.errors import LoadingError
+from preload_daemon.leases import process_start_time
+from preload_daemon.plan import LoadSpec
+from preload_daemon.sessions import Session
+from preload_daemon.store import ModelStore
+from tests.conftest import copy_checkpoint
+
+
+def me() -> Session:
+    return Session("t" * 32, os.getpid(), os.getuid(), process_start_time(os.getpid()))
+
+
+def snapshot(store: ModelStore) -> list:
+    return [(m.name, m.active, m.last, m.keep, [(n, v.pinned, v.source, sorted((str(x.layout), x.key.content_digest)
+                                                                           for x in v.variants.values()))
+                                              for n, v in sorted(m.versions.items())]) for m in store.models()]
+
+
+def test_a_new_store_adopts_everything_a_dead_one_left(tmp_path, tiny_llama):
+    shm = tmp_path / "shm"
+    first = ModelStore("cpu:0", shm)
+    first.load(LoadSpec(path=str(tiny_llama), name="m"))
+    first.load(LoadSpec(path=str(tiny_llama), name="m", dtype="bfloat16"))
+    first.pin("m", 1, True)
+    before = snapshot(first)  # `first` is never closed: as if its daemon was killed
+    second = ModelStore("cpu:0", shm)
+    found = second.adopt()
+    assert snapshot(second) == before and found.bytes == sum(v.slab.size for v in first.variants())
+    assert [line.split(" (")[0] for line in second.recovery] == ["adopted m v1"] * 2
+    variant, lease = second.attach("m", me())
+    assert variant.version.number == 1 and lease.pid == os.getpid()
+    old = {v.layout: v.slab.data for v in first.variants()}
+    assert all(old[v.layout].equal(v.slab.data) for v in second.variants())
+
+
+def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, tiny_llama):
+    shm = tmp_path / "shm"
+    first = ModelStore("cpu:0", shm)
+    first.load(LoadSpec(path=str(tiny_llama), name="good"))
+    first.load(LoadSpec(path=str(tiny_llama), name="changed"))
+    first.load(LoadSpec(path=str(tiny_llama), name="garbled"))
+    slabs = {v.name: v.slab.path for v in first.variants()}
+    os.chmod(slabs["changed"], 0o600)
+    with open(slabs["changed"], "r+b") as f:  # a same-uid process writes behind the daemon's back
+        f.seek(100)
+        f.write(b"\xff")
+    slabs["garbled"].with_name(slabs["garbled"].name + ".json").write_text("{not json")
+    (shm / "cpu0-partial-v1-0123456789ab.slab").write_bytes(b"\0" * 4096)  # a load that never finished
+    (shm / "cpu0-lost-v1-0123456789ab.slab.json").write_text("{}")  # a record without its slab
+    other = shm / "cpu1-m-v1-0123456789ab.slab"  # another device's: not ours to touch
+    other.write_bytes(b"\0" * 64)
+    second = ModelStore("cpu:0", shm)
+    second.adopt()
+    assert [m.name for m in second.models()] == ["good"]
+    report = "\n".join(second.recovery)
+    assert "adopted good v1" in report
+    assert f"discarded {slabs['changed'].name}: its bytes changed after it was sealed" in report
+    assert f"discarded {slabs['garbled'].name}: its record is not valid JSON" in report
+    assert "discarded cpu0-partial-v1-0123456789ab.slab: no record beside it (a load that did not finish)" in report
+    assert "discarded cpu0-lost-v1-0123456789ab.slab.json: a record without its slab" in report
+    assert not slabs["changed"].exists() and not slabs["garbled"].exists() and other.exists()
+    assert sorted(p.name for p in shm.iterdir() if p.name.startswith("cpu0-")) == \
+        sorted([slabs["good"].name, slabs["good"].name + ".json"])
+
+
+def test_pointers_and_numbering_go_on_after_a_crash(tmp_path, tiny_llama):
+    shm = tmp_path / "shm"
+    first = ModelStore("cpu:0", shm)
+    for copy in "abc":
+        copy_checkpoint(tiny_llama, tmp_path / copy)
+    first.load(LoadSpec(path=str(tmp_path / "a"), name="m"))
+    first.load(LoadSpec(path=str(tmp_path / "b"), name="m"))
+    first.set_active("m", 1)
+    first.pin("m", 2, True)
+    second = ModelStore("cpu:0", shm)
+    second.adopt()
+    [model] = second.models()
+    assert (model.active, model.last, sorted(model.versions), model.versions[2].pinned) == (1, 2, [1, 2], True)
+    assert second.load(LoadSpec(path=str(tmp_path / "c"), name="m"))[0].version.number == 3
+
+
+def test_a_load_past_its_timeout_fails_and_keeps_nothing(tmp_path, tiny_llama):
+    store = ModelStore("cpu:0", tmp_path / "shm", load_timeout_s=1e-9)
+    with pytest.raises(LoadingError, match=r"took longer than 1e-09s \(the daemon's --load-timeout\); nothing of it"):
+        store.load(LoadSpec(path=str(tiny_llama), name="m"))
+    assert store.variants() == [] and not list((tmp_path / "shm").glob("*.slab"))

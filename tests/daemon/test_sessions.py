@@ -1,0 +1,153 @@
+"""The connection model: sessions tie leases to processes through the kernel (SO_PEERCRED and the
+connection's close), with a cap, back-off on accept errors, no thread per connection and no name
+a stranger could bind first."""
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from preload_daemon.client import DaemonClient
+from preload_daemon.plan import LoadSpec
+from preload_daemon.sessions import SessionError, SessionServer, open_session, session_path
+from tests.conftest import REPO, wait_until
+
+
+@pytest.fixture
+def sessions(tmp_path):
+    closed = []
+    server = SessionServer(tmp_path / "session-cpu-0.sock", closed.append, max_sessions=3)
+    server.start()
+    server.closed = closed
+    yield server
+    server.close()
+
+
+def test_a_session_names_the_callers_pid_and_ends_when_it_closes(sessions):
+    sock, token = open_session(sessions.path)
+    session = sessions.get(token)
+    assert (session.pid, session.uid) == (os.getpid(), os.getuid())
+    assert oct(os.stat(sessions.path).st_mode & 0o777) == "0o600"
+    sock.close()
+    wait_until(lambda: sessions.get(token) is None, what="the session to end")
+    assert [s.token for s in sessions.closed] == [token]
+
+
+def test_the_cap_refuses_with_a_clear_message(sessions):
+    held = [open_session(sessions.path)[0] for _ in range(3)]
+    with pytest.raises(SessionError, match=r"too many sessions: this daemon holds 3 \(its --max-sessions\)"):
+        open_session(sessions.path)
+    assert sessions.refused == 1
+    held.pop().close()
+    wait_until(lambda: len(sessions) == 2, what="a slot to free")
+    held.append(open_session(sessions.path)[0])
+    for sock in held:
+        sock.close()
+
+
+def test_accept_errors_back_off_and_recover(sessions, caplog):
+    """Out of file descriptors (EMFILE): accept fails, is logged and retried; the server is not deaf
+    once descriptors are free again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    spare = [socket.socket() for _ in range(2)]
+    clients = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 2, hard))
+        for _ in range(4):  # the server's accepted ends use up the last descriptors
+            try:
+                c = socket.socket(socket.AF_UNIX)
+                c.setblocking(False)
+                c.connect_ex(str(sessions.path))
+                clients.append(c)
+            except OSError:
+                break
+        wait_until(lambda: sessions.accept_errors > 0, timeout=5, what="an accept error")
+    finally:
+        for s in clients + spare:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "accept() on" in caplog.text and "accepting again in" in caplog.text
+    wait_until(lambda: len(sessions) == 0, timeout=5, what="the sessions to close")
+    sock, token = open_session(sessions.path, timeout=10)
+    assert sessions.get(token) is not None
+    sock.close()
+
+
+def test_idle_connections_cost_no_threads_and_no_name_can_be_squatted(daemon, tiny_llama):
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    proc = psutil.Process(daemon.proc.pid)
+    threads = proc.num_threads()
+    clients = [DaemonClient(daemon.config.socket_path, timeout=10) for _ in range(100)]
+    held = [open_session(session_path(daemon.config.socket_path))[0] for _ in range(100)]
+    for client in clients:
+        client.stats()  # a gRPC connection each
+    assert daemon.client.stats().num_sessions == 100
+    assert proc.num_threads() <= threads + 4, f"{proc.num_threads()} threads against {threads} before"
+    # Every socket the daemon has is a file in its private directory (or unnamed): no abstract name
+    # that another user could read from /proc/net/unix and bind first.
+    names = {c.laddr for c in proc.net_connections(kind="unix") if c.laddr}
+    assert names and all(n.startswith(str(daemon.config.runtime_dir)) for n in names), names
+    for c in clients:
+        c.close()
+    for s in held:
+        s.close()
+    wait_until(lambda: daemon.client.stats().num_sessions == 0, what="the sessions to close")
+
+
+def test_a_zombie_holds_no_lease(daemon, tiny_llama):
+    """A worker that exits but is never reaped by its parent (a zombie) has no lease left: the
+    kernel closed its session when it exited."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    script = ("import sys, time\nfrom preload_daemon.client import DaemonClient\n"
+              "m = DaemonClient(sys.argv[1]).attach('tiny-llama')\nprint('attached', flush=True)\ntime.sleep(0.5)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(daemon.config.socket_path)], cwd=REPO,
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "attached"
+    wait_until(lambda: psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE, what="the child to be a zombie")
+    wait_until(lambda: not daemon.client.list_models()[0].leases, timeout=5, what="the zombie's lease to end")
+    child.wait()
+
+
+def test_attach_without_a_session_is_refused(daemon, tiny_llama):
+    import grpc
+
+    from protos import preload_pb2 as pb
+    from protos import preload_pb2_grpc as pb_grpc
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    with grpc.insecure_channel(f"unix:{daemon.config.socket_path}") as channel:
+        stub = pb_grpc.WeightCacheStub(channel)
+        for session in ("", "0" * 32, "x" * 10_000):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Attach(pb.AttachRequest(model="tiny-llama", session=session), timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert "Attach needs the token of an open session" in err.value.details()
+    assert not daemon.client.list_models()[0].leases
+
+
+def test_many_threads_attach_and_release_at_once(daemon, tiny_llama):
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    errors = []
+
+    def worker() -> None:
+        try:
+            with DaemonClient(daemon.config.socket_path, timeout=30) as client:
+                for _ in range(10):
+                    client.attach("tiny-llama").release()
+        except Exception as e:  # collected and asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert not daemon.client.list_models()[0].leases
+    print(f"80 attach/release from 8 threads in {time.monotonic() - start:.2f}s")
