@@ -150,3 +150,14 @@ def test_bench_spec_produces_json(tmp_path):
         ("ipc_cache", "ipc_cache")
     assert variants["cold (safetensors)"]["draft_load_format"] == "safetensors"
     assert doc["restart"]["ratios"]["weights_cold_over_warm"] > 0
+
+
+@pytest.mark.slow
+def test_soak_short_runs_clean():
+    """The short soak: concurrent attaches, engines and a daemon killed with SIGKILL; nothing leaks."""
+    out = run_script(REPO / "scripts" / "soak.py", "all", "--short", timeout=900)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0 and report["problems"] == [], (report, out.stderr[-3000:])
+    assert report["concurrency"]["4_processes"]["n"] == 40 and report["concurrency"]["errors"] == 0
+    assert report["engines"]["cycles"] == 3 and report["daemon"]["cycles"] == 2
+    assert report["after"]["leases"] == 0 and report["after"]["sessions"] == 0
