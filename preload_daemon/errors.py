@@ -67,13 +67,20 @@ STATUS_CODES: dict[type[PreloadError], grpc.StatusCode] = {
 _BY_NAME = {cls.__name__: cls for cls in STATUS_CODES}
 
 
-MAX_DETAILS = 8 << 10  # gRPC drops status details over 16 KiB, and the error class with them
+# gRPC sends status details percent-encoded in trailing metadata and drops (with the error class)
+# what is over 8 KiB encoded: up to 3 bytes per UTF-8 byte, so 2 KiB of UTF-8 always fits.
+MAX_DETAILS_BYTES = 2 << 10
 
 
 def to_status(error: PreloadError) -> tuple[grpc.StatusCode, str]:
+    """The status code and details of an error: one line (request strings echoed in a message may
+    hold line breaks or control characters: they are escaped), cut to what gRPC always delivers."""
     code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
-    details = f"{type(error).__name__}: {error}"
-    return code, details if len(details) <= MAX_DETAILS else details[:MAX_DETAILS - 14] + " ... (cut)"
+    details = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f"{type(error).__name__}: {error}")
+    raw = details.encode()
+    if len(raw) > MAX_DETAILS_BYTES:
+        details = raw[:MAX_DETAILS_BYTES - 12].decode(errors="ignore") + " ... (cut)"
+    return code, details
 
 
 def from_rpc_error(error: grpc.RpcError) -> PreloadError:

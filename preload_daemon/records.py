@@ -168,8 +168,9 @@ def key_for(files: tuple[FileIdentity, ...], plan: LoadPlan, content_digest: str
 
 def check_number(model: Model, number: int) -> int:
     if not 0 < number <= MAX_VERSION:
-        raise InvalidRequestError(f"version {number} of {model.name} is out of range (1..{MAX_VERSION}); "
-                                  f"publish as v{model.last + 1} (the next) instead")
+        hint = f"publish as v{model.last + 1} (the next) instead" if model.last < MAX_VERSION else \
+            f"every number of {model.name} was used: publish under a new name"
+        raise InvalidRequestError(f"version {number} of {model.name} is out of range (1..{MAX_VERSION}); {hint}")
     return number
 
 
@@ -198,5 +199,6 @@ def common_dir(files: tuple[FileIdentity, ...]) -> str:
 
 
 def check_name(name: str) -> None:
-    if not name or len(name) > 256 or "\0" in name:
-        raise InvalidRequestError(f"model name {name[:80]!r} must be 1..256 characters, without NUL")
+    if not name or len(name) > 256 or not name.isprintable():
+        raise InvalidRequestError(f"model name {name[:80]!r} must be 1..256 printable characters (no NUL, line "
+                                  "breaks or other control characters)")

@@ -301,7 +301,7 @@ def _chunks(request_iterator, context, stall_s: float):
             put(e)
 
     threading.Thread(target=read, name="publish-reader", daemon=True).start()
-    count, finished = 0, False
+    count = 0
     try:
         while True:
             try:
@@ -310,7 +310,6 @@ def _chunks(request_iterator, context, stall_s: float):
                 raise InvalidRequestError(f"no tensor data for {stall_s:g}s after {count} chunk(s); the publish was "
                                           "dropped") from None
             if item is None:
-                finished = True
                 return
             if item is _GONE:
                 raise InvalidRequestError(f"the publishing client went away after {count} chunk(s); nothing was "
@@ -322,9 +321,7 @@ def _chunks(request_iterator, context, stall_s: float):
             count += 1
             yield item.data
     finally:
-        stop.set()
-        if not finished:
-            context.cancel()  # ends the reader's wait for a client that stopped sending
+        stop.set()  # the reader's wait on a silent client ends when the servicer ends the call
 
 
 _GONE = object()

@@ -1,13 +1,13 @@
 """Text <-> token ids with the checkpoint's tokenizer.json (the `tokenizers` library, not the much
-slower-to-import transformers), plus its chat template."""
+slower-to-import transformers), plus its chat template (rendered in a sandbox: chat_template.py)."""
 
 import json
 import pathlib
 
-import jinja2
 import tokenizers
 
-from preload_daemon.errors import CheckpointError, InvalidRequestError
+from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
+from worker.chat_template import compile_template, read_template, render_template
 
 
 class Tokenizer:
@@ -15,11 +15,9 @@ class Tokenizer:
         self._tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
-        template = path / "chat_template.jinja"
-        source = template.read_text() if template.exists() else config.get("chat_template")
         self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
-        self._template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(source) \
-            if isinstance(source, str) else None
+        source, self._template_origin = read_template(path, config)
+        self._template = compile_template(source, self._template_origin) if source is not None else None
 
     @classmethod
     def load(cls, path: pathlib.Path) -> "Tokenizer | None":
@@ -28,6 +26,8 @@ class Tokenizer:
             return None
         try:
             return cls(path)
+        except PreloadError:
+            raise
         except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
             raise CheckpointError(f"{path}: cannot read its tokenizer ({type(e).__name__}: {str(e)[:200]}); fix or "
                                   "re-export tokenizer.json and tokenizer_config.json") from None
@@ -41,4 +41,5 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict]) -> str:
         if self._template is None:
             raise InvalidRequestError("this checkpoint has no chat template; send a plain prompt")
-        return self._template.render(messages=messages, add_generation_prompt=True, **self._special)
+        return render_template(self._template, self._template_origin,
+                               messages=messages, add_generation_prompt=True, **self._special)

@@ -1,0 +1,167 @@
+"""A checkpoint's chat template is untrusted code: it renders in a sandbox that keeps it away from
+Python's internals and bounds what it may build, and each way it can fail is a one-line error that
+says whose fault it is. A normal template still renders as transformers would render it."""
+
+import datetime
+import json
+import pathlib
+
+import pytest
+import tokenizers
+
+from preload_daemon.errors import CheckpointError, InvalidRequestError
+from worker.chat_template import MAX_PROMPT_CHARS, MAX_TEMPLATE_BYTES
+from worker.tokenizer import Tokenizer
+
+CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n' }}{% endif %}"
+          "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+USER = [{"role": "user", "content": "What is 2+2?"}]
+
+
+def checkpoint(path: pathlib.Path, template: str | None = None, template_file: str | None = None) -> pathlib.Path:
+    """A tokenizer-only checkpoint directory: a word-level tokenizer.json and the given template."""
+    path.mkdir(exist_ok=True)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"<unk>": 0, "hi": 1}, unk_token="<unk>"))
+    tok.save(str(path / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "<|im_end|>", **({"chat_template": template} if template else {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    if template_file is not None:
+        (path / "chat_template.jinja").write_text(template_file)
+    return path
+
+
+def render(tmp_path, template: str, messages=USER) -> str:
+    return Tokenizer.load(checkpoint(tmp_path / "model", template)).chat_prompt(messages)
+
+
+def assert_one_line(error: pytest.ExceptionInfo) -> None:
+    message = str(error.value)
+    assert "\n" not in message and "Traceback" not in message, message
+
+
+def test_chatml_renders_as_before(tmp_path):
+    messages = [{"role": "user", "content": "Hi <b>&</b> Ünïcödé 🚀"}, {"role": "assistant", "content": "Hello"},
+                {"role": "user", "content": "Bye"}]
+    assert render(tmp_path, CHATML, messages) == (
+        "<|im_start|>system\nYou are a helpful AI assistant<|im_end|>\n<|im_start|>user\nHi <b>&</b> Ünïcödé 🚀"
+        "<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_file_wins_and_trims_blocks(tmp_path):
+    """chat_template.jinja overrides tokenizer_config.json; trim_blocks and lstrip_blocks as in transformers."""
+    source = ("{% for m in messages %}\n    {% if m.role == 'user' %}\n[{{ m.content }}]{{ eos_token }}\n"
+              "    {% endif %}\n{% endfor %}")
+    tokenizer = Tokenizer(checkpoint(tmp_path / "model", "ignored", template_file=source))
+    assert tokenizer.chat_prompt(USER) == "[What is 2+2?]<|im_end|>\n"
+
+
+def test_no_template_asks_for_a_plain_prompt(tmp_path):
+    with pytest.raises(InvalidRequestError, match="no chat template; send a plain prompt"):
+        Tokenizer(checkpoint(tmp_path / "model")).chat_prompt(USER)
+
+
+@pytest.mark.parametrize("escape", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os }}",
+    "{{ cycler.__init__.__globals__.os.system('touch {canary}') }}",
+    "{{ joiner.__init__.__globals__['__builtins__']['open']('{canary}', 'w') }}",
+    "{{ namespace.__init__.__globals__.os.system('touch {canary}') }}",
+    "{{ raise_exception.__globals__['__builtins__'] }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{% set ns = namespace(__class__=1) %}",
+    "{{ messages.append({'role': 'user', 'content': 'injected'}) }}",
+    "{{ messages[0].update(role='system') }}",
+    "{{ ''.format.__self__.__class__ }}",
+    "{{ '{0.__class__.__mro__}'.format('') }}",
+    "{{ self.__init__ }}",
+    "{{ self._TemplateReference__context }}",
+])
+def test_sandbox_escapes_are_refused(tmp_path, escape):
+    canary = tmp_path / "canary"
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(CheckpointError, match=r"chat template tried something its sandbox forbids .*replace it") as e:
+        render(tmp_path, escape.replace("{canary}", str(canary)), messages)
+    assert_one_line(e)
+    assert not canary.exists() and messages == [{"role": "user", "content": "hi"}]
+
+
+def test_raise_exception_refuses_the_messages(tmp_path):
+    template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('Conversation must start with a "
+                "system message') }}{% endif %}ok")
+    with pytest.raises(InvalidRequestError, match="chat template refuses these messages: Conversation must start "
+                                                  "with a system message; change them as it asks") as e:
+        render(tmp_path, template)
+    assert_one_line(e)
+    assert render(tmp_path, template, [{"role": "system", "content": "x"}]) == "ok"
+
+
+def test_strftime_now(tmp_path):
+    today = lambda: datetime.datetime.now().strftime("%d %b %Y")  # noqa: E731
+    before = today()
+    rendered = render(tmp_path, "Today Date: {{ strftime_now('%d %b %Y') }}")
+    assert rendered in {f"Today Date: {before}", f"Today Date: {today()}"}  # either side of midnight
+
+
+def test_tojson_is_transformers_tojson(tmp_path):
+    """Plain json.dumps: no HTML escaping of <, > and &, non-ASCII kept, and its options work."""
+    tools = [{"name": "add", "description": "a <b> & c — ü"}]
+    template = ("{{ messages | tojson }}|{{ messages | tojson(indent=2) }}|"
+                "{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}")
+    assert render(tmp_path, template, tools) == \
+        f"{json.dumps(tools, ensure_ascii=False)}|{json.dumps(tools, ensure_ascii=False, indent=2)}|" '{"a": 2, "b": 1}'
+
+
+def test_helpers_real_templates_use(tmp_path):
+    """Loop controls, namespace() and transformers' {% generation %} tag."""
+    template = ("{% set ns = namespace(n=0) %}{% for m in messages %}{% if loop.index > 2 %}{% break %}{% endif %}"
+                "{% set ns.n = ns.n + 1 %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}={{ ns.n }}")
+    assert render(tmp_path, template, [{"role": "user", "content": c} for c in "abc"]) == "ab=2"
+
+
+def test_oversized_template_is_refused_at_load(tmp_path):
+    with pytest.raises(CheckpointError, match=rf"chat template is {MAX_TEMPLATE_BYTES + 1} bytes, over the") as e:
+        Tokenizer.load(checkpoint(tmp_path / "model", template_file="x" * (MAX_TEMPLATE_BYTES + 1)))
+    assert_one_line(e)
+    with pytest.raises(CheckpointError, match="over the"):
+        Tokenizer.load(checkpoint(tmp_path / "other", template="x" * (MAX_TEMPLATE_BYTES + 1)))
+
+
+def test_syntax_error_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match=r"chat template does not parse \(line 2: ") as e:
+        Tokenizer.load(checkpoint(tmp_path / "model", "ok\n{% for m in messages %}"))
+    assert_one_line(e)
+
+
+def test_rendered_prompt_is_bounded(tmp_path):
+    template = "{% for i in range(99999) %}{% for j in range(99999) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}"
+    with pytest.raises(InvalidRequestError, match=f"exceeds {MAX_PROMPT_CHARS} characters"):
+        render(tmp_path, template)
+
+
+@pytest.mark.parametrize("expression", ["'x' * 10**10", "[0] * 10**10", "2 ** 100000", "(10**10) ** (10**10)",
+                                        "'%9999999999d' % 1",
+                                        "'%*d' % (10**10, 1)", "'x'.ljust(10**10)", "'x' | center(10**10)",
+                                        "'x\ny' | indent(10**10)", "[1] | slice(10**10) | list",
+                                        "'%10000000000s' | format('x')", "'{:>9999999999}'.format(1)",
+                                        "'{0:>{1}}'.format(1, 10**10)", "'{:.9999999999f}'.format(1.5)",
+                                        "'{a:>{b}}'.format_map({'a': 1, 'b': 10**10})"])
+def test_huge_values_are_refused_before_they_are_built(tmp_path, expression):
+    with pytest.raises(CheckpointError, match="sandbox forbids"):
+        render(tmp_path, "{{ " + expression + " }}")
+
+
+def test_other_failures_are_the_templates_fault(tmp_path):
+    for template, kind in [("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[5].content }}", "UndefinedError"),
+                           ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError")]:
+        with pytest.raises(CheckpointError, match=f"chat template failed on these messages \\({kind}: ") as e:
+            render(tmp_path, template)
+        assert_one_line(e)
+
+
+def test_ordinary_numbers_and_formats_still_work(tmp_path):
+    """The bounds refuse sizes, not values: big numbers print, %-formats with small widths work."""
+    assert render(tmp_path, "{{ 1700000000 }} {{ '%d' % 1700000000 }} {{ '%5s|' % 'ab' }} {{ 2 ** 64 }} "
+                            "{{ '{:,}'.format(1234567890) }} {{ '{0:>{1}}|'.format('a', 3) }}") == \
+        "1700000000 1700000000    ab| 18446744073709551616 1,234,567,890   a|"

@@ -1,0 +1,247 @@
+"""A checkpoint's chat template is code that comes with the checkpoint, i.e. untrusted input: it is
+rendered in Jinja's immutable sandbox, as transformers does, with the helpers real templates call
+(`raise_exception`, `strftime_now`, transformers' `tojson`), and with bounds on its size, on the
+size of what it renders and on the values it may build on the way."""
+
+import datetime
+import functools
+import json
+import pathlib
+import re
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+
+from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
+
+MAX_TEMPLATE_BYTES = 1 << 20
+"""Real chat templates are a few KiB; a bigger one is refused when the tokenizer loads."""
+MAX_PROMPT_CHARS = 8 << 20
+"""Largest rendered chat prompt, and largest string or list the template may build on the way."""
+_MAX_POWER_BITS = 4096
+"""Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
+
+
+def read_template(path: pathlib.Path, config: dict) -> tuple[str | None, str]:
+    """The chat template's source (chat_template.jinja, else tokenizer_config.json's chat_template)
+    and where it came from, for error messages; refuses one over MAX_TEMPLATE_BYTES."""
+    file = path / "chat_template.jinja"
+    if file.is_file():  # not a FIFO or a device, whose read would block or never end
+        origin, size = str(file), file.stat().st_size
+        source = file.read_text(encoding="utf-8") if size <= MAX_TEMPLATE_BYTES else None
+    else:
+        origin, source = f"{path / 'tokenizer_config.json'} (chat_template)", config.get("chat_template")
+        if not isinstance(source, str):
+            return None, origin
+        size = len(source.encode())
+    if size > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(f"{origin}: the chat template is {size} bytes, over the {MAX_TEMPLATE_BYTES}-byte "
+                              "limit (real ones are a few KiB); replace it with the model's published template")
+    return source, origin
+
+
+def compile_template(source: str, origin: str) -> jinja2.Template:
+    try:
+        return _environment().from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise CheckpointError(f"{origin}: the chat template does not parse (line {e.lineno}: {e.message}); "
+                              "fix it or replace it with the model's published template") from None
+
+
+def render_template(template: jinja2.Template, origin: str, **context) -> str:
+    """The rendered prompt, stopped once over MAX_PROMPT_CHARS. Whatever goes wrong inside the
+    template becomes a PreloadError whose message says whose fault it is."""
+    pieces, size = [], 0
+    try:
+        for piece in template.generate(**context):
+            size += len(piece)
+            if size > MAX_PROMPT_CHARS:
+                raise InvalidRequestError(f"the chat prompt rendered from these messages exceeds {MAX_PROMPT_CHARS} "
+                                          f"characters; send shorter messages (if they are short, {origin} is "
+                                          "at fault: replace its chat template)")
+            pieces.append(piece)
+    except PreloadError:
+        raise
+    except TemplateRaised as e:
+        raise InvalidRequestError(f"the chat template refuses these messages: {e.message}; change them as "
+                                  "it asks, or send a plain prompt") from None
+    except jinja2.sandbox.SecurityError as e:
+        raise CheckpointError(f"{origin}: the chat template tried something its sandbox forbids ({_short(e)}), "
+                              "so it was not rendered; the template is broken or malicious: replace it with "
+                              "the model's published template") from None
+    except Exception as e:  # untrusted code may fail in any way (TypeError, RecursionError, MemoryError...)
+        raise CheckpointError(f"{origin}: the chat template failed on these messages ({type(e).__name__}: "
+                              f"{_short(e)}); fix the template, or send a plain prompt") from None
+    return "".join(pieces)
+
+
+def _short(error: Exception) -> str:
+    return " ".join(str(error).split())[:200]
+
+
+class TemplateRaised(jinja2.TemplateError):
+    """What a template's raise_exception(message) raises: it refuses the messages it was given."""
+
+
+def raise_exception(message) -> None:
+    raise TemplateRaised(str(message)[:500])
+
+
+def strftime_now(format: str) -> str:
+    """Today's date for templates that state it (Llama 3's "Today Date: 26 Jul 2024")."""
+    return datetime.datetime.now().strftime(format)
+
+
+def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson: plain json.dumps, without Jinja's HTML escaping of <, >, & and '."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class TemplateNamespace(jinja2.utils.Namespace):
+    """transformers' namespace(): no underscore-prefixed attributes, the way into CPython internals."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]  # Jinja's signature trick, so that namespace(self=...) still works
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            TemplateNamespace.check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        TemplateNamespace.check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def check_name(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.sandbox.SecurityError(f"a namespace attribute may not start with '_' (got {name!r})")
+
+
+class GenerationTag(jinja2.ext.Extension):
+    """Parses transformers' {% generation %}...{% endgeneration %} (it marks the assistant's tokens for
+    training masks) and renders its body unchanged, so templates that use it still work here."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox (no attribute that reaches Python internals, no mutating methods) that
+    also refuses to build a huge value in one step ('x' * 10**10, 2 ** 10**10, '%9999999999d' % 1,
+    'x'.ljust(10**10), '{:>9999999999}'.format(1), ...), which would exhaust memory or CPU before
+    the output bound could act."""
+
+    intercepted_binops = frozenset(("*", "**", "%"))
+
+    def unsafe_undefined(self, obj, attribute):
+        """Jinja returns an undefined that fails only if used further, so `''.__class__` alone prints
+        nothing; no real template touches such attributes, so refuse at once, with a clear error."""
+        raise jinja2.sandbox.SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} "
+                                           "object is unsafe")
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            _check_repeat(left, right)
+            _check_repeat(right, left)
+        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if left.bit_length() * right > _MAX_POWER_BITS:
+                raise jinja2.sandbox.SecurityError(f"{left} ** {right} is too large a number")
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
+        if getattr(__obj, "__name__", "") in _SIZED_METHODS and isinstance(getattr(__obj, "__self__", None), str):
+            _check_sizes(args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def wrap_str_format(self, value):
+        """Jinja's sandboxed str.format and format_map (it wraps them when they are looked up), bounded."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+
+        @functools.wraps(wrapped)
+        def bounded(*args, **kwargs):
+            _check_format_fields(value.__self__, args, kwargs)
+            return wrapped(*args, **kwargs)
+        return bounded
+
+
+_SIZED_METHODS = frozenset(("center", "ljust", "rjust", "zfill", "expandtabs"))
+"""str methods whose integer argument is the length of the string they build."""
+_FORMAT_FIELD = re.compile(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
+
+
+def _check_format_fields(text: str, args, kwargs) -> None:
+    """'{:>9999999999}'.format(1) builds a 10 GB string: refuse widths over the limit in the fields'
+    specs, and (for a width taken from the arguments, '{0:>{1}}') among the arguments."""
+    for field in _FORMAT_FIELD.findall(text):
+        spec = field.partition(":")[2]
+        if any(len(n) > 9 or int(n) > MAX_PROMPT_CHARS for n in re.findall(r"\d+", spec)):
+            raise jinja2.sandbox.SecurityError(f"a width or precision in {field[:40]!r} exceeds the limit")
+        if "{" in spec:
+            mappings = [a for a in args if isinstance(a, dict)]  # format_map's argument
+            _check_sizes((*args, *(v for m in mappings for v in m.values())), kwargs)
+
+
+def _check_repeat(sequence, times) -> None:
+    if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_PROMPT_CHARS:
+        raise jinja2.sandbox.SecurityError(f"repeating a {type(sequence).__name__} of length {len(sequence)} "
+                                           f"{times} times exceeds {MAX_PROMPT_CHARS}")
+
+
+def _check_sizes(args, kwargs) -> None:
+    """Refuses integer arguments beyond MAX_PROMPT_CHARS: as widths or counts they would build huge values."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and abs(value) > MAX_PROMPT_CHARS:
+            raise jinja2.sandbox.SecurityError(f"the argument {value} exceeds the limit of {MAX_PROMPT_CHARS}")
+
+
+_FORMAT_WIDTHS = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
+
+
+def _check_format(text: str, values) -> None:
+    """'%10000000000d' % 1 builds a 10 GB string: refuse widths and precisions over the limit, in the
+    format or (for '%*d') among the values."""
+    for width, precision in _FORMAT_WIDTHS.findall(text):
+        if len(width) > 9 or len(precision) > 9 or int(width or 0) > MAX_PROMPT_CHARS \
+                or int(precision or 0) > MAX_PROMPT_CHARS:
+            raise jinja2.sandbox.SecurityError(f"a %-format width or precision in {text[:40]!r} exceeds the limit")
+    if "*" in text:
+        _check_sizes(values if isinstance(values, tuple) else (values,), {})
+
+
+def _bounded_filter(function):
+    """A filter that refuses huge integer arguments after its value (center(10**10), indent(10**10),
+    slice(10**10), ...): they are widths and counts."""
+    first_option = 2 if getattr(function, "jinja_pass_arg", None) else 1  # after the context, if passed
+
+    @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marker
+    def bounded(*args, **kwargs):
+        _check_sizes(args[first_option:], kwargs)
+        return function(*args, **kwargs)
+    return bounded
+
+
+def _format_filter(value, *args, **kwargs):
+    """Jinja's format filter ('%5d'|format(n)) with the same bounds as the % operator."""
+    if isinstance(value, str):
+        _check_format(value, args)
+    return jinja2.filters.do_format(value, *args, **kwargs)
+
+
+@functools.cache
+def _environment() -> ChatSandbox:
+    """One shared environment: sandboxed and immutable, so templates of different checkpoints
+    compiled in it cannot affect one another."""
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag])
+    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
+    env.filters.update(tojson=_bounded_filter(tojson), format=_format_filter)
+    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=TemplateNamespace)
+    return env
