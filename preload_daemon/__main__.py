@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     configure_logging(args.log_level)
     try:
         return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir or default_runtime_dir(),
-                                       http_port=args.http_port, max_sessions=args.max_sessions, load_timeout_s=args.load_timeout,
+                                       http_port=args.http_port, max_sessions=args.max_sessions,
+                                       load_timeout_s=args.load_timeout,
                                        allow_external_links=args.allow_external_links)) or 0
     except PreloadError as e:
         print(f"preload daemon: {e}", file=sys.stderr)

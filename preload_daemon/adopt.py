@@ -25,7 +25,7 @@ from preload_daemon.arch import ArchSpec, parse_config
 from preload_daemon.buffers import dtype_from_name
 from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
-from preload_daemon.records import MAX_VERSION, Model, Variant, Version, key_for
+from preload_daemon.records import MAX_VERSION, Model, Variant, Version, check_name, key_for
 from preload_daemon.slab import HostSlab
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,12 @@ def _write_atomic(path: pathlib.Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        with os.fdopen(fd, "wb") as f:  # writes it all, or raises (a full /dev/shm)
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 @dataclasses.dataclass
@@ -104,12 +106,11 @@ def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
         record_path = path.with_name(path.name + RECORD_SUFFIX)
         records.discard(record_path)
         try:
-            variant = _adopt_one(path, record_path, device, models, state)
+            variant = _adopt_one(path, record_path, models, state)
         except _Discard as e:
             report.append(f"discarded {path.name}: {e}")
             log.warning("discarding slab %s: %s", path.name, e)
-            path.unlink(missing_ok=True)
-            record_path.unlink(missing_ok=True)
+            _remove(path, record_path)
             continue
         adopted_bytes += variant.slab.size
         if variant.layout.component == "draft":
@@ -123,24 +124,33 @@ def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
             variant.version.variants.pop(variant.layout)
             adopted_bytes -= variant.slab.size
             variant.slab.close()
-            variant.slab.unlink()
+            _remove(variant.slab.path, variant.slab.path.with_name(variant.slab.path.name + RECORD_SUFFIX))
     for orphan in sorted(records):
         report.append(f"discarded {orphan.name}: a record without its slab")
-        orphan.unlink(missing_ok=True)
-    for model in models.values():
-        _restore_pointers(model, state.get(model.name, {}))
-    for name in list(models):
-        if not models[name].versions:
+        _remove(orphan)
+    for name, model in list(models.items()):
+        for number in [n for n, v in model.versions.items() if not v.variants]:
+            del model.versions[number]
+        if not model.versions:
             del models[name]
+            continue
+        _restore_pointers(model, state.get(name, {}))
     return Adopted(models, report, time.monotonic() - started, adopted_bytes)
+
+
+def _remove(*paths: pathlib.Path) -> None:
+    for path in paths:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # a directory planted at the name, say: reported, never fatal
+            log.warning("cannot remove %s: %s", path, e)
 
 
 class _Discard(Exception):
     pass
 
 
-def _adopt_one(path: pathlib.Path, record_path: pathlib.Path, device: str, models: dict[str, Model],
-               state: dict) -> Variant:
+def _adopt_one(path: pathlib.Path, record_path: pathlib.Path, models: dict[str, Model], state: dict) -> Variant:
     if not os.path.lexists(record_path):
         raise _Discard("no record beside it (a load that did not finish)")
     record = _read_json(record_path, "its record")
@@ -154,29 +164,31 @@ def _adopt_one(path: pathlib.Path, record_path: pathlib.Path, device: str, model
                                   quant_scheme=scheme, quant_params=tuple((str(k), str(v)) for k, v in params))
                         for n, role, dt, shape, offset, nbytes, part, scheme, params in record["entries"])
         files = tuple(FileIdentity(**f) for f in record["files"])
-        name, size, digest = str(record["model"]), int(record["size"]), str(record["digest"])
-        arch = ArchSpec.from_config(parse_config(record["config_json"], record["source"]), record["source"])
+        name, size, digest, source = str(record["model"]), int(record["size"]), str(record["digest"]), \
+            str(record["source"])
+        check_name(name)
+        arch = ArchSpec.from_config(parse_config(record["config_json"], source), source)
         dtype = dtype_from_name(record["dtype"])
+        created_at, loaded_at = float(record["created_at"]), float(record["loaded_at"])
+        load_seconds, total_bytes = float(record["load_seconds"]), int(record["total_bytes"])
+        plan = LoadPlan(LoadSpec(path=source, name=name, **dataclasses.asdict(layout)), arch, dtype, entries,
+                        total_bytes)
     except _Discard:
         raise
     except Exception as e:  # whatever a damaged record holds
-        raise _Discard(f"its record does not parse ({type(e).__name__}: {e})") from None
-    if any(e.offset + e.nbytes > size for e in entries):
-        raise _Discard("its record places tensors past the slab's end")
-    slab = _open_slab(path, size, digest)
+        raise _Discard(f"its record does not parse ({type(e).__name__}: {str(e)[:200]})") from None
+    if size <= 0 or total_bytes != size or any(e.offset + e.nbytes > size for e in entries):
+        raise _Discard("its record's sizes do not fit the slab")
     model = models.setdefault(name, Model(name))
     version = model.versions.get(number)
-    if version is None:
-        version = model.versions[number] = Version(model, number, str(record["source"]), files,
-                                                   record["config_json"], arch, float(record["created_at"]))
-        version.pinned = number in state.get(name, {}).get("pinned", [])
-    if layout in version.variants:
-        slab.close()
+    if version is not None and layout in version.variants:
         raise _Discard(f"{name} v{number} ({layout}) was adopted from another slab already")
-    spec = LoadSpec(path=version.source, name=name, **dataclasses.asdict(layout))
-    plan = LoadPlan(spec, arch, dtype, entries, int(record["total_bytes"]))
-    variant = Variant(version, plan.layout, plan, key_for(files, plan, digest), slab, float(record["loaded_at"]),
-                      float(record["load_seconds"]))
+    slab = _open_slab(path, size, digest)
+    if version is None:
+        version = model.versions[number] = Version(model, number, source, files, record["config_json"], arch,
+                                                   created_at)
+        version.pinned = number in state.get(name, {}).get("pinned", [])
+    variant = Variant(version, plan.layout, plan, key_for(files, plan, digest), slab, loaded_at, load_seconds)
     version.variants[variant.layout] = variant
     return variant
 
@@ -185,14 +197,20 @@ def _open_slab(path: pathlib.Path, size: int, digest: str) -> HostSlab:
     """The slab, mapped read-only, if it is a regular file of ours of the recorded size whose
     bytes still hash to the recorded digest."""
     try:
-        info = os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise _Discard(f"cannot stat it: {e.strerror}") from None
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-        raise _Discard("it is not a regular file of this user")
-    if info.st_size != size:
-        raise _Discard(f"it has {info.st_size} bytes, its record says {size}")
-    slab = HostSlab.open(path, size, digest)
+        raise _Discard(f"cannot open it ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise _Discard("it is not a regular file of this user")
+        if info.st_size != size:
+            raise _Discard(f"it has {info.st_size} bytes, its record says {size}")
+        slab = HostSlab.open(path, size, digest, fd)
+    except OSError as e:
+        raise _Discard(f"cannot map it ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     actual = slab.hash()
     if actual != digest:
         slab.close()

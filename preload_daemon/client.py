@@ -147,6 +147,9 @@ class DaemonClient:
         """The token of this client's session with the daemon, opened on first use and kept open
         for the client's life: the daemon ties this client's leases to this process through it."""
         with self._session_lock:
+            if self._session is not None and _closed_by_peer(self._session[0], 0):
+                self._session[0].close()  # its daemon is gone: a new one needs a new session
+                self._session = None
             if self._session is None:
                 path = session_path(self.path)
                 try:
@@ -163,13 +166,7 @@ class DaemonClient:
         leases of this client are gone. Returns False after `timeout` seconds otherwise."""
         with self._session_lock:
             sock = self._session[0] if self._session is not None else None
-        if sock is None:
-            return True
-        try:
-            readable, _, _ = select.select([sock], [], [], timeout)
-            return bool(readable) and not sock.recv(1, socket.MSG_DONTWAIT)  # b"": the daemon's EOF
-        except (OSError, ValueError):
-            return True
+        return sock is None or _closed_by_peer(sock, timeout)
 
     def load(self, spec: LoadSpec, on_progress=None, timeout: float | None = None, *,
              layouts: tuple[Layout, ...] = (), version: int = 0, activate: bool = True,
@@ -286,6 +283,20 @@ def attach(model: str, device: str = "cpu:0", runtime_dir: str | os.PathLike | N
     """Attaches to `model` on the daemon for `device`: {name: tensor} views, zero-copy, leased."""
     client = DaemonClient.for_device(device, runtime_dir)
     return client.attach(model, version, layout)
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """Whether the daemon closed this session socket (waiting up to `timeout` seconds to see)."""
+    poller = select.poll()  # not select(): that fails on descriptors >= 1024
+    poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+    try:
+        if not poller.poll(timeout * 1000):
+            return False
+        return not sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)  # b"": the daemon's EOF
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def access_denied(path: pathlib.Path, detail: str = "") -> AccessDeniedError:

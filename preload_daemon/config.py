@@ -144,6 +144,8 @@ def shm_dir_for(runtime_dir: pathlib.Path, shm_root: pathlib.Path = pathlib.Path
                 return check_private_dir(shm_root / name, fix)
             except FileNotFoundError:
                 log.info("%s is gone (reboot?); making a new shared-memory directory", shm_root / name)
+            except InvalidRequestError as e:  # someone took the name while it did not exist: not ours
+                log.warning("%s; making a new shared-memory directory instead", e)
         path = _make_shm_dir(shm_root, fix)
         _write_shm_record(dir_fd, path.name)
         return path

@@ -70,9 +70,10 @@ def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPSer
                                   "sessions": len(server.sessions), "recovery": server.store.recovery})
             elif self.path == "/ready":
                 ready = server.ready()
-                models = [{"name": m.name, "active_version": m.active,
-                           "versions": [{"version": n, "state": v.state} for n, v in sorted(m.versions.items())]}
-                          for m in server.store.models()]
+                with server.store.lock:
+                    models = [{"name": m.name, "active_version": m.active,
+                               "versions": [{"version": n, "state": v.state} for n, v in sorted(m.versions.items())]}
+                              for m in server.store.models()]
                 self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
                                                     "loading": server.store.is_loading(), "models": models})
             elif self.path == "/metrics":

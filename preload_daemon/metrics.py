@@ -44,10 +44,9 @@ class _StoreCollector:
                                      labels=["model", "version"])
         leases = GaugeMetricFamily("preload_daemon_leases", "Active leases, per model and version",
                                    labels=["model", "version"])
-        for model in store.models():
-            for number, version in sorted(model.versions.items()):
-                resident.add_metric([model.name, str(number)], version.bytes)
-                leases.add_metric([model.name, str(number)], version.num_leases)
+        for name, number, held, leased in store.usage():
+            resident.add_metric([name, str(number)], held)
+            leases.add_metric([name, str(number)], leased)
         yield resident
         yield leases
         ended = CounterMetricFamily("preload_daemon_leases_ended", "Leases that ended, by how (released, "

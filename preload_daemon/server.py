@@ -143,8 +143,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def ListModels(self, request, context):
-        return pb.ListModelsResponse(models=[self._info(v) for v in self.store.variants()],
-                                     summaries=[self._summary(m) for m in self.store.models()])
+        with self.store.lock:  # a consistent view, while loads and releases change the store
+            return pb.ListModelsResponse(models=[self._info(v) for v in self.store.variants()],
+                                         summaries=[self._summary(m) for m in self.store.models()])
 
     @_rpc
     def Attach(self, request, context):
@@ -180,6 +181,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def GetStats(self, request, context):
+        with self.store.lock:
+            return self._stats()
+
+    def _stats(self) -> pb.Stats:
         variants = self.store.variants()
         return pb.Stats(device=self.store.device, pid=os.getpid(), started_at=self.started_at,
                         resident_bytes=sum(v.slab.size for v in variants),
@@ -360,29 +365,33 @@ class DaemonServer:
         self.config = config
         ensure_private_dir(config.runtime_dir)
         self._lock_fd = _lock_device(config)
-        self.serving_since = 0.0
-        self.health = health.HealthServicer()
-        self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health,
-                                allow_external=config.allow_external_links, load_timeout_s=config.load_timeout_s)
-        self.store.adopt()
-        self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions)
-        options = [("grpc.max_receive_message_length", config.max_message_bytes),
-                   ("grpc.max_send_message_length", config.max_message_bytes)]
-        # RPCs past the cap are refused by gRPC with RESOURCE_EXHAUSTED; idle connections cost no thread.
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
-                                  options=options, maximum_concurrent_rpcs=config.max_rpcs)
-        self.metrics = DaemonMetrics(self, psutil.Process().create_time())
-        self.servicer = WeightCacheServicer(self.store, self.sessions, time.time(), config, self.metrics)
-        pb_grpc.add_WeightCacheServicer_to_server(self.servicer, self.server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        config.socket_path.unlink(missing_ok=True)
-        old_umask = os.umask(0o177)  # the socket is born 0600
         try:
-            self.server.add_insecure_port(f"unix:{config.socket_path}")
-        finally:
-            os.umask(old_umask)
-        os.chmod(config.socket_path, 0o600)
+            self.serving_since = 0.0
+            self.health = health.HealthServicer()
+            self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health,
+                                    allow_external=config.allow_external_links, load_timeout_s=config.load_timeout_s)
+            self.store.adopt()
+            self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions)
+            options = [("grpc.max_receive_message_length", config.max_message_bytes),
+                       ("grpc.max_send_message_length", config.max_message_bytes)]
+            # RPCs past the cap are refused by gRPC with RESOURCE_EXHAUSTED; idle connections cost no thread.
+            self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+                                      options=options, maximum_concurrent_rpcs=config.max_rpcs)
+            self.metrics = DaemonMetrics(self, psutil.Process().create_time())
+            self.servicer = WeightCacheServicer(self.store, self.sessions, time.time(), config, self.metrics)
+            pb_grpc.add_WeightCacheServicer_to_server(self.servicer, self.server)
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+            config.socket_path.unlink(missing_ok=True)
+            old_umask = os.umask(0o177)  # the socket is born 0600
+            try:
+                self.server.add_insecure_port(f"unix:{config.socket_path}")
+            finally:
+                os.umask(old_umask)
+            os.chmod(config.socket_path, 0o600)
+        except BaseException:
+            os.close(self._lock_fd)  # a retry in this process must not find the device locked
+            raise
         self.update_health()
 
     @property

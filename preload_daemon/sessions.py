@@ -65,6 +65,7 @@ class SessionServer:
             os.umask(old_umask)
         self._listener.listen(512)
         self._listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()  # its descriptor now, not when the thread gets to it
         self._thread = threading.Thread(target=self._loop, name="sessions", daemon=True)
 
     def start(self) -> None:
@@ -93,31 +94,37 @@ class SessionServer:
     # -- the selector thread ------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        selector = selectors.DefaultSelector()
+        selector = self._selector
         selector.register(self._listener, selectors.EVENT_READ, "accept")
         selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         backoff, paused_until = BACKOFF_S[0], 0.0
         while not self._closed.is_set():
             timeout = max(0.0, paused_until - time.monotonic()) if paused_until else None
             for key, _ in selector.select(timeout):
-                if key.data == "accept":
-                    error = self._accept(selector)
-                    if error is None:
-                        backoff = BACKOFF_S[0]
-                        continue
-                    self.accept_errors += 1
-                    log.warning("accept() on %s failed: %s; accepting again in %.2fs", self.path, error, backoff)
-                    selector.unregister(self._listener)
-                    paused_until = time.monotonic() + backoff
-                    backoff = min(backoff * 2, BACKOFF_S[1])
-                elif key.data == "wake":
-                    self._wake_r.recv(64)
-                else:
-                    self._read(selector, key.fileobj)
+                try:
+                    backoff, paused_until = self._event(selector, key, backoff, paused_until)
+                except Exception:  # never let one event end the only thread that ends leases
+                    log.exception("session event on %s failed; going on", self.path)
             if paused_until and time.monotonic() >= paused_until:
                 paused_until = 0.0
                 selector.register(self._listener, selectors.EVENT_READ, "accept")
         selector.close()
+
+    def _event(self, selector, key, backoff: float, paused_until: float) -> tuple[float, float]:
+        """Handles one ready descriptor; returns the accept back-off state."""
+        if key.data == "accept":
+            error = self._accept(selector)
+            if error is None:
+                return BACKOFF_S[0], paused_until
+            self.accept_errors += 1
+            log.warning("accept() on %s failed: %s; accepting again in %.2fs", self.path, error, backoff)
+            selector.unregister(self._listener)
+            return min(backoff * 2, BACKOFF_S[1]), time.monotonic() + backoff
+        if key.data == "wake":
+            self._wake_r.recv(64)
+        else:
+            self._read(selector, key.fileobj)
+        return backoff, paused_until
 
     def _accept(self, selector) -> OSError | None:
         """Accepts what is waiting; returns an error that should pause accepting (out of file
@@ -157,10 +164,10 @@ class SessionServer:
             conn.close()
             return
         session = Session(secrets.token_hex(16), pid, uid, start)
+        selector.register(conn, selectors.EVENT_READ, "session")  # first: if it fails, nothing is half made
         with self._lock:
             self._sessions[session.token] = session
             self._sockets[conn] = session
-        selector.register(conn, selectors.EVENT_READ, "session")
         _send_line(conn, f"OK {session.token}")
         log.debug("session of pid %d opened", pid)
 

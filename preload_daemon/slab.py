@@ -34,6 +34,7 @@ class HostSlab:
         self.digest = ""
         self._mapping = mapping
         self._use = threading.Lock()
+        self._hashing, self._close_when_hashed = 0, False
         self.data = bytes_tensor(mapping)
 
     @classmethod
@@ -60,14 +61,9 @@ class HostSlab:
         return cls(path, size, mapping)
 
     @classmethod
-    def open(cls, path: pathlib.Path, size: int, digest: str) -> "HostSlab":
-        """A sealed slab a previous daemon left (adopt.py), mapped read-only."""
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        slab = cls(path, size, mapping)
+    def open(cls, path: pathlib.Path, size: int, digest: str, fd: int) -> "HostSlab":
+        """A sealed slab a previous daemon left (adopt.py), mapped read-only from `fd`."""
+        slab = cls(path, size, mmap.mmap(fd, size, prot=mmap.PROT_READ))
         slab.digest = digest
         return slab
 
@@ -77,13 +73,22 @@ class HostSlab:
         os.chmod(self.path, 0o400)
 
     def hash(self) -> str:
-        """The digest of the slab's bytes as they are now ("" if the slab was freed meanwhile)."""
-        with self._use:  # close() waits: the mapping must not go away under the hasher
+        """The digest of the slab's bytes as they are now ("" if the slab was freed). A close() while
+        hashing is carried out when the hash is done: the mapping never goes away under the
+        hasher, and the closer (the store, under its lock) never waits for it."""
+        with self._use:
             if self.data is None:
                 return ""
+            self._hashing += 1
+        try:
             hasher = new_hasher()
             hasher.update(memoryview(self.data.numpy()))
             return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
+        finally:
+            with self._use:
+                self._hashing -= 1
+                if self._close_when_hashed and not self._hashing:
+                    self._unmap()
 
     def unlink(self) -> None:
         """Removes the file and its record. Processes that mapped it keep their pages until they unmap."""
@@ -92,8 +97,14 @@ class HostSlab:
 
     def close(self) -> None:
         with self._use:
-            self.data = None
-            self._mapping.close()
+            if self._hashing:
+                self._close_when_hashed = True
+            else:
+                self._unmap()
+
+    def _unmap(self) -> None:
+        self.data = None
+        self._mapping.close()
 
 
 def map_slab(path: str, size: int) -> torch.Tensor:

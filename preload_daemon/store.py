@@ -24,13 +24,14 @@ from preload_daemon.cachekey import file_differences
 from preload_daemon.checkpoint import Checkpoint, FileIdentity, refresh_identity
 from preload_daemon.errors import InvalidRequestError, LeasedError, LoadingError, NotFoundError, PlanError, StaleError
 from preload_daemon.execute import execute
+from preload_daemon.fill import Filler, free_slab
 from preload_daemon.leases import Lease
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
 from preload_daemon.records import (MAX_VERSION, LoadProgress, Model, Retention, Variant, Version, budget_victims,
-                                    check_name, check_number, common_dir, evictable, key_for, pick_variant,
+                                    check_name, check_number, common_dir, evictable, pick_variant,
                                     unique_plans)
 from preload_daemon.sessions import Session
-from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
+from preload_daemon.slab import HostSlab
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ModelStore:
         self.shm_dir = shm_dir
         self._notify = on_change
         self._lock = threading.RLock()
+        self.lock = self._lock
+        """Held while reading several records at once (status, metrics); never held long."""
         self._models: dict[str, Model] = {}
         self._leases: dict[str, Variant] = {}
         self._ended: collections.deque = collections.deque(maxlen=4096)
@@ -181,15 +184,17 @@ class ModelStore:
                     model.last = max(model.last, number)
                 target.loading += 1
             self._on_change()
-            deadline = time.monotonic() + self.load_timeout_s
+            filler = Filler(self.device, self.shm_dir, self.load_timeout_s, on_progress)
             if fill_all is not None:
-                made = self._fill_stream(target, todo, fill_all, on_progress, tensors_total, bytes_total, deadline)
+                made = filler.stream(target, todo, fill_all, tensors_total, bytes_total)
             else:
                 for plan in todo:
-                    made.append(self._fill_one(target, plan, execute_one, on_progress, deadline))
+                    made.append(filler.one(target, plan, execute_one))
+                    with self._lock:  # attachable before the other layouts of this load
+                        target.variants[plan.layout] = made[-1]
         except BaseException:
             for variant in made:
-                _free(variant.slab)
+                free_slab(variant.slab)
             with self._lock:
                 target.loading -= 1
                 for variant in made:
@@ -212,90 +217,6 @@ class ModelStore:
             log.info("%s v%d on %s from %s: %d variant(s)%s", model.name, number, self.device, target.source,
                      len(made), " (active)" if model.active == number else "")
         return [target.variants[p.layout] for p in plans]
-
-    def _fill_one(self, version: Version, plan: LoadPlan, execute_one, on_progress, deadline: float) -> Variant:
-        start = time.monotonic()
-        slab = self._new_slab(version, plan)
-        progress = LoadProgress("reading", 0, plan.tensor_bytes, 0, len(plan.entries))
-        on_progress(progress)
-
-        def on_tensor(entry) -> None:
-            self._check_deadline(version, deadline)
-            progress.bytes_done += entry.nbytes
-            progress.tensors_done += 1
-            on_progress(progress)
-
-        hasher = new_hasher()
-        try:
-            execute_one(plan, slab, on_tensor, hasher)
-        except BaseException:
-            _free(slab)
-            raise
-        variant = self._seal(version, plan, slab, f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}", time.monotonic() - start)
-        with self._lock:
-            version.variants[variant.layout] = variant  # attachable before the other layouts of this load
-        return variant
-
-    def _fill_stream(self, version: Version, plans: list[LoadPlan], fill_all, on_progress, tensors_total,
-                     bytes_total, deadline: float) -> list[Variant]:
-        start = time.monotonic()
-        slabs: list[HostSlab] = []
-        try:
-            for plan in plans:
-                slabs.append(self._new_slab(version, plan))
-            progress = LoadProgress("reading", 0, bytes_total, 0, tensors_total)
-            on_progress(progress)
-
-            def on_tensor(info) -> None:
-                self._check_deadline(version, deadline)
-                progress.bytes_done += info.nbytes
-                progress.tensors_done += 1
-                on_progress(progress)
-
-            fill_all(list(zip(plans, slabs)), on_tensor)
-            digests = []
-            for slab in slabs:  # zero-filled slabs written out of plan order: hash them once, whole
-                hasher = new_hasher()
-                hasher.update(memoryview(slab.data.numpy()))
-                digests.append(f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}")
-        except BaseException:
-            for slab in slabs:
-                _free(slab)
-            raise
-        seconds = time.monotonic() - start
-        made: list[Variant] = []
-        for plan, slab, digest in zip(plans, slabs, digests):
-            made.append(self._seal(version, plan, slab, digest, seconds, tuple(made)))
-        return made
-
-    def _check_deadline(self, version: Version, deadline: float) -> None:
-        if time.monotonic() > deadline:
-            raise LoadingError(f"loading {version.model.name} v{version.number} on {self.device} took longer than "
-                               f"{self.load_timeout_s:g}s (the daemon's --load-timeout); nothing of it was kept. "
-                               "Raise --load-timeout for very large checkpoints or slow disks")
-
-    def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
-        layout = plan.layout
-        label = f"{adopt.device_tag(self.device)}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
-                f"{layout.component}-{layout.dtype}-{layout.quantization}"
-        return HostSlab.create(self.shm_dir, label, plan.total_bytes)
-
-    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float,
-              made: tuple["Variant", ...] = ()) -> Variant:
-        slab.seal(digest)
-        key = key_for(version.files, plan, digest)
-        log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
-                 version.number, self.device, plan.layout, len(plan.entries), plan.total_bytes / 2**20, seconds,
-                 plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
-        variant = Variant(version, plan.layout, plan, key, slab, time.time(), seconds)
-        if plan.layout.component == "draft":
-            main = dataclasses.replace(plan.layout, component="main")
-            variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
-        try:
-            adopt.write_record(variant)
-        except OSError as e:
-            log.warning("cannot write the record of slab %s: %s (a restarted daemon could not adopt it)", slab.id, e)
-        return variant
 
     # -- attaching ----------------------------------------------------------------------------------
 
@@ -415,7 +336,8 @@ class ModelStore:
             models = [self._model(name)] if name else list(self._models.values())
             variants = [var for m in models for v in ([self._version(m, number)] if number else m.versions.values())
                         for var in v.variants.values()]
-        return [(variant, variant.slab.hash()) for variant in variants]
+        checks = [(variant, variant.slab.hash()) for variant in variants]
+        return [(variant, actual) for variant, actual in checks if actual]  # "": freed meanwhile, not changed
 
     # -- versions -----------------------------------------------------------------------------------
 
@@ -473,7 +395,7 @@ class ModelStore:
                 for lease_id in variant.leases:
                     self._leases.pop(lease_id, None)
                     self.leases_ended["evicted"] += 1
-                _free(variant.slab)
+                free_slab(variant.slab)
                 freed.append(variant)
             log.info("freed %s v%d on %s (%d variant(s), %.1f MiB)", model.name, version.number, self.device,
                      len(version.variants), version.bytes / 2**20)
@@ -542,6 +464,12 @@ class ModelStore:
         with self._lock:
             return [m for _, m in sorted(self._models.items())]
 
+    def usage(self) -> list[tuple[str, int, int, int]]:
+        """(model, version, bytes, leases) of every version, read under the lock (for metrics)."""
+        with self._lock:
+            return [(m.name, n, v.bytes, v.num_leases) for m in self._models.values()
+                    for n, v in sorted(m.versions.items())]
+
     def is_active(self, variant: Variant) -> bool:
         return variant.version.model.active == variant.version.number
 
@@ -553,7 +481,7 @@ class ModelStore:
         """Frees every slab (graceful daemon shutdown)."""
         with self._lock:
             for variant in self.variants():
-                _free(variant.slab)
+                free_slab(variant.slab)
             self._models.clear()
             self._leases.clear()
             adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)
@@ -612,8 +540,3 @@ class ModelStore:
                 model.keep = retention.keep
             if retention.max_bytes is not None:
                 model.max_bytes = retention.max_bytes
-
-
-def _free(slab: HostSlab) -> None:
-    slab.close()
-    slab.unlink()

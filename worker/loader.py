@@ -168,7 +168,9 @@ class LeaseKeeper:
                 try:
                     self.weights.attached = self._reattach(attached)
                     attached.close()
-                except PreloadError as e:
+                except Exception as e:  # a daemon not back yet, or anything else: keep trying
+                    if not isinstance(e, PreloadError):
+                        log.warning("re-attaching %s failed: %s: %s", what, type(e).__name__, e)
                     self.lost = self.lost.split("; last try:")[0] + f"; last try: {e}"
                     continue
                 self.lost = ""
@@ -177,17 +179,23 @@ class LeaseKeeper:
                 break
 
     def _reattach(self, old: AttachedModel) -> AttachedModel:
+        """The same weights from the device's daemon now: the same version number (a daemon that
+        adopted the slab), else the version loaded from the same files (a daemon that loaded them
+        again numbered them anew); accepted only with the same content digest."""
         client = DaemonClient.for_device(self.device, self.runtime_dir, timeout=5)
         try:
-            new = client.attach(old.manifest.model, old.version, old.layout)
+            try:
+                new = client.attach(old.manifest.model, old.version, old.layout)
+            except (NotFoundError, StaleError):
+                if not old.key.files:
+                    raise
+                new = client.attach(old.manifest.model, 0, old.layout, old.key.files)
+            if new.key.content_digest != old.key.content_digest:
+                raise StaleError(f"the daemon holds other bytes for {old.manifest.model} v{new.version} "
+                                 f"({new.key.content_digest} vs {old.key.content_digest})")
         except BaseException:
-            client.close()
+            client.close()  # its session ends any lease it took
             raise
-        if new.key.content_digest != old.key.content_digest:
-            new.release()
-            client.close()
-            raise StaleError(f"the daemon holds other bytes for {old.manifest.model} v{old.version} "
-                             f"({new.key.content_digest} vs {old.key.content_digest})")
         return new
 
 

@@ -47,7 +47,10 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     first.load(LoadSpec(path=str(tiny_llama), name="good"))
     first.load(LoadSpec(path=str(tiny_llama), name="changed"))
     first.load(LoadSpec(path=str(tiny_llama), name="garbled"))
+    first.load(LoadSpec(path=str(tiny_llama), name="typed"))
     slabs = {v.name: v.slab.path for v in first.variants()}
+    typed = slabs["typed"].with_name(slabs["typed"].name + ".json")
+    typed.write_text(typed.read_text().replace('"created_at": ', '"created_at": null, "was": '))
     os.chmod(slabs["changed"], 0o600)
     with open(slabs["changed"], "r+b") as f:  # a same-uid process writes behind the daemon's back
         f.seek(100)
@@ -55,6 +58,7 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     slabs["garbled"].with_name(slabs["garbled"].name + ".json").write_text("{not json")
     (shm / "cpu0-partial-v1-0123456789ab.slab").write_bytes(b"\0" * 4096)  # a load that never finished
     (shm / "cpu0-lost-v1-0123456789ab.slab.json").write_text("{}")  # a record without its slab
+    (shm / "cpu0-dir-v1-0123456789ab.slab.json").mkdir()  # a directory where a record would be: no crash
     other = shm / "cpu1-m-v1-0123456789ab.slab"  # another device's: not ours to touch
     other.write_bytes(b"\0" * 64)
     second = ModelStore("cpu:0", shm)
@@ -64,11 +68,12 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     assert "adopted good v1" in report
     assert f"discarded {slabs['changed'].name}: its bytes changed after it was sealed" in report
     assert f"discarded {slabs['garbled'].name}: its record is not valid JSON" in report
+    assert f"discarded {slabs['typed'].name}: its record does not parse (TypeError" in report
     assert "discarded cpu0-partial-v1-0123456789ab.slab: no record beside it (a load that did not finish)" in report
     assert "discarded cpu0-lost-v1-0123456789ab.slab.json: a record without its slab" in report
     assert not slabs["changed"].exists() and not slabs["garbled"].exists() and other.exists()
     assert sorted(p.name for p in shm.iterdir() if p.name.startswith("cpu0-")) == \
-        sorted([slabs["good"].name, slabs["good"].name + ".json"])
+        sorted([slabs["good"].name, slabs["good"].name + ".json", "cpu0-dir-v1-0123456789ab.slab.json"])
 
 
 def test_pointers_and_numbering_go_on_after_a_crash(tmp_path, tiny_llama):

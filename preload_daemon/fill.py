@@ -1,0 +1,98 @@
+"""Making the slabs of one load or publish: a new shared-memory slab per variant, filled from its
+load plan (a directory) or from a stream, hashed, sealed and recorded for a daemon that may adopt
+it (adopt.py), with progress and a deadline. The store decides what to make and installs what
+this returns (store.py)."""
+
+import dataclasses
+import logging
+import time
+
+from preload_daemon import adopt
+from preload_daemon.errors import LoadingError
+from preload_daemon.plan import LoadPlan
+from preload_daemon.records import LoadProgress, Variant, Version, key_for
+from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
+
+log = logging.getLogger(__name__)
+
+
+class Filler:
+    def __init__(self, device: str, shm_dir, timeout_s: float, on_progress):
+        self.device, self.shm_dir, self.timeout_s, self.on_progress = device, shm_dir, timeout_s, on_progress
+        self.deadline = time.monotonic() + timeout_s
+
+    def one(self, version: Version, plan: LoadPlan, execute_one) -> Variant:
+        """A variant from a directory: `execute_one(plan, slab, on_tensor, hasher)` fills it in plan order."""
+        start = time.monotonic()
+        slab = self._new_slab(version, plan)
+        on_tensor = self._progress(version, plan.tensor_bytes, len(plan.entries))
+        hasher = new_hasher()
+        try:
+            execute_one(plan, slab, on_tensor, hasher)
+        except BaseException:
+            free_slab(slab)
+            raise
+        return self._seal(version, plan, slab, f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}", time.monotonic() - start)
+
+    def stream(self, version: Version, plans: list[LoadPlan], fill_all, tensors_total: int,
+               bytes_total: int) -> list[Variant]:
+        """Every plan's variant at once from one stream: `fill_all([(plan, slab)], on_tensor)`."""
+        start = time.monotonic()
+        slabs: list[HostSlab] = []
+        try:
+            for plan in plans:
+                slabs.append(self._new_slab(version, plan))
+            fill_all(list(zip(plans, slabs)), self._progress(version, bytes_total, tensors_total))
+            digests = [slab.hash() for slab in slabs]  # written out of plan order: hashed once, whole
+        except BaseException:
+            for slab in slabs:
+                free_slab(slab)
+            raise
+        seconds = time.monotonic() - start
+        made: list[Variant] = []
+        for plan, slab, digest in zip(plans, slabs, digests):
+            made.append(self._seal(version, plan, slab, digest, seconds, tuple(made)))
+        return made
+
+    def _progress(self, version: Version, bytes_total: int, tensors_total: int):
+        """The per-tensor callback: progress, and the deadline."""
+        progress = LoadProgress("reading", 0, bytes_total, 0, tensors_total)
+        self.on_progress(progress)
+
+        def on_tensor(item) -> None:
+            if time.monotonic() > self.deadline:
+                raise LoadingError(f"loading {version.model.name} v{version.number} on {self.device} took longer "
+                                   f"than {self.timeout_s:g}s (the daemon's --load-timeout); nothing of it was kept. "
+                                   "Raise --load-timeout for very large checkpoints or slow disks")
+            progress.bytes_done += item.nbytes
+            progress.tensors_done += 1
+            self.on_progress(progress)
+        return on_tensor
+
+    def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
+        layout = plan.layout
+        label = f"{adopt.device_tag(self.device)}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
+                f"{layout.component}-{layout.dtype}-{layout.quantization}"
+        return HostSlab.create(self.shm_dir, label, plan.total_bytes)
+
+    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float,
+              made: tuple[Variant, ...] = ()) -> Variant:
+        slab.seal(digest)
+        log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
+                 version.number, self.device, plan.layout, len(plan.entries), plan.total_bytes / 2**20, seconds,
+                 plan.tensor_bytes / max(seconds, 1e-9) / 1e9)
+        variant = Variant(version, plan.layout, plan, key_for(version.files, plan, digest), slab, time.time(), seconds)
+        if plan.layout.component == "draft":
+            main = dataclasses.replace(plan.layout, component="main")
+            variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
+        try:
+            adopt.write_record(variant)
+        except OSError as e:
+            log.warning("cannot write the record of slab %s: %s (a restarted daemon could not adopt it)", slab.id, e)
+        return variant
+
+
+def free_slab(slab: HostSlab) -> None:
+    """Unmaps and deletes a slab (and its record). Processes that mapped it keep their pages."""
+    slab.close()
+    slab.unlink()
