@@ -38,7 +38,7 @@ from preload_daemon.plan import LoadSpec  # noqa: E402
 from preload_daemon.supervisor import DaemonProcess  # noqa: E402
 
 FULL = {"procs": 16, "iters": 50, "engine_cycles": 200, "daemon_cycles": 20}
-SHORT = {"procs": 4, "iters": 10, "engine_cycles": 3, "daemon_cycles": 2}
+SHORT = {"procs": 4, "iters": 10, "engine_cycles": 2, "daemon_cycles": 2}
 CLIENT = """
 import json, sys, time
 from preload_daemon.client import DaemonClient

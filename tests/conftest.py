@@ -132,6 +132,27 @@ def daemon(start_daemon) -> DaemonHandle:
     return start_daemon()
 
 
+def run_cli(*args, runtime_dir=None, check=False) -> subprocess.CompletedProcess:
+    """Runs a `preload` command in this process (its main(), output captured): what run_preload
+    does without paying an interpreter and torch import per command. Daemons it starts are still
+    their own processes."""
+    import contextlib
+    import io
+
+    from preload_cli.main import main
+    argv = [*map(str, args), *(["--runtime-dir", str(runtime_dir)] if runtime_dir else [])]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 2
+    result = subprocess.CompletedProcess(["preload", *argv], code, out.getvalue(), err.getvalue())
+    if check:
+        result.check_returncode()
+    return result
+
+
 def run_preload(*args, runtime_dir=None, timeout=120, check=False, env_extra=None) -> subprocess.CompletedProcess:
     """Runs the `preload` console script as a user would."""
     env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {}), **(env_extra or {})}

@@ -1,4 +1,5 @@
-"""`preload` commands run as a user would run them."""
+"""`preload` commands run as a user would run them: the first `serve` as its own process, the
+others through preload's main() in this process (run_cli), which saves an interpreter start each."""
 
 import json
 import os
@@ -11,11 +12,11 @@ import psutil
 
 from safetensors.torch import save_file
 
-from tests.conftest import REPO, copy_checkpoint, run_preload
+from tests.conftest import REPO, copy_checkpoint, run_cli, run_preload
 
 
 def daemon_pids(runtime_dir) -> list[int]:
-    out = run_preload("status", "--json", runtime_dir=runtime_dir, check=True).stdout
+    out = run_cli("status", "--json", runtime_dir=runtime_dir, check=True).stdout
     return [d["pid"] for d in json.loads(out)["daemons"]]
 
 
@@ -24,25 +25,25 @@ def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
     assert out.returncode == 0, out.stderr
     assert "ready: tiny-llama v1 (main) on cpu:0" in out.stdout
     try:
-        status = run_preload("status", runtime_dir=runtime_dir, check=True).stdout
+        status = run_cli("status", runtime_dir=runtime_dir, check=True).stdout
         assert "serving" in status
         header = next(line for line in status.splitlines() if line.startswith("MODEL"))
         row = next(line for line in status.splitlines() if line.startswith("tiny-llama"))
         assert header.split()[:4] == ["MODEL", "VERSION", "DEVICE", "ACTIVE"]
         assert row.split()[:4] == ["tiny-llama", "1", "cpu:0", "*"]
-        doc = json.loads(run_preload("status", "--json", runtime_dir=runtime_dir, check=True).stdout)
+        doc = json.loads(run_cli("status", "--json", runtime_dir=runtime_dir, check=True).stdout)
         assert doc["daemons"][0]["models"][0]["key"]["architecture"] == "LlamaForCausalLM"
 
-        assert run_preload("wait-ready", "--model", "tiny-llama", "--timeout", "5", runtime_dir=runtime_dir).returncode == 0
-        missing = run_preload("wait-ready", "--model", "other", "--timeout", "0.5", runtime_dir=runtime_dir)
+        assert run_cli("wait-ready", "--model", "tiny-llama", "--timeout", "5", runtime_dir=runtime_dir).returncode == 0
+        missing = run_cli("wait-ready", "--model", "other", "--timeout", "0.5", runtime_dir=runtime_dir)
         assert missing.returncode == 1 and "'other' is not loaded (loaded: tiny-llama)" in missing.stderr
 
-        again = run_preload("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
+        again = run_cli("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
         assert "v1" in again.stdout and len(daemon_pids(runtime_dir)) == 1, "serve must reuse the daemon"
 
-        bad = run_preload("evict", "tiny-llama@x", runtime_dir=runtime_dir)
+        bad = run_cli("evict", "tiny-llama@x", runtime_dir=runtime_dir)
         assert bad.returncode == 2 and "use MODEL@N" in bad.stderr
-        evicted = run_preload("evict", "tiny-llama@1", runtime_dir=runtime_dir)
+        evicted = run_cli("evict", "tiny-llama@1", runtime_dir=runtime_dir)
         assert evicted.returncode == 0 and "evicted tiny-llama v1 (float32/none rank 0/1) from cpu:0" in evicted.stdout
     finally:
         for pid in daemon_pids(runtime_dir):
@@ -50,9 +51,9 @@ def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
 
 
 def test_wait_ready_without_daemon_times_out_with_reason(runtime_dir):
-    out = run_preload("wait-ready", "--timeout", "0.3", runtime_dir=runtime_dir)
+    out = run_cli("wait-ready", "--timeout", "0.3", runtime_dir=runtime_dir)
     assert out.returncode == 4 and "no daemon in" in out.stderr
-    out = run_preload("wait-ready", "--version", "2", runtime_dir=runtime_dir)
+    out = run_cli("wait-ready", "--version", "2", runtime_dir=runtime_dir)
     assert out.returncode == 2 and "--version needs --model" in out.stderr
 
 
@@ -61,43 +62,43 @@ def test_publish_rollback_pin_and_wait_ready_codes(runtime_dir, tiny_llama, tmp_
     second = tmp_path / "step-2"
     tensors = copy_checkpoint(tiny_llama, second)
     save_file({k: v * 0.5 for k, v in tensors.items()}, str(second / "model.safetensors"))
-    assert run_preload("serve", tiny_llama, "--name", "m", "--no-supervise", runtime_dir=runtime_dir).returncode == 0
+    assert run_cli("serve", tiny_llama, "--name", "m", "--no-supervise", runtime_dir=runtime_dir).returncode == 0
     try:
-        waiting = run_preload("wait-ready", "--model", "m", "--version", "2", "--timeout", "0.3", runtime_dir=runtime_dir)
+        waiting = run_cli("wait-ready", "--model", "m", "--version", "2", "--timeout", "0.3", runtime_dir=runtime_dir)
         assert waiting.returncode == 1 and "v2 is not published yet" in waiting.stderr
-        out = run_preload("publish", "m", "--from", second, "--json", runtime_dir=runtime_dir)
+        out = run_cli("publish", "m", "--from", second, "--json", runtime_dir=runtime_dir)
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
         assert (doc["version"], doc["created"], doc["devices"]) == (2, True, ["cpu:0"])
-        assert run_preload("wait-ready", "--model", "m", "--version", "2", runtime_dir=runtime_dir).returncode == 0
-        assert run_preload("pin", "m@1", runtime_dir=runtime_dir).stdout.strip() == "m v1 pinned on cpu:0"
-        status = run_preload("status", runtime_dir=runtime_dir, check=True).stdout
+        assert run_cli("wait-ready", "--model", "m", "--version", "2", runtime_dir=runtime_dir).returncode == 0
+        assert run_cli("pin", "m@1", runtime_dir=runtime_dir).stdout.strip() == "m v1 pinned on cpu:0"
+        status = run_cli("status", runtime_dir=runtime_dir, check=True).stdout
         rows = [line.split()[:5] for line in status.splitlines() if line.startswith("m ")]
         assert rows[:2] == [["m", "1", "cpu:0", "pin", "ready"], ["m", "2", "cpu:0", "*", "ready"]], status
-        out = run_preload("rollback", "m", "--to", "1", runtime_dir=runtime_dir)
+        out = run_cli("rollback", "m", "--to", "1", runtime_dir=runtime_dir)
         assert out.returncode == 0 and "v1 is active on cpu:0" in out.stdout
-        status = json.loads(run_preload("status", "--json", runtime_dir=runtime_dir, check=True).stdout)
+        status = json.loads(run_cli("status", "--json", runtime_dir=runtime_dir, check=True).stdout)
         assert status["daemons"][0]["summaries"][0]["active_version"] == 1
-        out = run_preload("evict", "m@1", runtime_dir=runtime_dir)
+        out = run_cli("evict", "m@1", runtime_dir=runtime_dir)
         assert out.returncode == 1 and "m v1 is pinned on cpu:0; `preload unpin m@1` first" in out.stderr
-        bad = run_preload("publish", "m", "--from", tmp_path / "nowhere", runtime_dir=runtime_dir)
+        bad = run_cli("publish", "m", "--from", tmp_path / "nowhere", runtime_dir=runtime_dir)
         assert bad.returncode == 1 and "not a directory" in bad.stderr and "active version of m is unchanged" in bad.stderr
-        failed = run_preload("wait-ready", "--model", "m", "--version", "3", "--timeout", "5", runtime_dir=runtime_dir)
+        failed = run_cli("wait-ready", "--model", "m", "--version", "3", "--timeout", "5", runtime_dir=runtime_dir)
         assert failed.returncode == 3 and "not a directory" in failed.stderr
-        assert "recent failed loads" in run_preload("status", runtime_dir=runtime_dir).stdout
-        assert run_preload("rollback", "m", "--to", "7", runtime_dir=runtime_dir).returncode == 1
-        assert run_preload("pin", "m", runtime_dir=runtime_dir).returncode == 2
+        assert "recent failed loads" in run_cli("status", runtime_dir=runtime_dir).stdout
+        assert run_cli("rollback", "m", "--to", "7", runtime_dir=runtime_dir).returncode == 1
+        assert run_cli("pin", "m", runtime_dir=runtime_dir).returncode == 2
     finally:
         for pid in daemon_pids(runtime_dir):
             os.kill(pid, signal.SIGTERM)
 
 
 def test_serve_bad_input_is_one_clear_line(runtime_dir, tiny_llama, tmp_path):
-    out = run_preload("serve", tmp_path, "--no-supervise", runtime_dir=runtime_dir)
+    out = run_cli("serve", tmp_path, "--no-supervise", runtime_dir=runtime_dir)
     assert out.returncode == 1 and "config.json is missing" in out.stderr
-    out = run_preload("serve", tiny_llama, "--tp-size", "2", "--devices", "cpu:0", runtime_dir=runtime_dir)
+    out = run_cli("serve", tiny_llama, "--tp-size", "2", "--devices", "cpu:0", runtime_dir=runtime_dir)
     assert out.returncode == 1 and "give one distinct device per rank" in out.stderr
-    out = run_preload("serve", tiny_llama, "--quantization", "fp5", runtime_dir=runtime_dir)
+    out = run_cli("serve", tiny_llama, "--quantization", "fp5", runtime_dir=runtime_dir)
     assert out.returncode == 2 and "invalid choice: 'fp5'" in out.stderr
     for pid in daemon_pids(runtime_dir):
         os.kill(pid, signal.SIGTERM)
