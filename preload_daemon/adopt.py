@@ -128,6 +128,9 @@ def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
     for orphan in sorted(records):
         report.append(f"discarded {orphan.name}: a record without its slab")
         _remove(orphan)
+    for pattern in (f".{tag}*.tmp", f".{state_path(shm_dir, device).name}.*.tmp"):
+        for torn in shm_dir.glob(pattern):  # a record or state write the crash cut short
+            _remove(torn)
     for name, model in list(models.items()):
         for number in [n for n, v in model.versions.items() if not v.variants]:
             del model.versions[number]

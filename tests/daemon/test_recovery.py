@@ -59,6 +59,8 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     (shm / "cpu0-partial-v1-0123456789ab.slab").write_bytes(b"\0" * 4096)  # a load that never finished
     (shm / "cpu0-lost-v1-0123456789ab.slab.json").write_text("{}")  # a record without its slab
     (shm / "cpu0-dir-v1-0123456789ab.slab.json").mkdir()  # a directory where a record would be: no crash
+    (shm / ".state-cpu0.json.123.456.tmp").write_text("{")  # writes a crash cut short
+    (shm / ".cpu0-good-v1-0123456789ab.slab.json.123.457.tmp").write_text("{")
     other = shm / "cpu1-m-v1-0123456789ab.slab"  # another device's: not ours to touch
     other.write_bytes(b"\0" * 64)
     second = ModelStore("cpu:0", shm)
@@ -72,6 +74,7 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     assert "discarded cpu0-partial-v1-0123456789ab.slab: no record beside it (a load that did not finish)" in report
     assert "discarded cpu0-lost-v1-0123456789ab.slab.json: a record without its slab" in report
     assert not slabs["changed"].exists() and not slabs["garbled"].exists() and other.exists()
+    assert not list(shm.glob(".*.tmp"))
     assert sorted(p.name for p in shm.iterdir() if p.name.startswith("cpu0-")) == \
         sorted([slabs["good"].name, slabs["good"].name + ".json", "cpu0-dir-v1-0123456789ab.slab.json"])
 
