@@ -159,5 +159,5 @@ def test_soak_short_runs_clean():
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["problems"] == [], (report, out.stderr[-3000:])
     assert report["concurrency"]["4_processes"]["n"] == 40 and report["concurrency"]["errors"] == 0
-    assert report["engines"]["cycles"] == 2 and report["daemon"]["cycles"] == 2
+    assert report["engines"]["cycles"] == 1 and report["daemon"]["cycles"] == 1
     assert report["after"]["leases"] == 0 and report["after"]["sessions"] == 0
