@@ -251,6 +251,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             state.engine.stop()
         for leader in leaders:
             leader.close()
+            leader.group.close()
         stop_followers(followers)
     return outcome["code"]
 
@@ -277,6 +278,7 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         engine.stop()
         if isinstance(built.model, Leader):
             built.model.close()
+            built.group.close()  # a process group left alive at exit can abort the interpreter
     finally:
         stopping.set()
         stop_followers(followers)
