@@ -21,9 +21,10 @@ import pathlib
 import stat
 import time
 
-from preload_daemon.arch import ArchSpec, parse_config
+from preload_daemon.arch import ArchSpec
 from preload_daemon.buffers import dtype_from_name
 from preload_daemon.checkpoint import FileIdentity
+from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
 from preload_daemon.records import MAX_VERSION, Model, Variant, Version, check_name, key_for
 from preload_daemon.slab import HostSlab

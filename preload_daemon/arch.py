@@ -1,25 +1,20 @@
-"""One architecture spec per checkpoint: config.json read once into typed numbers, plus one table
-of tensor kinds (name pattern, role, parallel style, expected full shape, quantizable). The load
-plan, the shape checks and the engine's model all read this module; adding an architecture or a
-tensor kind means editing it alone."""
+"""One architecture spec per checkpoint: config.json read once into typed numbers (hfconfig.py reads
+the file and checks the fields' types), plus one table of tensor kinds (name pattern, role, parallel
+style, expected full shape, quantizable). The load plan, the shape checks and the engine's model all
+read this module; adding an architecture or a tensor kind means editing it alone."""
 
 import dataclasses
-import json
-import math
-import os
-import pathlib
 import re
 from collections.abc import Callable
 
 from kernels import formats
 from preload_daemon.errors import CheckpointError, PlanError
+from preload_daemon.hfconfig import architecture_name, bool_field, check_rope_scaling, float_field, int_field
+from preload_daemon.safepath import short_repr
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 SCHEMES = ("none", *formats.SCHEMES)
 MAX_TP = 64
-CONFIG_MAX_BYTES = 4 << 20
-JSON_MAX_DEPTH = 64  # real configs nest 3 or 4 levels
-MAX_DIMENSION = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,13 +153,13 @@ class ArchSpec:
 
     @classmethod
     def from_config(cls, config: dict, source: str = "config.json") -> "ArchSpec":
-        arch = _architecture(config, source)
+        arch = architecture_name(config, source)
         if arch not in ARCHITECTURES:
             raise PlanError(f"{source}: architecture {short_repr(arch or 'missing')} is not supported; supported: "
                             f"{', '.join(ARCHITECTURES)}")
-        hidden = _int(config, "hidden_size", source)
-        heads = _int(config, "num_attention_heads", source)
-        kv_heads = _int(config, "num_key_value_heads", source, heads)
+        hidden = int_field(config, "hidden_size", source)
+        heads = int_field(config, "num_attention_heads", source)
+        kv_heads = int_field(config, "num_key_value_heads", source, heads)
         if heads % kv_heads:
             raise CheckpointError(f"{source}: num_attention_heads={heads} is not a multiple of "
                                   f"num_key_value_heads={kv_heads}; each kv head must serve whole query heads")
@@ -177,10 +172,10 @@ class ArchSpec:
         rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
         rope = config.get(rope_key) or {}
         scaling = dict(rope) if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
-        max_pos = _int(config, "max_position_embeddings", source, 4096)
+        max_pos = int_field(config, "max_position_embeddings", source, 4096)
         if scaling is not None:
             scaling.setdefault("original_max_position_embeddings", max_pos)
-            _check_rope_scaling(scaling, f"{source} {rope_key}")
+            check_rope_scaling(scaling, f"{source} {rope_key}")
         eos = config.get("eos_token_id")
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
@@ -192,16 +187,16 @@ class ArchSpec:
                                   f"got {short_repr(dtype)}")
         return cls(
             source=source, architecture=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=_int(config, "head_dim", source, hidden // heads),
-            intermediate_size=_int(config, "intermediate_size", source), vocab_size=_int(config, "vocab_size", source),
-            num_layers=_int(config, "num_hidden_layers", source),
-            num_mtp_layers=_int(config, "num_nextn_predict_layers", source, 0, minimum=0),
-            rms_norm_eps=_float(config, "rms_norm_eps", source, 1e-6),
-            rope_theta=_float(rope, "rope_theta", source, _float(config, "rope_theta", source, 10000.0)),
-            rope_scaling=scaling, tie_word_embeddings=_bool(config, "tie_word_embeddings", source),
+            head_dim=int_field(config, "head_dim", source, hidden // heads),
+            intermediate_size=int_field(config, "intermediate_size", source), vocab_size=int_field(config, "vocab_size", source),
+            num_layers=int_field(config, "num_hidden_layers", source),
+            num_mtp_layers=int_field(config, "num_nextn_predict_layers", source, 0, minimum=0),
+            rms_norm_eps=float_field(config, "rms_norm_eps", source, 1e-6),
+            rope_theta=float_field(rope, "rope_theta", source, float_field(config, "rope_theta", source, 10000.0)),
+            rope_scaling=scaling, tie_word_embeddings=bool_field(config, "tie_word_embeddings", source),
             max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=dtype,
             # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
-            attention_bias=arch != "Qwen2ForCausalLM" and _bool(config, "attention_bias", source))
+            attention_bias=arch != "Qwen2ForCausalLM" and bool_field(config, "attention_bias", source))
 
     def differences(self, other: "ArchSpec") -> list[str]:
         """The fields that decide weight shapes and the forward pass in which `other` differs."""
@@ -307,115 +302,3 @@ class ArchSpec:
             return Shard(0, rank * shape[0] // tp, shape[0] // tp)
         head = rank * self.num_kv_heads // tp
         return Shard(0, head * self.head_dim, self.head_dim)
-
-
-def read_config(directory: str | os.PathLike) -> dict:
-    """A checkpoint's config.json: a regular file holding a JSON object of bounded size and depth, or
-    an error naming the fix."""
-    from preload_daemon.checkpoint import read_regular  # checkpoint.py imports this module
-
-    path = pathlib.Path(directory) / "config.json"
-    data = read_regular(path, CONFIG_MAX_BYTES, "a checkpoint directory needs the model's config.json next to its "
-                                                "*.safetensors files")
-    return parse_config(data, str(path))
-
-
-def parse_config(data: bytes | str, source: str) -> dict:
-    """config.json's text (from a file or a publishing client) as a JSON object of bounded size and
-    depth: the daemon stores it and serialises it again, which a deeply nested one would not survive."""
-    if len(data) > CONFIG_MAX_BYTES:
-        raise CheckpointError(f"{source} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
-    config = load_json(data, source, "fix or re-export the config")
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{source}: not a JSON object; fix or re-export the config")
-    if _too_deep(config, JSON_MAX_DEPTH):
-        raise CheckpointError(f"{source} is nested too deeply (over {JSON_MAX_DEPTH} levels of objects and arrays); "
-                              "that is no model config")
-    return config
-
-
-def load_json(data: bytes | str, source: str, fix: str):
-    """Parsed JSON, or a CheckpointError naming `source` and `fix`: malformed text, integers too long
-    to convert and nesting that exhausts the parser's recursion are all the file's fault, never a
-    RecursionError or ValueError for the caller."""
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise CheckpointError(f"{source} is nested too deeply to parse (JSON arrays or objects thousands of levels "
-                              f"deep); {fix}") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers of more than 4300 digits
-        raise CheckpointError(f"{source} is not valid JSON ({e}); {fix}") from None
-
-
-def _too_deep(value, limit: int) -> bool:
-    """Whether JSON `value` nests objects and arrays more than `limit` levels deep (iteratively:
-    recursing would fail on exactly the values this looks for)."""
-    stack = [(value, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > limit:
-                return True
-            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
-    return False
-
-
-def _architecture(config: dict, source: str) -> str:
-    """The model class config.json names ("" when it names none)."""
-    archs = config.get("architectures")
-    if archs is None or archs == []:
-        return ""
-    if not isinstance(archs, list) or not isinstance(archs[0], str):
-        raise CheckpointError(f"{source}: architectures must be a list of model class names, e.g. "
-                              f"[\"LlamaForCausalLM\"], got {short_repr(archs)}")
-    return archs[0]
-
-
-def _check_rope_scaling(scaling: dict, where: str) -> None:
-    """The types of the rope scaling fields the engine reads (kernels/rope.py), so a bad one fails
-    the load, not the engine after it."""
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if not isinstance(kind, str):
-        raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
-    _int(scaling, "original_max_position_embeddings", where)
-    if kind == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor"):
-            _float(scaling, key, where, None)
-
-
-def _int(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:
-    value = config.get(key)
-    value = default if value is None else value
-    if value is None:
-        raise CheckpointError(f"{source}: missing field {key!r}; a {key} is needed to lay out the weights")
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {short_repr(value)}")
-    if value > MAX_DIMENSION:
-        raise CheckpointError(f"{source}: {key}={value} is more than 2**40; that is no real model's {key}")
-    return value
-
-
-def _float(config: dict, key: str, source: str, default: float | None) -> float:
-    value = config.get(key)
-    value = default if value is None else value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
-        raise CheckpointError(f"{source}: {key} must be a positive finite number, got {short_repr(value)}")
-    return float(value)
-
-
-def _bool(config: dict, key: str, source: str) -> bool:
-    """A true/false field, absent or null meaning false: a string "false" would otherwise count as true."""
-    value = config.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise CheckpointError(f"{source}: {key} must be true or false, got {short_repr(value)}")
-    return value is True
-
-
-def short_repr(value) -> str:
-    """A value from a checkpoint for a message, cut short: it may be megabytes of JSON, and gRPC
-    drops an error whose details pass 16 KiB."""
-    return short_text(repr(value))
-
-
-def short_text(text: str) -> str:
-    return text if len(text) <= 200 else text[:197] + "..."

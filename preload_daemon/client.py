@@ -23,27 +23,26 @@ import select
 import socket
 import threading
 
-import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from preload_daemon.buffers import dtype_from_name, dtype_name, typed_view
+from preload_daemon.buffers import SlabViews, dtype_from_name, dtype_name
 from preload_daemon.cachekey import CacheKey
 from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.config import default_runtime_dir, parse_device, socket_path
 from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, InvalidRequestError, PreloadError,
-                                   from_rpc_error)
+                                   from_details, from_rpc_error)
 from preload_daemon.plan import Layout, LoadSpec
-from preload_daemon.sessions import SessionError, open_session, session_path
+from preload_daemon.sessions import ATTACH, SessionAnswerError, SessionError, open_session, request, session_path
 from preload_daemon.slab import map_slab
 from protos import preload_pb2 as pb
-from protos import preload_pb2_grpc as pb_grpc
 
 CHUNK_BYTES = 4 << 20
 
 
 class AttachedModel(collections.abc.Mapping):
-    """A leased model version: tensors are read-only views into the daemon's slab(s)."""
+    """A leased model version: tensors are read-only views into the daemon's slab(s). Attaching maps
+    each slab once and indexes the manifest by name; a tensor's view is made when it is first looked
+    up (about a microsecond), so attaching costs little more per tensor than decoding the manifest."""
 
     def __init__(self, client: "DaemonClient", response: pb.AttachResponse):
         self._client = client
@@ -52,23 +51,51 @@ class AttachedModel(collections.abc.Mapping):
         self.key = CacheKey.from_proto(self.manifest.key)
         self.config = json.loads(self.manifest.config_json) if self.manifest.config_json else {}
         self.slabs: dict[str, torch.Tensor] = {}
+        self._views: dict[str, SlabViews] = {}
         for slab in self.manifest.slabs:
             if slab.backend != "host":
                 raise InvalidRequestError(f"slab {slab.id} uses backend {slab.backend!r}, which this client "
                                           "cannot map; attach from a process on the daemon's device")
             self.slabs[slab.id] = map_slab(slab.path, slab.size)
-        self.tensors: dict[str, torch.Tensor] = {
-            t.name: typed_view(self.slabs[t.slab], t.offset, t.nbytes, dtype_from_name(t.dtype), tuple(t.shape))
-            for t in self.manifest.tensors}
+            self._views[slab.id] = SlabViews(self.slabs[slab.id])
+        entries = self.manifest.tensors
+        self._index = dict(zip([t.name for t in entries], range(len(entries))))
+        self._made: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
+        tensor = self._made.get(name)
+        if tensor is None:
+            tensor = self._made[name] = self._view(self.manifest.tensors[self._index[name]])
+        return tensor
+
+    def _view(self, entry: pb.TensorEntry) -> torch.Tensor:
+        views = self._views.get(entry.slab)
+        if views is None:
+            raise InvalidRequestError(f"tensor {entry.name!r} names slab {entry.slab!r}, which the manifest lacks")
+        try:
+            return views.view(entry.offset, entry.nbytes, dtype_from_name(entry.dtype), tuple(entry.shape))
+        except ValueError as e:
+            raise InvalidRequestError(f"tensor {entry.name!r}: {e}") from None
 
     def __iter__(self):
-        return iter(self.tensors)
+        return iter(self._index)
 
     def __len__(self) -> int:
-        return len(self.tensors)
+        return len(self._index)
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor's view, by name (made now for those not looked up yet)."""
+        if len(self._made) < len(self._index):
+            made = self._made
+            for entry in self.manifest.tensors:
+                if entry.name not in made:
+                    made[entry.name] = self._view(entry)
+        return dict(self._made)
+
+    def entry(self, name: str) -> pb.TensorEntry:
+        """The manifest's entry for `name`: role, quantization scheme and parameters, slab part."""
+        return self.manifest.tensors[self._index[name]]
 
     @property
     def version(self) -> int:
@@ -101,16 +128,43 @@ class AttachedModel(collections.abc.Mapping):
 
 
 class DaemonClient:
+    """A connection to one daemon. Attach travels on the client's session (one round trip, no gRPC
+    channel); every other call is a gRPC call on a channel opened at its first use."""
+
     def __init__(self, path: str | os.PathLike, timeout: float = 30.0):
         self.path = pathlib.Path(path)
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(f"unix:{self.path}", options=[
-            ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.enable_http_proxy", 0)])
-        self._stub = pb_grpc.WeightCacheStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._channel = None
+        self._stub_cache = None
+        self._health_cache = None
+        self._channel_lock = threading.Lock()
         self._session = None
         self._session_lock = threading.Lock()
+
+    @property
+    def _stub(self):
+        if self._stub_cache is None:
+            self._open_channel()
+        return self._stub_cache
+
+    @property
+    def _health(self):
+        if self._health_cache is None:
+            self._open_channel()
+        return self._health_cache
+
+    def _open_channel(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2_grpc
+
+        from protos import preload_pb2_grpc as pb_grpc
+        with self._channel_lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(f"unix:{self.path}", options=[
+                    ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.enable_http_proxy", 0)])
+                self._health_cache = health_pb2_grpc.HealthStub(self._channel)
+                self._stub_cache = pb_grpc.WeightCacheStub(self._channel)
 
     @classmethod
     def for_device(cls, device: str = "cpu:0", runtime_dir: str | os.PathLike | None = None,
@@ -126,20 +180,24 @@ class DaemonClient:
 
     def close(self) -> None:
         """Closes the channel and the session: the daemon ends this client's leases."""
-        self._channel.close()
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()
         with self._session_lock:
             if self._session is not None:
                 self._session[0].close()
                 self._session = None
 
     def _call(self, method, request, timeout: float | None = None):
+        import grpc
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise self._error(e) from None
 
-    def _error(self, error: grpc.RpcError) -> PreloadError:
-        if error.code() == grpc.StatusCode.UNAVAILABLE and "permission denied" in (error.details() or "").lower():
+    def _error(self, error) -> PreloadError:
+        """The PreloadError for a grpc.RpcError."""
+        if error.code().name == "UNAVAILABLE" and "permission denied" in (error.details() or "").lower():
             return access_denied(self.path)
         return from_rpc_error(error)
 
@@ -147,19 +205,37 @@ class DaemonClient:
         """The token of this client's session with the daemon, opened on first use and kept open
         for the client's life: the daemon ties this client's leases to this process through it."""
         with self._session_lock:
-            if self._session is not None and _closed_by_peer(self._session[0], 0):
-                self._session[0].close()  # its daemon is gone: a new one needs a new session
+            return self._open_session()[1]
+
+    def _open_session(self) -> tuple[socket.socket, str]:
+        """(socket, token) of the session, (re)opened if needed; the caller holds _session_lock."""
+        if self._session is not None and _closed_by_peer(self._session[0], 0):
+            self._session[0].close()  # its daemon is gone: a new one needs a new session
+            self._session = None
+        if self._session is None:
+            path = session_path(self.path)
+            try:
+                self._session = open_session(path, min(self.timeout, 10.0))
+            except SessionError as e:
+                if e.errno == errno.EACCES:
+                    raise access_denied(self.path, str(e)) from None
+                raise DaemonUnavailableError(f"{e}; start the daemon with `preload daemon` or `preload serve`") \
+                    from None
+        return self._session
+
+    def _session_request(self, kind: int, payload: bytes) -> bytes:
+        """One request on the session (sessions.request), with errors mapped to PreloadErrors."""
+        with self._session_lock:
+            sock, _ = self._open_session()
+            try:
+                return request(sock, kind, payload, self.timeout)
+            except SessionAnswerError as e:
+                raise from_details(str(e)) or PreloadError(str(e)) from None
+            except SessionError as e:
+                sock.close()
                 self._session = None
-            if self._session is None:
-                path = session_path(self.path)
-                try:
-                    self._session = open_session(path, min(self.timeout, 10.0))
-                except SessionError as e:
-                    if e.errno == errno.EACCES:
-                        raise access_denied(self.path, str(e)) from None
-                    raise DaemonUnavailableError(f"{e}; start the daemon with `preload daemon` or `preload serve`") \
-                        from None
-            return self._session[1]
+                raise DaemonUnavailableError(f"the daemon on {self.path} did not answer: {e.strerror or e}; is it "
+                                             "running? (`preload status`)") from None
 
     def wait_session_closed(self, timeout: float) -> bool:
         """True once the daemon closed this client's session (it exited or was killed): the
@@ -187,6 +263,7 @@ class DaemonClient:
                              component=spec.component),
             layouts=[_layout(x) for x in layouts], version=version, activate=activate,
             retention=_retention(keep, max_bytes))
+        import grpc
         try:
             for update in self._stub.LoadModel(request, timeout=timeout):
                 if on_progress is not None:
@@ -225,6 +302,7 @@ class DaemonClient:
                     if on_progress is not None:
                         on_progress(sent, total)
 
+        import grpc
         try:  # no deadline unless given: a large model streams for minutes (the daemon drops a stalled one)
             return list(self._stub.PublishStream(chunks(), timeout=timeout).variants)
         except grpc.RpcError as e:
@@ -249,11 +327,12 @@ class DaemonClient:
         """Leases the variant `layout` (default: the version's first main variant) of `version`, else
         of the version loaded from `files` (checkpoint.stat_identity of the caller's checkpoint),
         else of the active version."""
-        request = pb.AttachRequest(model=model, version=version, session=self.session(),
+        message = pb.AttachRequest(model=model, version=version,
                                    files=[pb.FileIdentity(**dataclasses.asdict(f)) for f in files])
         if layout is not None:
-            request.layout.CopyFrom(_layout(layout))
-        return AttachedModel(self, self._call(self._stub.Attach, request))
+            message.layout.CopyFrom(_layout(layout))
+        answer = self._session_request(ATTACH, message.SerializeToString())
+        return AttachedModel(self, pb.AttachResponse.FromString(answer))
 
     def renew(self, lease_id: str) -> pb.Lease:
         return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id)).lease
@@ -274,6 +353,7 @@ class DaemonClient:
 
     def serving(self, timeout: float = 2.0) -> bool:
         """The standard health check: True once the daemon has loaded models and no load is in flight."""
+        from grpc_health.v1 import health_pb2
         response = self._call(self._health.Check, health_pb2.HealthCheckRequest(), timeout)
         return response.status == health_pb2.HealthCheckResponse.SERVING
 

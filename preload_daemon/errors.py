@@ -1,8 +1,7 @@
 """One error family for preload. The server maps each class to a gRPC status code in one place
 (`STATUS_CODES`) and the client maps the code back, so a caller catches the same class on both
-sides of the socket."""
-
-import grpc
+sides of the socket. Codes are held by name: importing the errors does not import grpc (an engine
+that loads cold never needs it)."""
 
 
 class PreloadError(Exception):
@@ -49,17 +48,17 @@ class InvalidRequestError(PreloadError):
     """A request that is malformed or out of bounds."""
 
 
-STATUS_CODES: dict[type[PreloadError], grpc.StatusCode] = {
-    CheckpointError: grpc.StatusCode.INVALID_ARGUMENT,
-    PlanError: grpc.StatusCode.INVALID_ARGUMENT,
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    StaleError: grpc.StatusCode.FAILED_PRECONDITION,
-    LeasedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    BudgetError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    LoadingError: grpc.StatusCode.UNAVAILABLE,
-    AccessDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-    DaemonUnavailableError: grpc.StatusCode.UNAVAILABLE,
+STATUS_CODES: dict[type[PreloadError], str] = {  # grpc.StatusCode names
+    CheckpointError: "INVALID_ARGUMENT",
+    PlanError: "INVALID_ARGUMENT",
+    InvalidRequestError: "INVALID_ARGUMENT",
+    NotFoundError: "NOT_FOUND",
+    StaleError: "FAILED_PRECONDITION",
+    LeasedError: "RESOURCE_EXHAUSTED",
+    BudgetError: "RESOURCE_EXHAUSTED",
+    LoadingError: "UNAVAILABLE",
+    AccessDeniedError: "PERMISSION_DENIED",
+    DaemonUnavailableError: "UNAVAILABLE",
 }
 
 # The error class travels in the status details' prefix so that two classes sharing a code
@@ -72,25 +71,36 @@ _BY_NAME = {cls.__name__: cls for cls in STATUS_CODES}
 MAX_DETAILS_BYTES = 2 << 10
 
 
-def to_status(error: PreloadError) -> tuple[grpc.StatusCode, str]:
-    """The status code and details of an error: one line (request strings echoed in a message may
-    hold line breaks or control characters: they are escaped), cut to what gRPC always delivers."""
-    code = STATUS_CODES.get(type(error), grpc.StatusCode.INTERNAL)
-    details = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f"{type(error).__name__}: {error}")
-    raw = details.encode()
+def details(error: PreloadError) -> str:
+    """An error as it travels ("ErrorClass: message"): one line (request strings echoed in a message
+    may hold line breaks or control characters: they are escaped), cut to what gRPC always delivers."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in f"{type(error).__name__}: {error}")
+    raw = text.encode()
     if len(raw) > MAX_DETAILS_BYTES:
-        details = raw[:MAX_DETAILS_BYTES - 12].decode(errors="ignore") + " ... (cut)"
-    return code, details
+        text = raw[:MAX_DETAILS_BYTES - 12].decode(errors="ignore") + " ... (cut)"
+    return text
 
 
-def from_rpc_error(error: grpc.RpcError) -> PreloadError:
-    """The PreloadError that a failed RPC stands for."""
-    code, details = error.code(), error.details() or ""
-    name, sep, message = details.partition(": ")
-    if sep and name in _BY_NAME:
-        return _BY_NAME[name](message)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return DaemonUnavailableError(f"daemon unavailable ({details}); start it with `preload daemon` or `preload serve`")
-    if code == grpc.StatusCode.PERMISSION_DENIED:
-        return AccessDeniedError(details)
-    return PreloadError(f"{code.name}: {details}")
+def to_status(error: PreloadError):
+    """The grpc.StatusCode and details of an error."""
+    import grpc
+    return grpc.StatusCode[STATUS_CODES.get(type(error), "INTERNAL")], details(error)
+
+
+def from_details(text: str) -> PreloadError | None:
+    """The error that `details` made, as its own class; None if `text` names no PreloadError class."""
+    name, sep, message = text.partition(": ")
+    return _BY_NAME[name](message) if sep and name in _BY_NAME else None
+
+
+def from_rpc_error(error) -> PreloadError:
+    """The PreloadError that a failed RPC (a grpc.RpcError) stands for."""
+    code, text = error.code().name, error.details() or ""
+    known = from_details(text)
+    if known is not None:
+        return known
+    if code == "UNAVAILABLE":
+        return DaemonUnavailableError(f"daemon unavailable ({text}); start it with `preload daemon` or `preload serve`")
+    if code == "PERMISSION_DENIED":
+        return AccessDeniedError(text)
+    return PreloadError(f"{code}: {text}")

@@ -7,11 +7,11 @@ import dataclasses
 import torch
 
 from kernels import quant
-from preload_daemon.arch import (DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify, short_repr,
-                                 short_text)
+from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
 from preload_daemon.buffers import DTYPES
 from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
 from preload_daemon.errors import CheckpointError, PlanError
+from preload_daemon.safepath import short_repr, short_text
 
 ALIGNMENT = 256
 FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales

@@ -52,6 +52,9 @@ class Variant:
     base: "Variant | None" = None
     """A draft's main variant (same dtype, scheme and rank), whose embedding and lm_head it shares
     by reference instead of holding copies."""
+    wire_manifest: bytes | None = None
+    """Its serialized manifest, as sent to attaching clients: built on the first attach
+    (wire.manifest_bytes); a variant never changes once sealed."""
 
     @property
     def name(self) -> str:

@@ -1,6 +1,6 @@
-"""The gRPC server: a thin servicer over the ModelStore, the standard health and reflection
-services, and the session socket that ties leases to processes. PreloadErrors become gRPC statuses
-here, in one place.
+"""The gRPC server: a thin servicer over the ModelStore (wire.py converts its messages), the
+standard health and reflection services, and the session socket that ties leases to processes.
+PreloadErrors become gRPC statuses here, in one place.
 
 gRPC serves its Unix socket directly. Only this uid (and root) can reach it: the runtime directory
 is 0700 and the socket 0600, so the kernel refuses strangers before any byte is read. Callers are
@@ -17,29 +17,27 @@ from concurrent import futures
 
 import grpc
 import psutil
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from preload_daemon import __version__
-from preload_daemon import stream
+from preload_daemon import stream, wire
 from preload_daemon.cachekey import file_identity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, PreloadError, to_status
 from preload_daemon.metrics import DaemonMetrics
-from preload_daemon.plan import SHARED_ROLES, Layout, LoadSpec
-from preload_daemon.records import LoadProgress, Model, Retention, Variant, check_name
-from preload_daemon.sessions import SessionServer, session_path
+from preload_daemon.records import check_name
+from preload_daemon.sessions import ATTACH, Session, SessionServer, session_path
 from preload_daemon.store import ModelStore
+from preload_daemon.wire import MAX_LEASE_ID
 from protos import preload_pb2 as pb
 from protos import preload_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["WeightCache"].full_name
-MAX_NAME = 4096
 MAX_FILES = 100_000
-MAX_KEEP = 1000
 MAX_LOADS = 8  # of the server's 16 RPC threads
-MAX_LEASE_ID = 64
 
 
 def _rpc(method):
@@ -73,9 +71,9 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     def LoadModel(self, request, context):
         try:
-            spec = _spec_from_proto(request.spec)
-            layouts = tuple(_layout(x) for x in request.layouts)
-            retention = _retention(request.retention)
+            spec = wire.spec_from_proto(request.spec)
+            layouts = tuple(wire.layout(x) for x in request.layouts)
+            retention = wire.retention(request.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
         self._take_load_slot(context)
@@ -86,7 +84,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         def run() -> None:
             try:
                 result["variants"] = self.store.load(spec, layouts, request.version, request.activate, retention,
-                                                     lambda p: updates.put(_progress(p)))
+                                                     lambda p: updates.put(wire.progress(p)))
             except BaseException as e:  # handed to the streaming thread below
                 result["error"] = e
             finally:
@@ -102,7 +100,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         if "error" in result:
             self._abort(context, f"loading {spec.name}", result["error"])
         self._count_load(started)
-        variants = [self._info(v) for v in result["variants"]]
+        variants = [wire.info(v) for v in result["variants"]]
         total = sum(v.plan.tensor_bytes for v in result["variants"])
         tensors = sum(len(v.plan.entries) for v in result["variants"])
         yield pb.LoadProgress(stage="ready", bytes_done=total, bytes_total=total, tensors_done=tensors,
@@ -115,18 +113,18 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                 raise InvalidRequestError("PublishStream must start with a header (model, config_json, tensors)")
             header = first.header
             table = stream.StreamedCheckpoint(header)
-            layouts = tuple(_layout(x) for x in header.layouts)
-            retention = _retention(header.retention)
+            layouts = tuple(wire.layout(x) for x in header.layouts)
+            retention = wire.retention(header.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
         self._take_load_slot(context)
         started = time.monotonic()
         try:
-            variants = self.store.publish_stream(table, header.model, _chunks(request_iterator, context,
-                                                                              self.config.publish_stall_s),
+            variants = self.store.publish_stream(table, header.model, wire.chunks(request_iterator, context,
+                                                                                  self.config.publish_stall_s),
                                                  header.version, layouts, header.activate, retention)
             self._count_load(started)
-            return pb.PublishResponse(variants=[self._info(v) for v in variants])
+            return pb.PublishResponse(variants=[wire.info(v) for v in variants])
         except Exception as e:
             log.warning("publishing %s failed, nothing was kept: %s", header.model, e)
             self._abort(context, f"publishing {header.model}", e)
@@ -135,49 +133,64 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def SetActive(self, request, context):
-        return self._summary(self.store.set_active(request.model, request.version))
+        return wire.summary(self.store.set_active(request.model, request.version))
 
     @_rpc
     def Pin(self, request, context):
-        return self._summary(self.store.pin(request.model, request.version, request.pinned))
+        return wire.summary(self.store.pin(request.model, request.version, request.pinned))
 
     @_rpc
     def ListModels(self, request, context):
         with self.store.lock:  # a consistent view, while loads and releases change the store
-            return pb.ListModelsResponse(models=[self._info(v) for v in self.store.variants()],
-                                         summaries=[self._summary(m) for m in self.store.models()])
+            return pb.ListModelsResponse(models=[wire.info(v) for v in self.store.variants()],
+                                         summaries=[wire.summary(m) for m in self.store.models()])
 
     @_rpc
     def Attach(self, request, context):
-        layout = _layout(request.layout) if request.HasField("layout") else None
-        files = tuple(file_identity(f) for f in request.files)
-        if len(files) > MAX_FILES:
-            raise InvalidRequestError(f"{len(files)} checkpoint files is more than {MAX_FILES}")
-        check_name(request.model)
+        args = _attach_args(request)
         session = self.sessions.get(request.session) if len(request.session) <= MAX_LEASE_ID else None
         if session is None:
             raise NotFoundError("Attach needs the token of an open session: connect to the daemon's session socket "
                                 f"({self.sessions.path.name}) and keep it open (DaemonClient.attach does this)")
+        return pb.AttachResponse.FromString(self._attach(request, session, *args))
+
+    def session_request(self, session: Session, kind: int, payload: bytes) -> bytes:
+        """A request on a session (sessions.py): ATTACH, an AttachRequest whose lease is the session's."""
+        if kind != ATTACH:
+            raise InvalidRequestError(f"unknown session request kind {kind}; this daemon answers Attach ({ATTACH})")
+        try:
+            request = pb.AttachRequest.FromString(payload)
+        except DecodeError:
+            raise InvalidRequestError("a session Attach request is not an AttachRequest message") from None
+        try:
+            return self._attach(request, session, *_attach_args(request))
+        except PreloadError as e:
+            self.metrics.errors.labels(type(e).__name__).inc()
+            raise
+
+    def _attach(self, request: pb.AttachRequest, session: Session, layout, files) -> bytes:
+        """The serialized AttachResponse: the variant's manifest (serialized once per variant) and
+        a new lease bound to `session`."""
         started = time.monotonic()
         variant, lease = self.store.attach(request.model, session, request.version, layout, files)
-        response = pb.AttachResponse(manifest=_manifest(variant), lease=_lease(lease))
+        response = wire.attach_response(variant, lease)
         self.metrics.attaches.inc()
         self.metrics.attach_seconds.observe(time.monotonic() - started)
         return response
 
     @_rpc
     def RenewLease(self, request, context):
-        return pb.RenewLeaseResponse(lease=_lease(self.store.renew(_lease_id(request.lease_id))))
+        return pb.RenewLeaseResponse(lease=wire.lease(self.store.renew(wire.lease_id(request.lease_id))))
 
     @_rpc
     def Release(self, request, context):
-        self.store.release(_lease_id(request.lease_id))
+        self.store.release(wire.lease_id(request.lease_id))
         return pb.ReleaseResponse()
 
     @_rpc
     def Evict(self, request, context):
         victims = self.store.evict(request.model, request.version, request.force)
-        return pb.EvictResponse(evicted=[self._info(v, False) for v in victims])
+        return pb.EvictResponse(evicted=[wire.info(v, False) for v in victims])
 
     @_rpc
     def GetStats(self, request, context):
@@ -189,8 +202,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         return pb.Stats(device=self.store.device, pid=os.getpid(), started_at=self.started_at,
                         resident_bytes=sum(v.slab.size for v in variants),
                         num_leases=sum(len(v.leases) for v in variants),
-                        models=[self._info(v) for v in variants],
-                        summaries=[self._summary(m) for m in self.store.models()],
+                        models=[wire.info(v) for v in variants],
+                        summaries=[wire.summary(m) for m in self.store.models()],
                         serving=bool(variants) and not self.store.is_loading(),
                         runtime_dir=str(self.config.runtime_dir), version=__version__,
                         num_sessions=len(self.sessions), recovery=self.store.recovery,
@@ -200,8 +213,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
     def Verify(self, request, context):
         started = time.monotonic()
         checks = self.store.verify(request.model, request.version)
-        slabs = [pb.SlabCheck(model=v.name, version=v.version.number, layout=_layout_proto(v.layout), slab=v.slab.id,
-                              expected=v.slab.digest, actual=actual, ok=actual == v.slab.digest)
+        slabs = [pb.SlabCheck(model=v.name, version=v.version.number, layout=wire.layout_proto(v.layout),
+                              slab=v.slab.id, expected=v.slab.digest, actual=actual, ok=actual == v.slab.digest)
                  for v, actual in checks]
         for check in slabs:
             if not check.ok:
@@ -227,135 +240,15 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         log.error("%s failed", what, exc_info=error)
         context.abort(grpc.StatusCode.INTERNAL, f"{what} failed: {error}; see the daemon log")
 
-    def _info(self, variant: Variant, active: bool | None = None) -> pb.ModelInfo:
-        version = variant.version
-        return pb.ModelInfo(name=variant.name, version=version.number,
-                            active=self.store.is_active(variant) if active is None else active, state=version.state,
-                            path=version.source, key=variant.key.to_proto(), slab_bytes=variant.slab.size,
-                            num_tensors=len(variant.plan.entries), leases=[_lease(x) for x in variant.leases.values()],
-                            loaded_at=variant.loaded_at, load_seconds=variant.load_seconds,
-                            stale_reason=version.stale_reason, pinned=version.pinned)
 
-    def _summary(self, model: Model) -> pb.ModelSummary:
-        return pb.ModelSummary(
-            name=model.name, active_version=model.active, last_version=model.last, keep=model.keep,
-            max_bytes=model.max_bytes, failures=list(model.failures),
-            versions=[pb.VersionSummary(version=v.number, active=v.number == model.active, pinned=v.pinned,
-                                        state=v.state, source=v.source, bytes=v.bytes, num_variants=len(v.variants),
-                                        num_leases=v.num_leases, created_at=v.created_at)
-                      for _, v in sorted(model.versions.items())])
-
-
-def _spec_from_proto(msg: pb.LoadSpec) -> LoadSpec:
-    if not msg.path or len(msg.path) > MAX_NAME or "\0" in msg.path:
-        raise InvalidRequestError("LoadModel needs spec.path, the checkpoint directory (at most "
-                                  f"{MAX_NAME} characters, no NUL)")
-    return LoadSpec(path=os.path.abspath(msg.path), name=msg.name, dtype=msg.dtype or "auto",
-                    quantization=msg.quantization or "none", tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank,
-                    component=msg.component or "main")
-
-
-def _lease_id(lease_id: str) -> str:
-    if not lease_id or len(lease_id) > MAX_LEASE_ID:
-        raise InvalidRequestError(f"a lease id is 1..{MAX_LEASE_ID} characters, got {len(lease_id)}")
-    return lease_id
-
-
-def _layout(msg: pb.Layout) -> Layout:
-    return Layout(dtype=msg.dtype or "auto", quantization=msg.quantization or "none", tp_size=msg.tp_size or 1,
-                  tp_rank=msg.tp_rank, component=msg.component or "main")
-
-
-def _layout_proto(layout: Layout) -> pb.Layout:
-    return pb.Layout(dtype=layout.dtype, quantization=layout.quantization, tp_size=layout.tp_size,
-                     tp_rank=layout.tp_rank, component=layout.component)
-
-
-def _retention(msg: pb.Retention) -> Retention:
-    keep = msg.keep if msg.HasField("keep") else None
-    if keep is not None and keep > MAX_KEEP:
-        raise InvalidRequestError(f"keep {keep} is more than {MAX_KEEP} versions")
-    return Retention(keep, msg.max_bytes if msg.HasField("max_bytes") else None)
-
-
-def _chunks(request_iterator, context, stall_s: float):
-    """The tensor data of a PublishStream after its header, read by a helper thread into a short
-    queue (bounded memory). A client that goes away (killed, cancelled, past its deadline) or sends
-    nothing for `stall_s` seconds ends the publish with an error, not a traceback or a thread held
-    forever."""
-    pending: queue.Queue = queue.Queue(maxsize=4)
-    stop = threading.Event()
-
-    def read() -> None:
-        def put(item) -> bool:
-            while not stop.is_set():
-                try:
-                    pending.put(item, timeout=0.5)
-                    return True
-                except queue.Full:
-                    continue
-            return False
-        try:
-            for chunk in request_iterator:
-                if not put(chunk):
-                    return
-            put(None)
-        except grpc.RpcError:
-            put(_GONE)
-        except Exception as e:  # handed to the publishing thread
-            put(e)
-
-    threading.Thread(target=read, name="publish-reader", daemon=True).start()
-    count = 0
-    try:
-        while True:
-            try:
-                item = pending.get(timeout=stall_s)
-            except queue.Empty:
-                raise InvalidRequestError(f"no tensor data for {stall_s:g}s after {count} chunk(s); the publish was "
-                                          "dropped") from None
-            if item is None:
-                return
-            if item is _GONE:
-                raise InvalidRequestError(f"the publishing client went away after {count} chunk(s); nothing was "
-                                          "published")
-            if isinstance(item, Exception):
-                raise item
-            if item.WhichOneof("kind") != "data":
-                raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
-            count += 1
-            yield item.data
-    finally:
-        stop.set()  # the reader's wait on a silent client ends when the servicer ends the call
-
-
-_GONE = object()
-
-
-def _progress(p: LoadProgress) -> pb.LoadProgress:
-    return pb.LoadProgress(stage=p.stage, bytes_done=p.bytes_done, bytes_total=p.bytes_total,
-                           tensors_done=p.tensors_done, tensors_total=p.tensors_total)
-
-
-def _lease(lease) -> pb.Lease:
-    return pb.Lease(id=lease.id, pid=lease.pid, pid_start_time=lease.pid_start_time, created_at=lease.created_at)
-
-
-def _manifest(variant: Variant) -> pb.Manifest:
-    """The variant's slab and tensors; a draft's also name its main variant's slab, whose embedding
-    and lm_head it uses by reference."""
-    version = variant.version
-    parts = [(variant.slab, variant.plan.entries)]
-    if variant.base is not None:
-        parts.append((variant.base.slab, [e for e in variant.base.plan.entries if e.role in SHARED_ROLES]))
-    return pb.Manifest(
-        model=variant.name, version=version.number, key=variant.key.to_proto(), config_json=version.config_json,
-        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)
-               for slab, _ in parts],
-        tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
-                                shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes,
-                                quant_params=dict(e.quant_params), part=e.part)
-                 for slab, entries in parts for e in entries])
+def _attach_args(request: pb.AttachRequest) -> tuple:
+    """An AttachRequest's layout and file identities, checked."""
+    layout = wire.layout(request.layout) if request.HasField("layout") else None
+    if len(request.files) > MAX_FILES:
+        raise InvalidRequestError(f"{len(request.files)} checkpoint files is more than {MAX_FILES}")
+    files = tuple(file_identity(f) for f in request.files)
+    check_name(request.model)
+    return layout, files
 
 
 class DaemonServer:
@@ -371,7 +264,8 @@ class DaemonServer:
             self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health,
                                     allow_external=config.allow_external_links, load_timeout_s=config.load_timeout_s)
             self.store.adopt()
-            self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions)
+            self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions,
+                                          on_request=lambda *request: self.servicer.session_request(*request))
             options = [("grpc.max_receive_message_length", config.max_message_bytes),
                        ("grpc.max_send_message_length", config.max_message_bytes)]
             # RPCs past the cap are refused by gRPC with RESOURCE_EXHAUSTED; idle connections cost no thread.

@@ -1,25 +1,37 @@
-"""Sessions: who the daemon's callers are, and when they die, from the kernel.
+"""Sessions: who the daemon's callers are, and when they die, from the kernel; and the attach hot
+path.
 
 gRPC serves its own Unix socket, which the runtime directory's permissions (0700, socket 0600)
 close to other users, but gRPC Python cannot say which process is on a connection. So a client
 that wants leases first opens a session: a plain connection to the daemon's session socket. On
 accept the daemon reads the caller's pid and uid with SO_PEERCRED and answers one line, `OK TOKEN`
-(or `ERR REASON` and closes). The client names the token in Attach, and the daemon binds the
-lease to the kernel's pid. The client keeps the connection open and sends nothing; when the process
-exits, however it exits (SIGKILL, zombie, crash), the kernel closes the connection and the daemon
-drops the session's leases at once. A client learns the same way that its daemon died.
+(or `ERR REASON` and closes). The client keeps the connection open; when the process exits,
+however it exits (SIGKILL, zombie, crash), the kernel closes the connection and the daemon drops
+the session's leases at once. A client learns the same way that its daemon died.
 
-One thread watches every session with a selector: no thread per connection. The number of
-sessions is capped, with a clear refusal. accept() errors (EMFILE, say) are logged and retried
-with back-off, never fatal.
+Requests on the session (the daemon's `on_request`; today Attach) travel as frames: a 4-byte
+big-endian payload length, one kind byte, the payload (a serialized protobuf message). The answer
+is one frame of the same kind, or of kind `E` with "ErrorClass: message". An attach this way is
+one round trip on a connection the client holds anyway, binds the lease to the connection's
+process without a token, and needs no gRPC channel (nor the grpc import) in the engine. A client
+sends one request at a time and reads its answer before the next.
+
+One thread watches every session with a selector: no thread per connection. Requests run on a
+small pool; while one runs, its connection is out of the selector, and the answer is sent with a
+deadline so that a client that stops reading holds a pool thread for at most SEND_TIMEOUT_S. The
+number of sessions is capped, with a clear refusal. accept() errors (EMFILE, say) are logged and
+retried with back-off, never fatal.
 """
 
+import concurrent.futures
 import dataclasses
 import errno
 import logging
 import os
 import pathlib
+import queue
 import secrets
+import select
 import selectors
 import socket
 import struct
@@ -27,12 +39,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from preload_daemon.errors import PreloadError, details
 from preload_daemon.leases import process_start_time
 
 log = logging.getLogger(__name__)
 _CRED = struct.Struct("3i")
 MAX_LINE = 512
 BACKOFF_S = (0.05, 2.0)
+_FRAME = struct.Struct(">IB")  # payload length, kind
+MAX_REQUEST = 1 << 20  # an AttachRequest names at most a few thousand files
+MAX_RESPONSE = 1 << 30
+SEND_TIMEOUT_S = 10.0
+REQUEST_THREADS = 4
+ERROR = ord("E")
+ATTACH = ord("A")  # an AttachRequest; answered with an AttachResponse
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,13 +64,20 @@ class Session:
 
 
 class SessionServer:
-    def __init__(self, path: pathlib.Path, on_close: Callable[[Session], None], max_sessions: int = 1024):
+    def __init__(self, path: pathlib.Path, on_close: Callable[[Session], None], max_sessions: int = 1024,
+                 on_request: Callable[[Session, int, bytes], bytes] | None = None):
+        """`on_request(session, kind, payload)` answers a request frame with its payload, or raises
+        (a PreloadError's message is sent back; anything else is logged and reported as internal)."""
         self.path = path
         self.uid = os.getuid()
         self.max_sessions = max_sessions
         self._on_close = on_close
+        self._on_request = on_request
         self._sessions: dict[str, Session] = {}
         self._sockets: dict[socket.socket, Session] = {}
+        self._buffers: dict[socket.socket, bytearray] = {}
+        self._answered: queue.SimpleQueue = queue.SimpleQueue()  # (conn, still usable) from the pool
+        self._pool = concurrent.futures.ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="session-request")
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -84,6 +111,7 @@ class SessionServer:
         self._closed.set()
         self._wake_w.send(b"x")
         self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._listener.close()
         self.path.unlink(missing_ok=True)
         for sock in list(self._sockets):
@@ -122,6 +150,7 @@ class SessionServer:
             return min(backoff * 2, BACKOFF_S[1]), time.monotonic() + backoff
         if key.data == "wake":
             self._wake_r.recv(64)
+            self._take_back(selector)
         else:
             self._read(selector, key.fileobj)
         return backoff, paused_until
@@ -172,16 +201,79 @@ class SessionServer:
         log.debug("session of pid %d opened", pid)
 
     def _read(self, selector, conn: socket.socket) -> None:
-        """A client sends nothing after connecting: data is discarded, EOF or an error ends the session."""
+        """Request bytes are buffered until a frame is whole; EOF or an error ends the session."""
         try:
-            if conn.recv(4096):
-                return
+            data = conn.recv(1 << 16)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
-            pass
+            data = b""
+        if not data:
+            selector.unregister(conn)
+            self._end(conn)
+        elif self._on_request is not None:  # without a handler, what a client sends is discarded
+            buffer = self._buffers.setdefault(conn, bytearray())
+            buffer += data
+            self._dispatch(selector, conn)
+
+    def _dispatch(self, selector, conn: socket.socket) -> None:
+        """Hands a whole frame in conn's buffer to the pool (taking conn out of the selector until
+        it is answered); a frame over MAX_REQUEST ends the session."""
+        buffer = self._buffers.get(conn)
+        if buffer is None or len(buffer) < _FRAME.size:
+            return
+        length, kind = _FRAME.unpack_from(buffer)
+        if length > MAX_REQUEST:
+            session = self._sockets[conn]
+            log.warning("ending the session of pid %d: it sent a %d-byte request (at most %d)", session.pid,
+                        length, MAX_REQUEST)
+            _send_frame(conn, ERROR, f"InvalidRequestError: a {length}-byte request is over the limit of "
+                        f"{MAX_REQUEST}".encode(), 0.0)
+            selector.unregister(conn)
+            self._end(conn)
+            return
+        if len(buffer) < _FRAME.size + length:
+            return
+        payload = bytes(buffer[_FRAME.size:_FRAME.size + length])
+        del buffer[:_FRAME.size + length]
         selector.unregister(conn)
+        self._pool.submit(self._answer, conn, self._sockets[conn], kind, payload)
+
+    def _answer(self, conn: socket.socket, session: Session, kind: int, payload: bytes) -> None:
+        """On a pool thread: runs the request and sends its answer, then hands conn back."""
+        try:
+            out_kind, out = kind, self._on_request(session, kind, payload)
+        except Exception as e:
+            if not isinstance(e, PreloadError):
+                log.exception("session request %r of pid %d failed", chr(kind), session.pid)
+            out_kind, out = ERROR, (details(e) if isinstance(e, PreloadError) else
+                                    "PreloadError: internal error; see the daemon log").encode()
+        usable = _send_frame(conn, out_kind, out, SEND_TIMEOUT_S)
+        self._answered.put((conn, usable))
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _take_back(self, selector) -> None:
+        """Conns whose request was answered: back into the selector, or ended if the answer failed."""
+        while True:
+            try:
+                conn, usable = self._answered.get_nowait()
+            except queue.Empty:
+                return
+            if conn not in self._sockets:
+                continue
+            if not usable:
+                self._end(conn)
+                continue
+            selector.register(conn, selectors.EVENT_READ, "session")
+            self._dispatch(selector, conn)  # a frame that came in meanwhile
+
+    def _end(self, conn: socket.socket) -> None:
+        """Closes a session's connection (out of the selector already) and ends its leases."""
         conn.close()
+        self._buffers.pop(conn, None)
         with self._lock:
             session = self._sockets.pop(conn)
             self._sessions.pop(session.token, None)
@@ -190,6 +282,26 @@ class SessionServer:
             self._on_close(session)
         except Exception:
             log.exception("releasing the leases of pid %d failed", session.pid)
+
+
+def _send_frame(conn: socket.socket, kind: int, payload: bytes, timeout: float) -> bool:
+    """Sends one frame on a non-blocking socket within `timeout` seconds; False if it could not."""
+    data = memoryview(_FRAME.pack(len(payload), kind) + payload)
+    deadline = time.monotonic() + timeout
+    poller = select.poll()
+    poller.register(conn, select.POLLOUT)
+    while data:
+        try:
+            data = data[conn.send(data):]
+            continue
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return False
+    return True
 
 
 def _send_line(conn: socket.socket, line: str) -> None:
@@ -225,6 +337,41 @@ def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socke
         raise SessionError(errno.EACCES if "permission" in rest else errno.ECONNREFUSED,
                            rest or f"the daemon on {path} closed the session without an answer")
     return sock, rest
+
+
+def request(sock: socket.socket, kind: int, payload: bytes, timeout: float) -> bytes:
+    """Client side: sends one request frame on an open session and returns the answer's payload;
+    raises SessionError if the daemon closed the session or did not answer within `timeout`, and
+    SessionAnswerError (with the daemon's "ErrorClass: message") for an error answer."""
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(_FRAME.pack(len(payload), kind) + payload)
+        length, answer_kind = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
+        if length > MAX_RESPONSE:
+            raise SessionError(errno.EPROTO, f"the daemon answered with {length} bytes (at most {MAX_RESPONSE})")
+        data = _recv_exactly(sock, length)
+    except OSError as e:
+        if isinstance(e, SessionError):
+            raise
+        raise SessionError(e.errno or errno.EPIPE, f"the session broke: {e.strerror or e}") from e
+    if answer_kind == ERROR:
+        raise SessionAnswerError(data.decode(errors="replace"))
+    return data
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray(n)
+    view, done = memoryview(out), 0
+    while done < n:
+        got = sock.recv_into(view[done:])
+        if not got:
+            raise SessionError(errno.EPIPE, "the daemon closed the session")
+        done += got
+    return bytes(out)
+
+
+class SessionAnswerError(Exception):
+    """The daemon answered a session request with an error ("ErrorClass: message")."""
 
 
 def session_path(socket_path: pathlib.Path) -> pathlib.Path:

@@ -1,5 +1,6 @@
 """The model store: models, their versions and variants, slabs, leases and retention. Thread-safe;
-the gRPC servicer is a thin layer over it.
+the gRPC servicer is a thin layer over it. Loads of a model run one at a time (loading.py); which
+version a request means is matching.py's to say.
 
 - A model name has immutable versions (weights content: the checkpoint files a version was loaded
   from, or the tensors a trainer streamed) and one active pointer.
@@ -19,17 +20,18 @@ import time
 from collections.abc import Callable
 
 from preload_daemon import adopt, stream
-from preload_daemon.arch import ArchSpec, parse_config
-from preload_daemon.cachekey import file_differences
-from preload_daemon.checkpoint import Checkpoint, FileIdentity, refresh_identity
-from preload_daemon.errors import InvalidRequestError, LeasedError, LoadingError, NotFoundError, PlanError, StaleError
+from preload_daemon.arch import ArchSpec
+from preload_daemon.checkpoint import Checkpoint, FileIdentity
+from preload_daemon.errors import LeasedError, LoadingError, NotFoundError, PlanError
 from preload_daemon.execute import execute
 from preload_daemon.fill import Filler, free_slab
+from preload_daemon.hfconfig import parse_config
 from preload_daemon.leases import Lease
+from preload_daemon.loading import Loading, Loads
+from preload_daemon.matching import find_model, find_version, new_number, pick_version, version_for
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
-from preload_daemon.records import (MAX_VERSION, LoadProgress, Model, Retention, Variant, Version, budget_victims,
-                                    check_name, check_number, common_dir, evictable, pick_variant,
-                                    unique_plans)
+from preload_daemon.records import (LoadProgress, Model, Retention, Variant, Version, budget_victims, evictable,
+                                    pick_variant, unique_plans)
 from preload_daemon.sessions import Session
 from preload_daemon.slab import HostSlab
 
@@ -53,7 +55,7 @@ class ModelStore:
         self._leases: dict[str, Variant] = {}
         self._ended: collections.deque = collections.deque(maxlen=4096)
         """Sessions that closed recently: an Attach racing its session's close is refused."""
-        self._loads = 0
+        self._loads = Loads(device, self._lock, self._models, self._on_change)
         self.recovery: list[str] = []
         """What was adopted from, or discarded of, a previous daemon's slabs (adopt.py)."""
         self.adopted_bytes, self.adoption_seconds = 0, 0.0
@@ -98,11 +100,12 @@ class ModelStore:
         next), which becomes active if `activate` or if it is the model's first. Returns the variants
         in the order asked; a failure frees whatever this call made."""
         model = self._model(spec.name, create=True)
-        with self._loading(model, version, on_progress) as loading:
-            self._set_retention(model, retention)
+        with Loading(self._loads, model, version, on_progress) as loading:
+            loading.set_retention(retention)
             checkpoint = Checkpoint(spec.path, allow_external=self.allow_external)
             try:
-                target = loading.number = self._version_for(model, checkpoint, version)
+                with self._lock:
+                    target = loading.number = version_for(model, tuple(checkpoint.identity), version, self.device)
                 plans = unique_plans([build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)])
                 return self._fill(model, target, plans, activate, on_progress,
                                   lambda plan, slab, on_tensor, hasher: execute(plan, checkpoint, slab.data,
@@ -112,21 +115,6 @@ class ModelStore:
             finally:
                 checkpoint.close()
 
-    def _version_for(self, model: Model, checkpoint: Checkpoint, number: int) -> Version | int:
-        """The version loaded from these files (as they are now), or the number a new one gets."""
-        files = tuple(checkpoint.identity)
-        with self._lock:
-            same = [v for v in model.versions.values() if v.files and not file_differences(v.files, files)]
-            if number and number in model.versions and model.versions[number] not in same:
-                raise InvalidRequestError(f"{model.name} v{number} exists on {self.device} with other weights "
-                                          f"(from {model.versions[number].source}); publish as a new version")
-            if number and number not in model.versions and number <= model.last:
-                raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device} (numbers are "
-                                          f"never reused); publish as v{model.last + 1} or later")
-            if same:
-                return max(same, key=lambda v: v.number)
-            return check_number(model, number or model.last + 1)
-
     # -- publishing from a stream -------------------------------------------------------------------
 
     def publish_stream(self, table: stream.StreamedCheckpoint, name: str, chunks, version: int = 0,
@@ -135,13 +123,10 @@ class ModelStore:
         """A new version from tensors streamed by a live process (stream.py), in `layouts`, else those
         of the active version on this device, else the default layout."""
         model = self._model(name, create=True)
-        with self._loading(model, version, on_progress, wait=False) as loading:  # a stream cannot queue
-            self._set_retention(model, retention)
+        with Loading(self._loads, model, version, on_progress, wait=False) as loading:  # a stream cannot queue
+            loading.set_retention(retention)
             with self._lock:
-                number = loading.number = check_number(model, version or model.last + 1)
-                if number in model.versions or number <= model.last:
-                    raise InvalidRequestError(f"{model.name} v{number} was used before on {self.device}; publish "
-                                              f"as v{model.last + 1} or later")
+                number = loading.number = new_number(model, version, self.device)
                 active = model.versions.get(model.active)
                 layouts = list(layouts) or (list(active.variants) if active is not None else [Layout()])
             spec = LoadSpec(path=table.path, name=model.name)
@@ -226,7 +211,7 @@ class ModelStore:
         `files` (the caller's checkpoint as it sees it), else of the active version; with `layout`
         (dtype "auto" resolved against that version), else the version's first main variant. A
         mismatch is an error naming what differs and what there is."""
-        target = self._pick_version(name, version, files)
+        target = pick_version(self._model(name), version, files, self.device, self._lock, self._on_change)
         with self._lock:
             if target.loading and not target.variants:
                 raise LoadingError(f"{name} v{target.number} is still loading on {self.device}; retry shortly "
@@ -242,49 +227,6 @@ class ModelStore:
         log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, session.pid, name, target.number,
                  variant.layout, self.device)
         return variant, lease
-
-    def _pick_version(self, name: str, number: int, files: tuple[FileIdentity, ...]) -> Version:
-        model = self._model(name)
-        with self._lock:
-            if not model.versions and model.failures and not model.load_lock.locked():
-                raise NotFoundError(f"{name} has no version on {self.device}; its last load failed: "
-                                    f"v{model.failures[0]}")
-            if number:
-                return self._version(model, number)
-            if not files:
-                if model.active not in model.versions:
-                    raise LoadingError(f"{name} has no active version on {self.device} yet; it is still loading")
-                return model.versions[model.active]
-            candidates = sorted((v for v in model.versions.values() if v.files), key=lambda v: -v.number)
-        for v in candidates:
-            if not file_differences(v.files, files):
-                self._check_fresh(v)
-                return v
-        wanted = {f.path for f in files}
-        for v in candidates:
-            if {f.path for f in v.files} == wanted:  # the same files, changed since
-                self._check_fresh(v)
-                raise StaleError(f"{name} v{v.number} on {self.device} was loaded from these files, but they "
-                                 f"differ now: {', '.join(file_differences(v.files, files))}; load them again with "
-                                 f"`preload serve {v.source}` (or `preload publish {name} --from DIR`)")
-        versions = ", ".join(f"v{v.number} from {v.source}" for v in sorted(model.versions.values(),
-                                                                          key=lambda v: v.number)) or "none"
-        raise NotFoundError(f"no version of {name} on {self.device} was loaded from the caller's checkpoint files "
-                            f"({len(files)} file(s) in {common_dir(files)}); versions: {versions}. Load it with "
-                            "`preload serve DIR`, or attach by version (--weights-version)")
-
-    def _check_fresh(self, version: Version) -> None:
-        """Marks a version stale when its checkpoint files changed on disk since it was loaded: no
-        variant may be loaded from them as this version any more, and no caller is matched to it by
-        files. Its slabs still hold its weights: attaching by version number keeps working."""
-        if version.files and not version.stale_reason:
-            diffs = file_differences(refresh_identity(version.files), version.files)
-            if diffs:
-                version.stale_reason = f"checkpoint changed on disk since it was loaded: {', '.join(diffs)}"
-                self._on_change()
-        if version.stale_reason:
-            raise StaleError(f"{version.model.name} v{version.number} on {self.device} is stale "
-                             f"({version.stale_reason}); load it again with `preload serve {version.source}`")
 
     def renew(self, lease_id: str) -> Lease:
         with self._lock:
@@ -334,7 +276,7 @@ class ModelStore:
         it was sealed, which only this uid (or root) can do."""
         with self._lock:
             models = [self._model(name)] if name else list(self._models.values())
-            variants = [var for m in models for v in ([self._version(m, number)] if number else m.versions.values())
+            variants = [var for m in models for v in ([find_version(m, number, self.device)] if number else m.versions.values())
                         for var in v.variants.values()]
         checks = [(variant, variant.slab.hash()) for variant in variants]
         return [(variant, actual) for variant, actual in checks if actual]  # "": freed meanwhile, not changed
@@ -345,7 +287,7 @@ class ModelStore:
         """Moves the active pointer (publish's last step, rollback)."""
         model = self._model(name)
         with self._lock:
-            version = self._version(model, number)
+            version = find_version(model, number, self.device)
             if not version.variants:
                 raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
             previous, model.active = model.active, number
@@ -357,7 +299,7 @@ class ModelStore:
     def pin(self, name: str, number: int, pinned: bool) -> Model:
         model = self._model(name)
         with self._lock:
-            self._version(model, number).pinned = pinned
+            find_version(model, number, self.device).pinned = pinned
         log.info("%s v%d %s on %s", name, number, "pinned" if pinned else "unpinned", self.device)
         self._on_change()
         if not pinned:
@@ -369,7 +311,7 @@ class ModelStore:
         pages stay valid in the processes that hold them."""
         model = self._model(name)
         with self._lock:
-            victims = [self._version(model, version)] if version else list(model.versions.values())
+            victims = [find_version(model, version, self.device)] if version else list(model.versions.values())
             loading = [v for v in victims if v.loading]
             if loading:
                 raise LoadingError(f"{name} v{loading[0].number} is loading on {self.device}; evict it once loaded")
@@ -429,30 +371,14 @@ class ModelStore:
     # -- reading the store --------------------------------------------------------------------------
 
     def _model(self, name: str, create: bool = False) -> Model:
-        check_name(name)
         with self._lock:
-            model = self._models.get(name)
-            if model is None:
-                if not create:
-                    loaded = ", ".join(sorted(self._models)) or "none"
-                    raise NotFoundError(f"model {name!r} is not loaded on {self.device} (loaded: {loaded}); "
-                                        f"load it with `preload serve`")
-                model = self._models[name] = Model(name)
-            return model
-
-    def _version(self, model: Model, number: int) -> Version:
-        version = model.versions.get(number)
-        if version is None:
-            have = ", ".join(f"v{n}" for n in sorted(model.versions)) or "none"
-            freed = " (it was freed)" if 0 < number <= model.last else ""
-            raise NotFoundError(f"{model.name} has no version {number} on {self.device}{freed}; versions: {have}")
-        return version
+            return find_model(self._models, name, self.device, create)
 
     def get(self, name: str, number: int = 0) -> Version:
         """A version (0: the active one)."""
         model = self._model(name)
         with self._lock:
-            return self._version(model, number or model.active)
+            return find_version(model, number or model.active, self.device)
 
     def variants(self) -> list[Variant]:
         """Every variant of every version, by model, version and load order."""
@@ -470,12 +396,9 @@ class ModelStore:
             return [(m.name, n, v.bytes, v.num_leases) for m in self._models.values()
                     for n, v in sorted(m.versions.items())]
 
-    def is_active(self, variant: Variant) -> bool:
-        return variant.version.model.active == variant.version.number
-
     def is_loading(self) -> bool:
         with self._lock:
-            return self._loads > 0
+            return self._loads.count > 0
 
     def close(self) -> None:
         """Frees every slab (graceful daemon shutdown)."""
@@ -485,58 +408,3 @@ class ModelStore:
             self._models.clear()
             self._leases.clear()
             adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)
-
-    # -- helpers ------------------------------------------------------------------------------------
-
-    class _Loading:
-        """One load of a model at a time. A failed one is remembered (`preload status`, wait-ready)
-        under the version number it asked for (publish asks for one), which is then never given to
-        another version; the retention it set is undone."""
-
-        def __init__(self, store: "ModelStore", model: Model, number: int, on_progress, wait: bool):
-            self.store, self.model, self.on_progress, self.wait = store, model, on_progress, wait
-            self.requested = number
-            self.number: int | Version = number
-            self.retention = (model.keep, model.max_bytes)
-
-        def __enter__(self) -> "ModelStore._Loading":
-            if not self.model.load_lock.acquire(blocking=False):
-                if not self.wait:
-                    raise LoadingError(f"{self.model.name} is being loaded or published on {self.store.device}; "
-                                       "publish again once that finishes (`preload status`)")
-                self.on_progress(LoadProgress("queued"))
-                self.model.load_lock.acquire()
-            with self.store._lock:
-                self.store._loads += 1
-                self.store._models.setdefault(self.model.name, self.model)  # evicted while queued
-                self.retention = (self.model.keep, self.model.max_bytes)
-            self.store._on_change()
-            return self
-
-        def __exit__(self, kind, error, tb) -> None:
-            with self.store._lock:
-                self.store._loads -= 1
-                if error is not None:
-                    self.model.keep, self.model.max_bytes = self.retention
-                    if isinstance(self.number, Version):
-                        what = f"{self.number.number} (a variant)"
-                    elif 0 < self.requested <= MAX_VERSION:  # a number asked for (publish): never given out later
-                        what = str(self.requested)
-                        self.model.last = max(self.model.last, self.requested)
-                    else:
-                        what = "-"
-                    self.model.failures.appendleft(f"{what}: {kind.__name__}: {error}"[:500])
-                self.model.load_lock.release()
-                if not self.model.versions and not self.model.failures:
-                    self.store._models.pop(self.model.name, None)
-            self.store._on_change()
-
-    def _loading(self, model: Model, number: int, on_progress, wait: bool = True) -> "_Loading":
-        return self._Loading(self, model, number, on_progress, wait)
-
-    def _set_retention(self, model: Model, retention: Retention) -> None:
-        with self._lock:
-            if retention.keep is not None:
-                model.keep = retention.keep
-            if retention.max_bytes is not None:
-                model.max_bytes = retention.max_bytes

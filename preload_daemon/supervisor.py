@@ -12,11 +12,12 @@ import sys
 import threading
 import time
 
-from preload_daemon.arch import ArchSpec, read_config
+from preload_daemon.arch import ArchSpec
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError
+from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
 from preload_daemon.versions import Target, publish_dir
 

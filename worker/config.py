@@ -3,8 +3,9 @@
 import dataclasses
 import pathlib
 
-from preload_daemon.arch import ArchSpec, read_config
+from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import InvalidRequestError
+from preload_daemon.hfconfig import read_config
 
 MAX_SPECULATIVE = 16
 

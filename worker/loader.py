@@ -12,17 +12,21 @@ import logging
 import pathlib
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.quant import QuantizedWeight
-from preload_daemon.arch import ArchSpec, read_config
-from preload_daemon.buffers import typed_view
+from preload_daemon.arch import ArchSpec
+from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint, stat_identity
-from preload_daemon.client import AttachedModel, DaemonClient
 from preload_daemon.errors import DaemonUnavailableError, LoadingError, NotFoundError, PreloadError, StaleError
 from preload_daemon.execute import execute
+from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec, build_plan
+
+if TYPE_CHECKING:  # the client (grpc) is imported when an engine attaches, not by a cold engine
+    from preload_daemon.client import AttachedModel
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2
@@ -44,7 +48,7 @@ class LoadedWeights:
     content_digest: str = ""
     """The digest of the slab's bytes (ipc_cache)."""
     fallback_reason: str = ""
-    attached: AttachedModel | None = None
+    attached: "AttachedModel | None" = None
     started: float = 0.0
     finished: float = 0.0
 
@@ -72,8 +76,9 @@ def load_safetensors(request: LoadRequest) -> LoadedWeights:
         execute(plan, checkpoint, slab)
     finally:
         checkpoint.close()
-    tensors = {e.name: typed_view(slab, e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
-    parts = [(e.name, e.part, e.quant_scheme, dict(e.quant_params)) for e in plan.entries]
+    views = SlabViews(slab)
+    tensors = {e.name: views.view(e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
+    parts = [(e.name, e.part, e.quant_scheme, dict(e.quant_params)) for e in plan.entries if e.part == "weight"]
     return LoadedWeights(assemble(tensors, parts), checkpoint.config, "safetensors", started=started,
                          finished=time.time())
 
@@ -94,15 +99,17 @@ def load_ipc_cache(request: LoadRequest) -> LoadedWeights:
         weights.fallback_reason = reason
         weights.started = started
         return weights
-    parts = [(t.name, t.part, t.quant_scheme, dict(t.quant_params)) for t in attached.manifest.tensors]
-    return LoadedWeights(assemble(dict(attached.tensors), parts), attached.config, "ipc_cache",
+    parts = [(t.name, t.part, t.quant_scheme, dict(t.quant_params)) for t in attached.manifest.tensors
+             if t.part == "weight"]
+    return LoadedWeights(assemble(attached.tensors, parts), attached.config, "ipc_cache",
                          version=attached.version, content_digest=attached.key.content_digest, attached=attached,
                          started=started, finished=time.time())
 
 
-def attach(request: LoadRequest) -> AttachedModel:
+def attach(request: LoadRequest) -> "AttachedModel":
     """The daemon's variant for this request, leased; retries an absent or loading daemon for
     request.wait_for_daemon seconds. Checks that the weights fit the engine's config.json."""
+    from preload_daemon.client import DaemonClient
     spec = request.spec
     by_version = request.weights_version not in ("", "active")
     version = int(request.weights_version) if by_version else 0
@@ -178,10 +185,11 @@ class LeaseKeeper:
                 log.info("re-attached %s on %s with a new lease", what, self.device)
                 break
 
-    def _reattach(self, old: AttachedModel) -> AttachedModel:
+    def _reattach(self, old: "AttachedModel") -> "AttachedModel":
         """The same weights from the device's daemon now: the same version number (a daemon that
         adopted the slab), else the version loaded from the same files (a daemon that loaded them
         again numbered them anew); accepted only with the same content digest."""
+        from preload_daemon.client import DaemonClient
         client = DaemonClient.for_device(self.device, self.runtime_dir, timeout=5)
         try:
             try:

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 import torch
 import uvicorn
 
-from preload_daemon.arch import ArchSpec, read_config
+from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import InvalidRequestError, PreloadError
+from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
 from worker.config import EngineConfig
 from worker.engine import Engine, SamplingParams

@@ -178,3 +178,43 @@ def test_a_client_opens_a_new_session_with_a_restarted_daemon(daemon, tiny_llama
     attached = client.attach("tiny-llama")  # the old session's token would be unknown to it
     assert attached.version == 1 and [lease.pid for lease in successor.client.list_models()[0].leases] == [os.getpid()]
     client.close()
+
+
+def test_attach_travels_on_the_session_and_bad_frames_get_clear_errors(daemon, tiny_llama):
+    """Attach is one framed request on the session: no gRPC in the attaching process. A garbled
+    payload or an unknown kind gets an error answer and the session goes on serving; a frame over
+    the size limit ends the session (and only that one)."""
+    import struct
+
+    from preload_daemon.errors import InvalidRequestError, NotFoundError
+    from preload_daemon.sessions import ATTACH, MAX_REQUEST, SessionAnswerError, request
+    from protos import preload_pb2 as pb
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    script = ("import sys\nfrom preload_daemon.client import DaemonClient\n"
+              "m = DaemonClient(sys.argv[1]).attach('tiny-llama')\n"
+              "print(len(m.tensors), 'grpc' in sys.modules, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", script, str(daemon.config.socket_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == [str(daemon.client.list_models()[0].num_tensors), "False"], out.stderr
+
+    sock, token = open_session(session_path(daemon.config.socket_path))
+    for kind, payload, error in ((ATTACH, b"\xff\xff\xff", "not an AttachRequest"), (ord("Z"), b"", "unknown session"),
+                                 (ATTACH, pb.AttachRequest(model="nope").SerializeToString(), "NotFoundError")):
+        with pytest.raises(SessionAnswerError, match=error):
+            request(sock, kind, payload, 10)
+    answer = pb.AttachResponse.FromString(
+        request(sock, ATTACH, pb.AttachRequest(model="tiny-llama").SerializeToString(), 10))
+    lease = next(l for l in daemon.client.list_models()[0].leases if l.id == answer.lease.id)
+    assert lease.pid == os.getpid()
+    sock.sendall(struct.pack(">IB", MAX_REQUEST + 1, ATTACH))
+    assert sock.recv(1 << 16)[5:].startswith(b"InvalidRequestError: a ")
+    wait_until(lambda: not daemon.client.list_models()[0].leases, what="the session's lease to end")
+    sock.close()
+
+    client = DaemonClient(daemon.config.socket_path, timeout=10)  # errors come back as their own class
+    with pytest.raises(NotFoundError):
+        client.attach("nope")
+    with pytest.raises(InvalidRequestError, match="model name"):
+        client.attach("bad\nname")
+    client.attach("tiny-llama").release()
+    client.close()

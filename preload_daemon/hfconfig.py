@@ -1,0 +1,115 @@
+"""config.json read as input: a regular file of bounded size holding a JSON object of bounded depth,
+and its fields read with their types checked, so a bad config fails the load with a message naming
+the field and the file, never a TypeError later. arch.ArchSpec builds on these."""
+
+import json
+import math
+import os
+import pathlib
+
+from preload_daemon.errors import CheckpointError
+from preload_daemon.safepath import read_regular, short_repr
+
+CONFIG_MAX_BYTES = 4 << 20
+JSON_MAX_DEPTH = 64  # real configs nest 3 or 4 levels
+MAX_DIMENSION = 1 << 40
+
+
+def read_config(directory: str | os.PathLike) -> dict:
+    """A checkpoint's config.json: a regular file holding a JSON object of bounded size and depth, or
+    an error naming the fix."""
+    path = pathlib.Path(directory) / "config.json"
+    data = read_regular(path, CONFIG_MAX_BYTES, "a checkpoint directory needs the model's config.json next to its "
+                                                "*.safetensors files")
+    return parse_config(data, str(path))
+
+
+def parse_config(data: bytes | str, source: str) -> dict:
+    """config.json's text (from a file or a publishing client) as a JSON object of bounded size and
+    depth: the daemon stores it and serialises it again, which a deeply nested one would not survive."""
+    if len(data) > CONFIG_MAX_BYTES:
+        raise CheckpointError(f"{source} is larger than {CONFIG_MAX_BYTES >> 20} MiB; that is no model config")
+    config = load_json(data, source, "fix or re-export the config")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: not a JSON object; fix or re-export the config")
+    if _too_deep(config, JSON_MAX_DEPTH):
+        raise CheckpointError(f"{source} is nested too deeply (over {JSON_MAX_DEPTH} levels of objects and arrays); "
+                              "that is no model config")
+    return config
+
+
+def load_json(data: bytes | str, source: str, fix: str):
+    """Parsed JSON, or a CheckpointError naming `source` and `fix`: malformed text, integers too long
+    to convert and nesting that exhausts the parser's recursion are all the file's fault, never a
+    RecursionError or ValueError for the caller."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{source} is nested too deeply to parse (JSON arrays or objects thousands of levels "
+                              f"deep); {fix}") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers of more than 4300 digits
+        raise CheckpointError(f"{source} is not valid JSON ({e}); {fix}") from None
+
+
+def _too_deep(value, limit: int) -> bool:
+    """Whether JSON `value` nests objects and arrays more than `limit` levels deep (iteratively:
+    recursing would fail on exactly the values this looks for)."""
+    stack = [(value, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return False
+
+
+def architecture_name(config: dict, source: str) -> str:
+    """The model class config.json names ("" when it names none)."""
+    archs = config.get("architectures")
+    if archs is None or archs == []:
+        return ""
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise CheckpointError(f"{source}: architectures must be a list of model class names, e.g. "
+                              f"[\"LlamaForCausalLM\"], got {short_repr(archs)}")
+    return archs[0]
+
+
+def check_rope_scaling(scaling: dict, where: str) -> None:
+    """The types of the rope scaling fields the engine reads (kernels/rope.py), so a bad one fails
+    the load, not the engine after it."""
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if not isinstance(kind, str):
+        raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
+    int_field(scaling, "original_max_position_embeddings", where)
+    if kind == "llama3":
+        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+            float_field(scaling, key, where, None)
+
+
+def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:
+    value = config.get(key)
+    value = default if value is None else value
+    if value is None:
+        raise CheckpointError(f"{source}: missing field {key!r}; a {key} is needed to lay out the weights")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {short_repr(value)}")
+    if value > MAX_DIMENSION:
+        raise CheckpointError(f"{source}: {key}={value} is more than 2**40; that is no real model's {key}")
+    return value
+
+
+def float_field(config: dict, key: str, source: str, default: float | None) -> float:
+    value = config.get(key)
+    value = default if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise CheckpointError(f"{source}: {key} must be a positive finite number, got {short_repr(value)}")
+    return float(value)
+
+
+def bool_field(config: dict, key: str, source: str) -> bool:
+    """A true/false field, absent or null meaning false: a string "false" would otherwise count as true."""
+    value = config.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise CheckpointError(f"{source}: {key} must be true or false, got {short_repr(value)}")
+    return value is True

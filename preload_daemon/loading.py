@@ -1,0 +1,72 @@
+"""Loads of a model, one at a time: a load or publish holds its model's load lock, is counted while
+it runs (a daemon with a load in flight does not report serving), and, if it fails, leaves a record
+of the failure and undoes the retention it set."""
+
+from collections.abc import Callable
+
+from preload_daemon.errors import LoadingError
+from preload_daemon.records import MAX_VERSION, LoadProgress, Model, Retention, Version
+
+
+class Loads:
+    """The loads in flight in one store, which shares its lock and its table of models."""
+
+    def __init__(self, device: str, lock, models: dict[str, Model], on_change: Callable[[], None]):
+        self.device = device
+        self.lock = lock
+        self.models = models
+        self.on_change = on_change
+        self.count = 0
+        """Loads and publishes running now (read and written under `lock`)."""
+
+
+class Loading:
+    """One load of a model at a time. A failed one is remembered (`preload status`, wait-ready)
+    under the version number it asked for (publish asks for one), which is then never given to
+    another version; the retention it set is undone."""
+
+    def __init__(self, loads: Loads, model: Model, number: int, on_progress, wait: bool = True):
+        self.loads, self.model, self.on_progress, self.wait = loads, model, on_progress, wait
+        self.requested = number
+        self.number: int | Version = number
+        self.retention = (model.keep, model.max_bytes)
+
+    def __enter__(self) -> "Loading":
+        if not self.model.load_lock.acquire(blocking=False):
+            if not self.wait:
+                raise LoadingError(f"{self.model.name} is being loaded or published on {self.loads.device}; "
+                                   "publish again once that finishes (`preload status`)")
+            self.on_progress(LoadProgress("queued"))
+            self.model.load_lock.acquire()
+        with self.loads.lock:
+            self.loads.count += 1
+            self.loads.models.setdefault(self.model.name, self.model)  # evicted while queued
+            self.retention = (self.model.keep, self.model.max_bytes)
+        self.loads.on_change()
+        return self
+
+    def set_retention(self, retention: Retention) -> None:
+        """The model's retention from now on; undone if this load fails."""
+        with self.loads.lock:
+            if retention.keep is not None:
+                self.model.keep = retention.keep
+            if retention.max_bytes is not None:
+                self.model.max_bytes = retention.max_bytes
+
+    def __exit__(self, kind, error, tb) -> None:
+        with self.loads.lock:
+            self.loads.count -= 1
+            if error is not None:
+                self.model.keep, self.model.max_bytes = self.retention
+                if isinstance(self.number, Version):
+                    what = f"{self.number.number} (a variant)"
+                elif 0 < self.requested <= MAX_VERSION:  # a number asked for (publish): never given out later
+                    what = str(self.requested)
+                    self.model.last = max(self.model.last, self.requested)
+                else:
+                    what = "-"
+                self.model.failures.appendleft(f"{what}: {kind.__name__}: {error}"[:500])
+            self.model.load_lock.release()
+            if not self.model.versions and not self.model.failures:
+                self.loads.models.pop(self.model.name, None)
+        self.loads.on_change()
