@@ -14,18 +14,16 @@ import struct
 
 import torch
 
-from preload_daemon.arch import load_json, read_config, short_repr, short_text
 from preload_daemon.errors import CheckpointError
+from preload_daemon.hfconfig import load_json, read_config
+from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, open_regular, read_regular, short_repr,
+                                     short_text)
 
 MAX_HEADER_BYTES = 100 << 20
 INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
-EXTERNAL_FIX = ("copy the file into the directory, or, if the link is meant (a Hugging Face cache snapshot links "
-                "into ../../blobs), pass --allow-external-links to `preload daemon`/`preload serve`")
-_SPECIAL = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-            (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -83,7 +81,7 @@ class TensorInfo:
 def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity]:
     """Parses and validates one safetensors header. Raises CheckpointError naming the file and the
     first thing wrong with it."""
-    fd, info = open_regular(path)
+    fd, info = open_regular(path, FIX)
     try:
         with os.fdopen(fd, "rb") as f:
             prefix = f.read(8)
@@ -195,7 +193,7 @@ def stat_identity(directory: str | os.PathLike, *, allow_external: bool = False)
 
 def checkpoint_dir(directory: str | os.PathLike) -> pathlib.Path:
     """`directory` resolved: the root every file of the checkpoint must lie in."""
-    _check_no_nul(directory)
+    check_no_nul(directory)
     path = pathlib.Path(os.path.realpath(directory))  # not Path.resolve: it raises on a symlink loop
     try:
         is_dir = stat.S_ISDIR(os.stat(path).st_mode)
@@ -236,84 +234,11 @@ def read_index(index: pathlib.Path) -> dict[str, str]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: no weight_map object (tensor name -> file name); {INDEX_FIX}")
     for name, file in weight_map.items():
-        problem = _file_name_problem(file)
+        problem = file_name_problem(file)
         if problem:
             raise CheckpointError(f"{index}: weight_map[{short_repr(name)}] = {short_repr(file)} {problem}; "
                                   f"{INDEX_FIX}")
     return weight_map
-
-
-def _file_name_problem(file) -> str:
-    """What is wrong with an index entry as the name of a file in the index's directory, or ""."""
-    if not isinstance(file, str) or file in ("", ".", ".."):
-        return "is not a file name"
-    if "\0" in file:
-        return "contains a NUL byte"
-    if file.startswith("/"):
-        return "is an absolute path; an index may only name files in its own directory"
-    if ".." in file.split("/"):
-        return "leaves the checkpoint directory with '..'; an index may only name files in its own directory"
-    if "/" in file:
-        return "is a path, not a file name; an index may only name files in its own directory"
-    return ""
-
-
-def inside(root: pathlib.Path, path: pathlib.Path, allow_external: bool) -> pathlib.Path:
-    """`path` (in `root`, a resolved directory), refused if a symlink takes it outside `root` and the
-    caller does not allow that: the daemon would read, and serve to every engine, a file the
-    checkpoint directory does not contain (/dev/zero, another user's model, a file being written)."""
-    resolved = pathlib.Path(os.path.realpath(path))
-    if not allow_external and not resolved.is_relative_to(root):
-        raise CheckpointError(f"{path} links to {resolved}, outside the checkpoint directory {root}; {EXTERNAL_FIX}")
-    return path
-
-
-def open_regular(path: pathlib.Path, missing_fix: str = FIX) -> tuple[int, os.stat_result]:
-    """A read-only fd on `path` and its fstat. It must be a regular file: reading a FIFO would block
-    the loading thread forever, a device like /dev/zero would feed it endless bytes. The open does
-    not block (a FIFO's open waits for a writer) and the file opened must be the one checked, not
-    one swapped in between."""
-    _check_no_nul(path)
-    try:
-        before = os.stat(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing; {missing_fix}") from None
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e}); {missing_fix}") from None
-    for test, kind in _SPECIAL:
-        if test(before.st_mode):
-            raise CheckpointError(f"{path} is {kind}, not a regular file; a checkpoint's files must be regular "
-                                  "files (reading this one would block or never end): replace it with the real file")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot open ({e.strerror or e})") from None
-    info = os.fstat(fd)
-    if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path} was replaced while it was being opened; retry once the checkpoint is written")
-    os.set_blocking(fd, True)
-    return fd, info
-
-
-def read_regular(path: pathlib.Path, limit: int, missing_fix: str = FIX) -> bytes:
-    """The whole of `path`, a regular file of at most `limit` bytes (see open_regular)."""
-    fd, info = open_regular(path, missing_fix)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(limit + 1) if info.st_size <= limit else b""
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
-    if info.st_size > limit or len(data) > limit:
-        raise CheckpointError(f"{path} is {max(info.st_size, len(data))} bytes, more than the {limit >> 20} MiB a "
-                              f"{path.name} may be; that is not a real one")
-    return data
-
-
-def _check_no_nul(path: str | os.PathLike) -> None:
-    if "\0" in os.fspath(path):
-        raise CheckpointError(f"{short_repr(os.fspath(path))}: a path cannot contain a NUL byte; pass the checkpoint "
-                              "directory's real path")
 
 
 class Checkpoint:
@@ -358,16 +283,16 @@ class Checkpoint:
         self.read_into(name, out)
         return out.view(info.dtype).view(info.shape) if info.nbytes else torch.empty(info.shape, dtype=info.dtype)
 
-    def read_into(self, name: str, out: torch.Tensor, skip: int = 0) -> None:
+    def read_into(self, name: str, out: torch.Tensor | memoryview, skip: int = 0) -> None:
         """Reads the stored bytes of `name`, from byte `skip` on, straight into `out` (a contiguous
-        uint8 tensor) with pread: one copy from the page cache, no mapping, no page faults."""
+        uint8 tensor, or a byte memoryview) with pread: one copy from the page cache, no mapping."""
         info = self.tensors[name]
-        if skip + out.numel() > info.nbytes:
-            raise ValueError(f"{name}: {out.numel()} bytes from {skip} run past its {info.nbytes} bytes")
+        view = memoryview(out.numpy()).cast("B") if isinstance(out, torch.Tensor) else out
+        if skip + len(view) > info.nbytes:
+            raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
         fd = self._fds.get(info.file)
         if fd is None:
             fd = self._fds[info.file] = self._open(info.file)
-        view = memoryview(out.numpy()).cast("B")
         done = 0
         while done < len(view):
             try:
@@ -379,10 +304,17 @@ class Checkpoint:
                                       f"truncated after it was opened; {FIX}")
             done += n
 
+    def open_files(self) -> None:
+        """Opens every weight file now (read_into opens them on first use), so that threads reading
+        at once share one descriptor per file."""
+        for file in self._identity_of:
+            if file not in self._fds:
+                self._fds[file] = self._open(file)
+
     def _open(self, file: pathlib.Path) -> int:
         """An fd on `file`, which must still be the file whose header was read: one replaced or
         rewritten since would put other bytes under the same identity."""
-        fd, info = open_regular(file)
+        fd, info = open_regular(file, FIX)
         ident = self._identity_of[file]
         if not ident.same_file(info):
             os.close(fd)

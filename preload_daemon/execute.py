@@ -1,6 +1,18 @@
 """Runs a load plan: fills a destination (a shared slab, or private memory on the cold path) with
 the plan's tensors in order, reading each checkpoint tensor once and quantizing where planned.
-Peak extra memory is one tensor (a layer's largest), never a second copy of the model."""
+
+Reads run on a few threads, each a large pread straight from the file into the tensor's place in
+the destination (a tensor larger than READ_CHUNK is split across threads), so the disk has several
+requests in flight and page-cache copies use every core; many small tensors in a row are one job.
+A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
+row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
+thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak
+extra memory stays one tensor's temporaries, never a second copy of the model (temporaries freed
+on one thread are reused there: on many threads, malloc's per-thread arenas would each keep some)."""
+
+import collections
+import concurrent.futures
+import os
 
 import torch
 
@@ -9,24 +21,75 @@ from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
 
+READ_THREADS = max(2, min(8, os.cpu_count() or 2))
+READ_CHUNK = 16 << 20
+WINDOW = 4096  # groups in flight ahead of the one being hashed ...
+WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 
-def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None) -> None:
+
+def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
+            threads: int = READ_THREADS) -> None:
     """Fills `dest` (a flat uint8 tensor of plan.total_bytes). `hasher` (hashlib-style) sees every
-    byte of dest exactly once, padding included, as it is written; `on_tensor(entry)` is called
-    after each slab tensor."""
+    byte of dest exactly once, padding included, in order, as groups complete; `on_tensor(entry)`
+    is called after each slab tensor."""
     if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
+    checkpoint.open_files()  # before the threads share its descriptors
     reader = _Reader(checkpoint)
-    hashed = 0
-    for group, next_offset in groups(plan):
-        write_group(reader, group, dest)
-        dest[group[-1].offset + group[-1].nbytes:next_offset].zero_()  # padding: fresh memory holds garbage
-        if hasher is not None:
-            hasher.update(memoryview(dest[hashed:next_offset].numpy()))
-            hashed = next_offset
-        if on_tensor is not None:
-            for entry in group:
-                on_tensor(entry)
+    memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
+    hashed, in_flight = 0, 0
+    pending: collections.deque = collections.deque()  # (group, next_offset, futures) in plan order
+    batch: list = []  # small reads of consecutive groups, run as one job (tiny tensors add up)
+    batch_items: list = []
+    batch_bytes = 0
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
+
+        def flush() -> None:
+            nonlocal batch_bytes
+            batch_bytes = 0
+            if batch:
+                future = pool.submit(_run_all, list(batch))
+                for item in batch_items:
+                    item[2].append(future)
+                batch.clear()
+                batch_items.clear()
+
+        try:
+            for group, next_offset in groups(plan):
+                item = (group, next_offset, [])
+                jobs, inline = _jobs(reader, group, dest, memory)
+                if inline:  # through the scratch buffer, on this thread only (see the module doc)
+                    for job in jobs:
+                        job()
+                elif len(jobs) == 1 and group[0].nbytes < READ_CHUNK:
+                    batch.append(jobs[0])
+                    batch_items.append(item)
+                    batch_bytes += group[0].nbytes
+                    if batch_bytes >= READ_CHUNK:
+                        flush()
+                else:
+                    flush()
+                    item[2].extend(pool.submit(job) for job in jobs)
+                pending.append(item)
+                in_flight += group[0].nbytes
+                while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
+                    if not pending[0][2]:
+                        flush()  # the oldest group is still in the batch
+                    in_flight -= pending[0][0][0].nbytes
+                    hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
+            flush()
+            while pending:
+                hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
+        except BaseException:
+            for _, _, futures in pending:
+                for future in futures:
+                    future.cancel()
+            raise
+
+
+def _run_all(jobs: list) -> None:
+    for job in jobs:
+        job()
 
 
 def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
@@ -42,6 +105,43 @@ def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
         i += len(group)
         out.append((group, entries[i].offset if i < len(entries) else plan.total_bytes))
     return out
+
+
+def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
+    """Waits for one group's writes, zeroes its padding (fresh memory holds garbage), hashes it."""
+    group, next_offset, futures = item
+    for future in futures:
+        future.result()
+    end = group[-1].offset + group[-1].nbytes
+    if end < next_offset:
+        memory[end:next_offset] = bytes(next_offset - end)
+    if hasher is not None:
+        hasher.update(memory[hashed:next_offset])
+    if on_tensor is not None:
+        for entry in group:
+            on_tensor(entry)
+    return next_offset
+
+
+def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor, memory: memoryview) -> tuple[list, bool]:
+    """The reads that write one group, and whether they must run on the calling thread: direct
+    reads of at most READ_CHUNK bytes each or one read per row of a column shard (any thread), or
+    the whole group through the scratch buffer (conversion, quantization: the calling thread)."""
+    entry, checkpoint = group[0], reader.checkpoint
+    if entry.quantize:
+        return [lambda: write_group(reader, group, dest)], True
+    if not entry.nbytes:
+        return [], False
+    info = checkpoint.tensors[entry.source]
+    rows, skip, _ = _row_range(info, entry.shard)
+    if info.dtype == entry.dtype and entry.shard is rows:
+        start, end = entry.offset, entry.offset + entry.nbytes
+        return [lambda at=at: checkpoint.read_into(entry.source, memory[at:min(at + READ_CHUNK, end)], skip + at - start)
+                for at in range(start, end, READ_CHUNK)], False
+    out = dest[entry.offset:entry.offset + entry.nbytes]
+    if info.dtype == entry.dtype and entry.shard.dim == 1 and len(info.shape) == 2:
+        return [lambda: reader.read_columns(entry, out)], False
+    return [lambda: reader.copy_into(entry, out)], True
 
 
 def write_group(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
@@ -84,7 +184,8 @@ def _quantize_into(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
 
 
 class _Reader:
-    """Reads checkpoint tensors (or TP slices of them) through one reusable scratch buffer."""
+    """Reads checkpoint tensors (or TP slices of them) through one reusable scratch buffer, which
+    only the thread running execute() uses."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
@@ -99,6 +200,15 @@ class _Reader:
             self.checkpoint.read_into(entry.source, out, skip)
             return
         out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
+
+    def read_columns(self, entry: PlanEntry, out: torch.Tensor) -> None:
+        """A column shard of a 2-D tensor, one read per row from the file to its place in `out`."""
+        info = self.checkpoint.tensors[entry.source]
+        row_bytes = info.nbytes // info.shape[0]
+        size = info.dtype.itemsize
+        start, width = entry.shard.start * size, entry.shard.length * size
+        for row in range(info.shape[0]):
+            self.checkpoint.read_into(entry.source, out[row * width:(row + 1) * width], row * row_bytes + start)
 
     def read(self, name: str, shard) -> torch.Tensor:
         """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read."""

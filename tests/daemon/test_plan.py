@@ -176,3 +176,37 @@ def test_qwen2_bias_and_qwen3_norm_shapes(checkpoints):
         plan, views = materialise(path, tp_size=2, tp_rank=1)
         assert plan.architecture.lower().startswith(arch)
         assert views["model.norm.weight"].shape == (64,)
+
+
+def test_threads_and_chunks_change_nothing_and_a_rank_reads_its_half(tiny_llama, monkeypatch):
+    """Reads split into chunks across threads fill the same bytes, and hash them in order, as one
+    thread reading whole tensors; a TP=2 rank reads about half of the checkpoint's bytes."""
+    import xxhash
+
+    import preload_daemon.execute as execute_module
+
+    def run(threads, **spec):
+        ckpt = Checkpoint(tiny_llama)
+        plan = build_plan(ckpt, LoadSpec(path=str(tiny_llama), **spec))
+        dest = torch.full((plan.total_bytes,), 0x5A, dtype=torch.uint8)
+        hasher, seen = xxhash.xxh3_128(), []
+        execute(plan, ckpt, dest, on_tensor=seen.append, hasher=hasher, threads=threads)
+        assert [e.name for e in seen] == [e.name for e in plan.entries]
+        return dest, hasher.hexdigest(), ckpt
+
+    whole = run(1)
+    monkeypatch.setattr(execute_module, "READ_CHUNK", 4096)
+    chunked = run(4)
+    assert torch.equal(whole[0], chunked[0]) and whole[1] == chunked[1]
+    for spec in ({"dtype": "bfloat16"}, {"quantization": "fp8_per_channel"}, {"tp_size": 2, "tp_rank": 1}):
+        assert torch.equal(run(1, **spec)[0], run(3, **spec)[0]), spec
+
+    read = []
+    real_read_into = Checkpoint.read_into
+    monkeypatch.setattr(Checkpoint, "read_into", lambda self, name, out, skip=0: (
+        read.append(out.numel() if isinstance(out, torch.Tensor) else len(out)), real_read_into(self, name, out, skip))[1])
+    for rank in range(2):
+        read.clear()
+        _, _, ckpt = run(2, tp_size=2, tp_rank=rank)
+        norms = sum(t.nbytes for n, t in ckpt.tensors.items() if n.endswith("norm.weight"))  # replicated
+        assert sum(read) == (ckpt.nbytes - norms) // 2 + norms, rank
