@@ -71,18 +71,22 @@ def add_mtp_layers(path: pathlib.Path, model, count: int, shared: bool, seed: in
 
 
 def synthetic_checkpoint(path: str | pathlib.Path, gigabytes: float, hidden: int | None = None,
-                         shard_bytes: int = 1 << 30) -> pathlib.Path:
+                         shard_bytes: int = 1 << 30, num_tensors: int = 0) -> pathlib.Path:
     """A Llama-shaped bf16 checkpoint of about `gigabytes` GB with random weights, split into
-    shards of about `shard_bytes` with an index, like a real multi-file checkpoint."""
+    shards of about `shard_bytes` with an index, like a real multi-file checkpoint. With
+    `num_tensors`, a model of that many small tensors instead (hidden size 64, as many layers as it
+    takes), the shape of the largest models' tensor tables at a fraction of their bytes."""
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    hidden = hidden or (512 if gigabytes < 0.5 else 2048)
+    hidden = hidden or (64 if num_tensors else 512 if gigabytes < 0.5 else 2048)
     inter, heads = hidden * 4, hidden // 64
     # Embeddings and lm_head at most a fifth of the total, as in real models of this size.
     vocab = max(256, min(32768, int(0.1 * gigabytes * 1e9 / (2 * hidden)) // 64 * 64))
     layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
     fixed = 2 * (2 * vocab * hidden + hidden)
     num_layers = max(1, math.ceil((gigabytes * 1e9 - fixed) / layer_bytes))
+    if num_tensors:
+        vocab, num_layers = 256, max(1, (num_tensors - 3) // 9)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": inter, "num_attention_heads": heads, "num_key_value_heads": heads,
               "num_hidden_layers": num_layers, "vocab_size": vocab, "rms_norm_eps": 1e-5,

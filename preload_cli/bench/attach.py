@@ -1,10 +1,14 @@
 """`preload bench attach`: how long a fresh process takes to attach to a resident model, against
-reading the same checkpoint cold, for synthetic checkpoints of about 0.1, 1 and 4 GB.
+loading the same checkpoint cold, for synthetic checkpoints of about 0.1, 1 and 4 GB and one of
+20,000 small tensors (the tensor table of the largest models); and how close the cold load comes
+to a raw sequential read of the same files, from disk and from the page cache, at TP=1 and TP=2.
 
-Every sample runs in its own new process (imports not timed). Cold reads first drop the files from
-the page cache (posix_fadvise DONTNEED), so they include the disk. One daemon holds all sizes.
+Every sample runs in its own new process (imports not timed). "disk" samples first drop the files
+from the page cache (posix_fadvise DONTNEED); "cached" samples read them once first. One daemon
+holds all sizes. Targets: attach <= 5 ms + 5 us per tensor; cold load >= 85% of the raw read's
+throughput; each TP=2 rank reads about half of the files.
 
-    preload bench attach [--sizes-gb 0.1,1,4] [--repeats 5] [--json]
+    preload bench attach [--sizes-gb 0.1,1,4] [--tensors 20000] [--tp-gb 1] [--repeats 5] [--json]
 """
 
 import argparse
@@ -18,6 +22,7 @@ import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+ATTACH_FIXED_MS, ATTACH_PER_TENSOR_MS, COLD_SHARE = 5.0, 0.005, 0.85
 
 
 def child_attach(socket_path: str, model: str) -> dict:
@@ -25,29 +30,37 @@ def child_attach(socket_path: str, model: str) -> dict:
     start = time.perf_counter()
     client = DaemonClient(socket_path)
     attached = client.attach(model)
-    first = next(iter(attached.values()))[0].clone()  # the first byte read through the mapping
+    first = attached[next(iter(attached))].clone()  # the first byte read through the mapping
     elapsed = time.perf_counter() - start
+    views = len(attached.tensors)  # every tensor's view, as an engine building its model asks for them
+    every = time.perf_counter() - start
     attached.release()
-    return {"seconds": elapsed, "num_tensors": len(attached), "first": float(first.flatten()[0])}
+    return {"seconds": elapsed, "all_views_seconds": every, "num_tensors": views, "first": float(first.flatten()[0])}
 
 
-def child_cold(path: str) -> dict:
+def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", start_on_go: str = "") -> dict:
     import torch
     from preload_daemon.checkpoint import Checkpoint
     from preload_daemon.execute import execute
     from preload_daemon.plan import LoadSpec, build_plan
-    drop_page_cache(pathlib.Path(path))
+    if cache == "disk":
+        drop_page_cache(pathlib.Path(path))
+    if start_on_go:  # the ranks of a TP sample start together, once both have imported torch
+        print("ready", flush=True)
+        sys.stdin.readline()
+    read_before = _bytes_read()
     start = time.perf_counter()
     checkpoint = Checkpoint(path)
-    plan = build_plan(checkpoint, LoadSpec(path=path))
+    plan = build_plan(checkpoint, LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank)))
     dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
     execute(plan, checkpoint, dest)
-    return {"seconds": time.perf_counter() - start, "bytes": plan.tensor_bytes}
+    return {"seconds": time.perf_counter() - start, "bytes": plan.tensor_bytes, "read": _bytes_read() - read_before}
 
 
-def child_raw(path: str) -> dict:
-    """A raw sequential read of the same files: the floor for any loader."""
-    drop_page_cache(pathlib.Path(path))
+def child_raw(path: str, cache: str) -> dict:
+    """A raw sequential read of the same files into one reused buffer: the floor for any loader."""
+    if cache == "disk":
+        drop_page_cache(pathlib.Path(path))
     start, total = time.perf_counter(), 0
     buf = bytearray(16 << 20)
     for f in sorted(pathlib.Path(path).glob("*.safetensors")):
@@ -55,6 +68,12 @@ def child_raw(path: str) -> dict:
             while n := fh.readinto(buf):
                 total += n
     return {"seconds": time.perf_counter() - start, "bytes": total}
+
+
+def _bytes_read() -> int:
+    """Bytes this process read with read system calls (from disk or page cache): /proc/self/io rchar."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
 
 
 def drop_page_cache(path: pathlib.Path) -> None:
@@ -65,11 +84,41 @@ def drop_page_cache(path: pathlib.Path) -> None:
 
 
 def sample(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "preload_cli.bench.attach", "--child", *args], capture_output=True,
-                         text=True, cwd=ROOT)
-    if out.returncode:
-        raise RuntimeError(f"benchmark child {args} failed:\n{out.stderr}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(_child(*args).communicate_json())
+
+
+class _child:
+    def __init__(self, *args: str):
+        self.args = args
+        self.proc = subprocess.Popen([sys.executable, "-m", "preload_cli.bench.attach", "--child", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, cwd=ROOT)
+
+    def communicate_json(self) -> str:
+        out, err = self.proc.communicate("")
+        if self.proc.returncode:
+            raise RuntimeError(f"benchmark child {self.args} failed:\n{err}")
+        return out.strip().splitlines()[-1]
+
+
+def tp2_sample(path: str, cache: str) -> dict:
+    """Both ranks of a TP=2 cold load at once, each in its own process: wall time from the common
+    start to the last rank done, and the bytes each read."""
+    if cache == "disk":
+        drop_page_cache(pathlib.Path(path))
+    children = [_child("cold", path, "cached", "2", str(rank), "go") for rank in range(2)]
+    for child in children:
+        if child.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"benchmark child {child.args} failed:\n{child.proc.communicate()[1]}")
+    for child in children:
+        child.proc.stdin.write("go\n")
+        child.proc.stdin.flush()
+    results = [json.loads(c.communicate_json()) for c in children]
+    return {"seconds": max(r["seconds"] for r in results), "read": [r["read"] for r in results]}
+
+
+def _median(samples: list[dict], key: str = "seconds") -> float:
+    return statistics.median(s[key] for s in samples)
 
 
 def digest_throughput(nbytes: int = 1 << 30) -> dict:
@@ -90,58 +139,94 @@ def run(args) -> int:
     from preload_daemon.plan import LoadSpec
     from preload_cli.models import synthetic_checkpoint
 
-    sizes = [float(s) for s in args.sizes_gb.split(",")]
     work = pathlib.Path(os.environ.get("PRELOAD_BENCH_DIR", "/tmp/preload-bench"))
+    checkpoints = [(f"synthetic-{gb:g}gb", gb, 0) for gb in (float(s) for s in args.sizes_gb.split(",") if s)]
+    if args.tensors:
+        checkpoints.append((f"synthetic-{args.tensors}-tensors", 0.0, args.tensors))
     runtime = pathlib.Path(tempfile.mkdtemp(prefix="plb-", dir="/tmp"))
     daemon = subprocess.Popen([sys.executable, "-m", "preload_daemon", "--runtime-dir", str(runtime), "--log-level",
                                "WARNING"], cwd=ROOT)
-    rows = []
+    rows, tp_row = [], None
     try:
         socket_path = runtime / "daemon-cpu-0.sock"
         while not socket_path.exists():
             time.sleep(0.05)
         client = DaemonClient(socket_path, timeout=3600)
-        for gb in sizes:
-            path = work / f"synthetic-{gb:g}gb"
+        for name, gb, num_tensors in checkpoints:
+            path = work / name
             if not (path / "config.json").exists():
-                print(f"building a {gb:g} GB synthetic checkpoint in {path} ...", file=sys.stderr)
-                synthetic_checkpoint(path, gb)
-            info = client.load(LoadSpec(path=str(path), name=f"synthetic-{gb:g}gb"))
+                print(f"building {name} in {path} ...", file=sys.stderr)
+                synthetic_checkpoint(path, gb, num_tensors=num_tensors)
+            info = client.load(LoadSpec(path=str(path), name=name))
             attach = [sample("attach", str(socket_path), info.name) for _ in range(args.repeats)]
-            cold = [sample("cold", str(path)) for _ in range(args.repeats)]
-            raw = [sample("raw", str(path)) for _ in range(args.repeats)]
-            row = {"size_gb": info.slab_bytes / 1e9, "num_tensors": info.num_tensors,
-                   "daemon_load_s": info.load_seconds,
-                   "attach_ms": [s["seconds"] * 1e3 for s in attach], "cold_s": [s["seconds"] for s in cold],
-                   "raw_read_s": [s["seconds"] for s in raw]}
+            row = {"name": name, "size_gb": info.slab_bytes / 1e9, "num_tensors": info.num_tensors,
+                   "daemon_load_s": info.load_seconds, "attach_ms": [s["seconds"] * 1e3 for s in attach],
+                   "all_views_ms": [s["all_views_seconds"] * 1e3 for s in attach]}
             row["attach_ms_median"] = statistics.median(row["attach_ms"])
-            row["cold_s_median"] = statistics.median(row["cold_s"])
-            row["raw_read_s_median"] = statistics.median(row["raw_read_s"])
-            row["cold_over_attach"] = row["cold_s_median"] * 1e3 / row["attach_ms_median"]
-            row["cold_GBps"] = info.slab_bytes / row["cold_s_median"] / 1e9
-            row["raw_GBps"] = info.slab_bytes / row["raw_read_s_median"] / 1e9
-            rows.append(row)
+            row["all_views_ms_median"] = statistics.median(row["all_views_ms"])
+            row["attach_target_ms"] = ATTACH_FIXED_MS + ATTACH_PER_TENSOR_MS * info.num_tensors
             client.evict(info.name, force=True)
+            for cache in ("disk", "cached"):
+                cold = [sample("cold", str(path), cache) for _ in range(args.repeats)]
+                raw = [sample("raw", str(path), cache) for _ in range(args.repeats)]
+                row[f"cold_{cache}_s"] = [s["seconds"] for s in cold]
+                row[f"raw_{cache}_s"] = [s["seconds"] for s in raw]
+                row[f"cold_{cache}_GBps"] = info.slab_bytes / _median(cold) / 1e9
+                row[f"raw_{cache}_GBps"] = raw[0]["bytes"] / _median(raw) / 1e9
+                row[f"cold_share_{cache}"] = row[f"cold_{cache}_GBps"] / row[f"raw_{cache}_GBps"]
+            row["cold_over_attach"] = statistics.median(row["cold_disk_s"]) * 1e3 / row["attach_ms_median"]
+            rows.append(row)
+            if args.tp_gb and gb == args.tp_gb:
+                tp_row = tp2(path, args.repeats, row)
     finally:
         daemon.terminate()
         daemon.wait()
-    result = {"machine": machine(), "repeats": args.repeats, "rows": rows, "digest_GBps": digest_throughput()}
+    result = {"machine": machine(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
+              "targets": {"attach_ms": f"{ATTACH_FIXED_MS:g} + {ATTACH_PER_TENSOR_MS * 1e3:g} us x tensors",
+                          "cold_share": COLD_SHARE}, "digest_GBps": digest_throughput()}
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"preload bench attach — {result['machine']}, median of {args.repeats}, each sample a new process")
-        print(f"{'size':>8} {'tensors':>8} {'attach':>10} {'cold load':>10} {'raw read':>9} {'cold/attach':>12} "
-              f"{'cold GB/s':>10} {'raw GB/s':>9}")
-        for r in rows:
-            print(f"{r['size_gb']:>6.2f}GB {r['num_tensors']:>8} {r['attach_ms_median']:>8.2f}ms "
-                  f"{r['cold_s_median']:>9.2f}s {r['raw_read_s_median']:>8.2f}s {r['cold_over_attach']:>11.0f}x "
-                  f"{r['cold_GBps']:>10.2f} {r['raw_GBps']:>9.2f}")
-        print("digest GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in result["digest_GBps"].items()))
+        report(result)
     return 0
+
+
+def tp2(path: pathlib.Path, repeats: int, row: dict) -> dict:
+    """The TP=2 row: both ranks loading at once against one raw read of all the files."""
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    out = {"name": path.name, "file_bytes": files}
+    for cache in ("disk", "cached"):
+        samples = [tp2_sample(str(path), cache) for _ in range(repeats)]
+        out[f"{cache}_s"] = [s["seconds"] for s in samples]
+        out[f"{cache}_GBps"] = row["size_gb"] / _median(samples)
+        out[f"share_{cache}"] = out[f"{cache}_GBps"] / row[f"raw_{cache}_GBps"]
+        out["read_share_per_rank"] = [r / files for r in samples[-1]["read"]]
+    return out
+
+
+def report(result: dict) -> None:
+    print(f"preload bench attach — {result['machine']}, median of {result['repeats']}, each sample a new process")
+    print(f"{'checkpoint':>24} {'tensors':>7} {'attach':>9} {'target':>8} {'+views':>9} │ "
+          f"{'cold GB/s':>9} {'raw GB/s':>8} {'share':>6} │ {'cached':>6} {'raw':>6} {'share':>6} │ {'cold/attach':>11}")
+    for r in result["rows"]:
+        print(f"{r['name']:>24} {r['num_tensors']:>7} {r['attach_ms_median']:>7.2f}ms {r['attach_target_ms']:>6.1f}ms "
+              f"{r['all_views_ms_median']:>7.2f}ms │ {r['cold_disk_GBps']:>9.2f} {r['raw_disk_GBps']:>8.2f} "
+              f"{r['cold_share_disk']:>6.0%} │ {r['cold_cached_GBps']:>6.2f} {r['raw_cached_GBps']:>6.2f} "
+              f"{r['cold_share_cached']:>6.0%} │ {r['cold_over_attach']:>10.0f}x")
+    print(f"targets: attach <= {result['targets']['attach_ms']}; cold load share of the raw read >= "
+          f"{COLD_SHARE:.0%} (disk and cached); +views: attach plus a view of every tensor")
+    tp = result["tp2"]
+    if tp:
+        print(f"TP=2, {tp['name']}, both ranks at once: disk {tp['disk_GBps']:.2f} GB/s ({tp['share_disk']:.0%} of "
+              f"the raw read), cached {tp['cached_GBps']:.2f} GB/s ({tp['share_cached']:.0%}); each rank read "
+              + " and ".join(f"{s:.0%}" for s in tp["read_share_per_rank"]) + " of the files (target about 50%)")
+    print("digest GB/s: " + ", ".join(f"{k} {v:.2f}" for k, v in result["digest_GBps"].items()))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-gb", default="0.1,1,4", help="checkpoint sizes, comma-separated")
+    parser.add_argument("--tensors", type=int, default=20000, help="tensors of the many-tensor row (0: none)")
+    parser.add_argument("--tp-gb", type=float, default=1.0, help="size whose TP=2 row to add (0: none)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
 

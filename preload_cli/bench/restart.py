@@ -1,7 +1,9 @@
 """`preload bench restart`: engine process start -> /ready, cold (`safetensors`) against warm
 (`ipc_cache`, attached to a daemon that holds the model), and the weights phase alone.
 
-Runs alternate cold and warm so that drift hits both alike. Cold runs read the checkpoint from the
+Runs alternate cold and warm so that drift hits both alike. It also times, alternated the same
+way, a new interpreter importing what an engine imports against one importing torch alone (the
+floor of any torch engine); target: at most 1.1x. Cold runs read the checkpoint from the
 page cache (a restart on the same host); `--drop-cache` adds cold runs that read it from disk.
 
 With `--tp-size N`, N daemons (cpu:0..cpu:N-1) hold one rank's shard each and every engine runs N
@@ -66,6 +68,30 @@ def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_c
                                   "load_format": r["load_format"]})
             engine.stop()
     return samples
+
+
+ENGINE_IMPORTS = "import preload_cli.main, preload_cli.engine_commands, worker.main"
+IMPORTS_TARGET = 1.1
+
+
+def measure_imports(repeats: int) -> dict:
+    """Seconds for a new interpreter to import what `preload engine` imports, against `import torch`,
+    alternated; medians and their ratio."""
+    runs: dict[str, list[float]] = {"import torch": [], "engine imports": []}
+    for _ in range(repeats):
+        for name, code in (("import torch", "import torch"), ("engine imports", ENGINE_IMPORTS)):
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+            runs[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(v) for name, v in runs.items()}
+    return {"samples_s": runs, "median_s": medians, "target": IMPORTS_TARGET,
+            "engine_over_torch": medians["engine imports"] / medians["import torch"]}
+
+
+def imports_line(imports: dict) -> str:
+    m = imports["median_s"]
+    return (f"imports: engine {m['engine imports'] * 1e3:.0f} ms, bare `import torch` {m['import torch'] * 1e3:.0f} ms: "
+            f"{imports['engine_over_torch']:.2f}x (target <= {imports['target']:g}x)")
 
 
 def summarise(samples: dict) -> dict:
@@ -134,14 +160,17 @@ def run(args) -> int:
     with with_daemon(model, tp_size=args.tp_size) as daemon:
         samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache, args.tp_size)
     summary = summarise(samples)
+    imports = measure_imports(args.repeats)
     slab_bytes = sum(info.slab_bytes for info in daemon.infos)
     if args.json:
         print(json.dumps({"model": str(model), "slab_bytes": slab_bytes, "tp_size": args.tp_size,
-                          "repeats": args.repeats, "summary": summary, "samples": samples}, indent=2))
+                          "repeats": args.repeats, "summary": summary, "samples": samples, "imports": imports},
+                         indent=2))
     else:
         print(f"preload bench restart — {model.name} ({slab_bytes / 2**30:.2f} GiB over {args.tp_size} rank(s)), "
               f"TP={args.tp_size}, median of {args.repeats}")
         print(table(summary))
+        print(imports_line(imports))
     return 0
 
 
