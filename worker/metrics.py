@@ -1,9 +1,7 @@
 """The engine's Prometheus metrics (prometheus_client), read from its state at scrape time: whether
 it is ready or degraded, how long its weights and its start took, how often it re-attached to a new
-daemon, its request counters and its speculation gauges."""
-
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+daemon, its request counters and its speculation gauges. prometheus_client is imported at the
+first scrape, not at the engine's start."""
 
 SPECULATION = ("acceptance_rate", "mean_accepted_length", "tokens_per_main_forward")
 
@@ -13,6 +11,7 @@ class _EngineCollector:
         self.state = state
 
     def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
         state = self.state
         names, values = ["model", "replica"], [state.name, str(state.replica)]
 
@@ -43,6 +42,7 @@ class _EngineCollector:
 
 
 def metrics_text(state) -> str:
+    from prometheus_client import CollectorRegistry, generate_latest
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(state))
     return generate_latest(registry).decode()

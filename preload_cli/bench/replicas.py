@@ -13,8 +13,6 @@ import pathlib
 import statistics
 import urllib.request
 
-import psutil
-
 from preload_cli.bench.attach import machine
 from preload_cli.bench.restart import Engine, with_daemon
 
@@ -22,6 +20,7 @@ MiB = 2**20
 
 
 def memory(pid: int, role: str) -> dict:
+    import psutil
     info = psutil.Process(pid).memory_full_info()
     return {"role": role, "pid": pid, "pss": info.pss, "uss": info.uss, "rss": info.rss}
 
