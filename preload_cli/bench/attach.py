@@ -30,12 +30,12 @@ def child_attach(socket_path: str, model: str) -> dict:
     start = time.perf_counter()
     client = DaemonClient(socket_path)
     attached = client.attach(model)
-    first = attached[next(iter(attached))].clone()  # the first byte read through the mapping
+    first = attached[next(iter(attached))].view(-1)[0].item()  # a first element read through the mapping
     elapsed = time.perf_counter() - start
     views = len(attached.tensors)  # every tensor's view, as an engine building its model asks for them
     every = time.perf_counter() - start
     attached.release()
-    return {"seconds": elapsed, "all_views_seconds": every, "num_tensors": views, "first": float(first.flatten()[0])}
+    return {"seconds": elapsed, "all_views_seconds": every, "num_tensors": views, "first": float(first)}
 
 
 def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", start_on_go: str = "") -> dict:
@@ -43,8 +43,7 @@ def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", st
     from preload_daemon.checkpoint import Checkpoint
     from preload_daemon.execute import execute
     from preload_daemon.plan import LoadSpec, build_plan
-    if cache == "disk":
-        drop_page_cache(pathlib.Path(path))
+    _set_cache(pathlib.Path(path), cache)
     if start_on_go:  # the ranks of a TP sample start together, once both have imported torch
         print("ready", flush=True)
         sys.stdin.readline()
@@ -59,8 +58,7 @@ def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", st
 
 def child_raw(path: str, cache: str) -> dict:
     """A raw sequential read of the same files into one reused buffer: the floor for any loader."""
-    if cache == "disk":
-        drop_page_cache(pathlib.Path(path))
+    _set_cache(pathlib.Path(path), cache)
     start, total = time.perf_counter(), 0
     buf = bytearray(16 << 20)
     for f in sorted(pathlib.Path(path).glob("*.safetensors")):
@@ -74,6 +72,19 @@ def _bytes_read() -> int:
     """Bytes this process read with read system calls (from disk or page cache): /proc/self/io rchar."""
     with open("/proc/self/io") as f:
         return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+def _set_cache(path: pathlib.Path, cache: str) -> None:
+    """Drops the files from the page cache ("disk"), reads them into it ("cached"), or neither."""
+    if cache == "disk":
+        drop_page_cache(path)
+    if cache != "cached":
+        return
+    buf = bytearray(16 << 20)
+    for f in path.glob("*.safetensors"):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
 
 
 def drop_page_cache(path: pathlib.Path) -> None:
@@ -104,9 +115,8 @@ class _child:
 def tp2_sample(path: str, cache: str) -> dict:
     """Both ranks of a TP=2 cold load at once, each in its own process: wall time from the common
     start to the last rank done, and the bytes each read."""
-    if cache == "disk":
-        drop_page_cache(pathlib.Path(path))
-    children = [_child("cold", path, "cached", "2", str(rank), "go") for rank in range(2)]
+    _set_cache(pathlib.Path(path), cache)
+    children = [_child("cold", path, "as-is", "2", str(rank), "go") for rank in range(2)]
     for child in children:
         if child.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"benchmark child {child.args} failed:\n{child.proc.communicate()[1]}")
