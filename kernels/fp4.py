@@ -2,6 +2,8 @@
 and 8-15 their negatives. Rounding is to nearest, ties to even (to the code with mantissa bit 0);
 magnitudes above 6 saturate to 6. Two codes pack into a byte, the first element in the low nibble."""
 
+import functools
+
 import torch
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -35,10 +37,13 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
-# Both values of every packed byte, for decoding a whole byte with one lookup.
-_PAIRS = e2m1_decode(unpack(torch.arange(256, dtype=torch.uint8)).view(256, 2))
+@functools.cache
+def _pairs(dtype: torch.dtype) -> torch.Tensor:
+    """[256, 2]: both values of every packed byte, for decoding a whole byte with one lookup. Built on
+    first use, not at import: importing the kernels runs no tensor code."""
+    return e2m1_decode(unpack(torch.arange(256, dtype=torch.uint8)).view(256, 2)).to(dtype)
 
 
 def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., m] bytes -> [..., 2m] values in `dtype` (one table lookup per byte)."""
-    return _PAIRS.to(dtype)[packed.long()].flatten(-2)
+    return _pairs(dtype)[packed.long()].flatten(-2)

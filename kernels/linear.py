@@ -1,12 +1,13 @@
 """Linear layers over plain or quantized weights.
 
-CPU: int8 below prefill sizes runs torch's fused weight-only int8 kernel. Everything else runs the
-native kernels where they were built (kernels/native.py): a fused dequantize-and-multiply GEMV for
-a few rows, and dequantized cache-sized tiles fed to torch's GEMM for more. Without them, the
-weight is dequantized in row tiles that stay in cache and each tile is multiplied, or dequantized
-once per call when the activation has many rows (prefill). GPU: FP8 per-tensor and per-channel use
-torch._scaled_mm on SM89+ with dynamically quantized activations; everything else dequantizes and
-multiplies."""
+CPU: the native kernels where they were built and this CPU runs them (kernels/native.py picks the
+variant): a fused dequantize-and-multiply GEMV for up to a few activation rows, and dequantized
+cache-sized tiles fed to torch's GEMM for more. int8 takes torch's own fused weight-only int8
+kernel instead where that is the faster (_POLICY), and wherever the native kernels are missing.
+Without them, the weight is dequantized in row tiles that stay in cache and each tile is
+multiplied, or dequantized once per call when the activation has many rows (prefill). GPU: FP8
+per-tensor and per-channel use torch._scaled_mm on SM89+ with dynamically quantized activations;
+everything else dequantizes and multiplies."""
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +17,12 @@ from kernels.quant import E4M3, E4M3_MAX, FP8_BLOCK, MX_BLOCK, NV_BLOCK, Quantiz
 
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
 LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
-GEMV_MAX_M = 4        # up to this many rows the native GEMV wins; above, native dequantized tiles + GEMM
+# native variant -> (most activation rows the fused GEMV takes before tiles + GEMM win, whether int8
+# below LARGE_M rows runs torch._weight_int8pack_mm instead). Measured on AVX2 (2 cores): the GEMV
+# beats both torch's int8 kernel and the tiles up to 16 rows (about even to 32), and the tiles beat
+# torch's int8 kernel above. On AVX-512 the earlier measurements stand: GEMV up to 4 rows, and
+# torch's int8 kernel.
+_POLICY = {"avx2": (16, False), "avx512": (4, True)}
 # scheme -> (scale kind, block size along K or 0 for the whole row, element format) of kernels/csrc/qgemv.cpp
 E4M3_ELEMENTS, E2M1_ELEMENTS, INT8_ELEMENTS = 0, 1, 2
 _NATIVE = {"fp8_per_tensor": (0, 0, E4M3_ELEMENTS), "fp8_per_channel": (1, 0, E4M3_ELEMENTS),
@@ -36,14 +42,12 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     """x [M, K] (float32/bfloat16/float16) @ dequantize(q).T -> [M, N] in x.dtype."""
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"activation has K={x.shape[-1]}, weight expects K={q.shape[1]}")
-    if q.scheme == "int8" and x.device.type == "cpu" and (x.shape[0] < LARGE_M or native.qgemm is None):
-        return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
-    if x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
-        return _scaled_mm_fp8(x, q)
-    if native.qgemv is not None and x.device.type == "cpu" and q.scheme in _NATIVE:
-        out = _native(x, q)
+    if x.device.type == "cpu":
+        out = _cpu_kernel(x, q)
         if out is not None:
             return out
+    elif x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
+        return _scaled_mm_fp8(x, q)
     if x.shape[0] >= LARGE_M:
         return F.linear(x, dequantize(q, x.dtype))
     n, k = q.shape
@@ -57,21 +61,27 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     return out
 
 
-def _native(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
+def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
+    """The fastest fused CPU kernel for x and q, or None where the pure torch path is all there is."""
+    if native.qgemv is not None:
+        gemv_max_m, int8_in_torch = _POLICY[native.VARIANT]
+        if not (q.scheme == "int8" and int8_in_torch and x.shape[0] < LARGE_M):
+            out = _native(x, q, gemv_max_m)
+            if out is not None:
+                return out
+    if q.scheme == "int8" and (x.shape[0] < LARGE_M or native.qgemm is None):
+        return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
+    return None
+
+
+def _native(x: torch.Tensor, q: QuantizedWeight, gemv_max_m: int) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
     kind, block, element = _NATIVE[q.scheme]
     width = q.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)  # K as stored (padded for MX/NVFP4)
-    if width % 16 or x.dtype not in (torch.float32, torch.bfloat16):
+    if x.dtype not in (torch.float32, torch.bfloat16) or width % 16:
         return None
-    gemv = x.shape[0] <= GEMV_MAX_M
-    xs = x.float() if gemv else x
-    if width != x.shape[1]:
-        xs = F.pad(xs, (0, width - x.shape[1]))
-    global_scale = float(q.global_scale) if q.global_scale is not None else 1.0
-    scale = q.scale.view(torch.uint8) if kind >= 3 else q.scale
-    op = native.qgemv if gemv else native.qgemm
-    return op(xs.contiguous(), q.weight.view(torch.uint8), scale, global_scale, kind, block or width,
-              element).to(x.dtype)
+    op = native.qgemv if x.shape[0] <= gemv_max_m else native.qgemm
+    return op(x, q.weight, q.scale, q.global_scale, kind, block, element)
 
 
 def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:

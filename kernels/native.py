@@ -1,19 +1,87 @@
-"""The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on AVX-512
-machines). `qgemv` and `qgemm` are None where the library was not built; callers then use pure
-torch."""
+"""The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on x86-64) and
+which of their variants runs: "avx512", "avx2", or "torch" (none: kernels/linear.py's pure torch
+path). At import the best one this CPU can run is chosen, unless PRELOAD_KERNELS=avx512|avx2|torch
+forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
 
+`VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, or None for "torch"."""
+
+import contextlib
+import logging
 import os
 
 import torch
 
+VARIANTS = ("avx512", "avx2", "torch")  # best first
+ENVIRONMENT = "PRELOAD_KERNELS"
 _LIBRARY = os.path.join(os.path.dirname(__file__), "_native", "libpreload_kernels.so")
 
 
-def _load():
+class VariantUnavailableError(RuntimeError):
+    """A requested kernel variant cannot run here (not built, or this CPU lacks its instructions)."""
+
+
+def _load() -> tuple[str, ...]:
+    """The native variants this CPU can run, best first; () where the library is not built."""
     if not os.path.exists(_LIBRARY):
-        return None, None
+        return ()
     torch.ops.load_library(_LIBRARY)
-    return torch.ops.preload.qgemv, torch.ops.preload.qgemm
+    return tuple(torch.ops.preload.variants())
 
 
-qgemv, qgemm = _load()
+_RUNNABLE = _load()
+VARIANT = "torch"
+qgemv = qgemm = None
+
+
+def available() -> tuple[str, ...]:
+    """The variants this machine can run, best first; "torch" always."""
+    return _RUNNABLE + ("torch",)
+
+
+def why_unavailable(variant: str) -> str:
+    """Why `variant` cannot run here ("" where it can)."""
+    if variant not in VARIANTS:
+        return f"unknown kernel variant {variant!r}; known: {', '.join(VARIANTS)}"
+    if variant in available():
+        return ""
+    if not os.path.exists(_LIBRARY):
+        return f"kernel variant {variant!r} is not built here: run scripts/build_kernels.py"
+    return f"this CPU lacks the instructions of kernel variant {variant!r}; it runs: {', '.join(available())}"
+
+
+def resolve(requested: str | None) -> str:
+    """The variant to run for a PRELOAD_KERNELS value: the best available where None or empty."""
+    if not requested:
+        return available()[0]
+    reason = why_unavailable(requested)
+    if reason:
+        raise VariantUnavailableError(f"{ENVIRONMENT}={requested}: {reason}")
+    return requested
+
+
+def use(variant: str) -> None:
+    """Run the quantized linear layers on `variant` from now on."""
+    global VARIANT, qgemv, qgemm
+    reason = why_unavailable(variant)
+    if reason:
+        raise VariantUnavailableError(reason)
+    VARIANT = variant
+    qgemv = None if variant == "torch" else getattr(torch.ops.preload, f"qgemv_{variant}")
+    qgemm = None if variant == "torch" else getattr(torch.ops.preload, f"qgemm_{variant}")
+
+
+@contextlib.contextmanager
+def using(variant: str):
+    """`use(variant)` for the duration of a with block."""
+    previous = VARIANT
+    use(variant)
+    try:
+        yield
+    finally:
+        use(previous)
+
+
+use(resolve(os.environ.get(ENVIRONMENT)))
+if VARIANT == "torch" and not os.environ.get(ENVIRONMENT):
+    logging.getLogger(__name__).info("no native CPU kernels here; quantized linear layers run on pure torch "
+                                     "(scripts/build_kernels.py builds them)")

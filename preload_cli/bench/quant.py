@@ -3,7 +3,9 @@
 Quality, per scheme, on the default model: slab bytes, cosine of the logits against bf16 over a
 fixed public-domain passage (tests/assets/passage.txt), greedy agreement with bf16 on a few prompts,
 and perplexity on the passage. Speed: the quantized linear layer against a bf16 matmul on this CPU,
-at decode (M = 1..16) and prefill (M = 512) sizes, for 2048x2048 and 4096x4096 weights.
+at decode (M = 1..16) and prefill (M = 512) sizes, for 2048x2048 and 4096x4096 weights, on the
+kernel variant in use (kernels.native; PRELOAD_KERNELS forces one). At decode sizes each scheme
+should take at most its bytes / bf16's bytes + 20% (the target row); "!" marks a miss.
 
     preload bench quant [MODEL] [--skip-speed] [--skip-quality] [--json]
 """
@@ -59,27 +61,35 @@ def _nbytes(t) -> int:
     return t.nbytes if hasattr(t, "nbytes") else t.numel() * t.element_size()
 
 
-def speed(repeats: int) -> list[dict]:
+DECODE_M = (1, 2, 4, 8, 16)
+TARGET_MARGIN = 1.2  # over the bytes ratio: a memory-bound kernel's time follows the bytes it reads
+MIN_SECONDS = 0.2    # per timing: small calls repeat until they add up to this
+
+
+def speed(repeats: int) -> dict:
     import torch
 
     from kernels.linear import quantized_linear
     from kernels.quant import SCHEMES, quantize
 
     def timed(fn) -> float:
+        start = time.perf_counter()
         fn()
+        first = time.perf_counter() - start
         samples = []
-        for _ in range(repeats):
+        for _ in range(min(1000, max(repeats, int(MIN_SECONDS / max(first, 1e-6))))):
             start = time.perf_counter()
             fn()
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    rows = []
+    rows, targets = [], {}
     for n in (2048, 4096):
         w = torch.randn(n, n)
         base_w = w.bfloat16()
         quantized = {s: quantize(w, s) for s in SCHEMES}
-        for m in (1, 2, 4, 8, 16, 512):
+        targets[f"{n}x{n}"] = {s: q.nbytes / (2 * n * n) * TARGET_MARGIN for s, q in quantized.items()}
+        for m in DECODE_M + (512,):
             x = torch.randn(m, n).bfloat16()
             base = timed(lambda: torch.nn.functional.linear(x, base_w))
             row = {"shape": f"{n}x{n}", "m": m, "bf16_ms": base * 1e3}
@@ -87,15 +97,16 @@ def speed(repeats: int) -> list[dict]:
                 row[scheme] = timed(lambda: quantized_linear(x, q)) / base
             rows.append(row)
             print(f"  {n}x{n} M={m}: done", file=sys.stderr, flush=True)
-    return rows
+    return {"rows": rows, "targets": targets}
 
 
 def run(args) -> int:
     import torch
 
+    from kernels import native
     from preload_daemon.default_model import default_model_path
     model_path = pathlib.Path(args.model).resolve() if args.model else default_model_path()
-    result = {"model": str(model_path), "threads": torch.get_num_threads()}
+    result = {"model": str(model_path), "threads": torch.get_num_threads(), "kernels": native.VARIANT}
     if not args.skip_quality:
         result["quality"] = quality(model_path)
     if not args.skip_speed:
@@ -114,19 +125,25 @@ def run(args) -> int:
                   f"{r['logits_cosine']:>11.4f} {r['greedy_agreement']:>12.0%} {r['perplexity']:>8.2f} "
                   f"{r['ppl_vs_bf16']:>+11.1%}")
     if "speed" in result:
-        schemes = [k for k in result["speed"][0] if k not in ("shape", "m", "bf16_ms")]
-        print(f"\nquantized linear time / bf16 matmul time on CPU ({result['threads']} threads, median of "
-              f"{args.repeats})")
+        rows, targets = result["speed"]["rows"], result["speed"]["targets"]
+        schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms")]
+        print(f"\nquantized linear time / bf16 matmul time on CPU ({result['threads']} threads, kernels: "
+              f"{result['kernels']}, median of at least {args.repeats}); target at M <= {DECODE_M[-1]}: the "
+              f"bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
         print(f"{'weight':<10} {'M':>4} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))
-        for r in result["speed"]:
+        for shape, target in targets.items():
+            print(f"{shape:<10} {'target':>13} " + " ".join(f"{target[s]:>13.2f}x " for s in schemes))
+        for r in rows:
+            decode = r["m"] in DECODE_M
+            marks = ["!" if decode and r[s] > targets[r["shape"]][s] else " " for s in schemes]
             print(f"{r['shape']:<10} {r['m']:>4} {r['bf16_ms']:>8.3f} " +
-                  " ".join(f"{r[s]:>14.2f}x" for s in schemes))
+                  " ".join(f"{r[s]:>13.2f}x{mark}" for s, mark in zip(schemes, marks)))
     return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timings per figure, at least (more for fast calls)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--json", action="store_true")

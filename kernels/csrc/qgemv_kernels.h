@@ -1,0 +1,57 @@
+// The interface between the torch-facing ops (qgemv.cpp, compiled for any x86-64) and the SIMD
+// kernels (qgemv_kernels.cpp, compiled once per instruction set). Plain C++ only: the kernel
+// translation units must not include torch headers, whose inline functions, compiled there with
+// AVX-512 enabled, could be the copy the linker keeps for the whole library.
+#pragma once
+
+#include <cstdint>
+
+namespace preload {
+
+enum Element : int {
+  kE4M3 = 0,  // one byte per element (the FP8 schemes, MXFP8)
+  kE2M1 = 1,  // two per byte, low nibble first (MXFP4, NVFP4)
+  kInt8 = 2,  // one signed byte per element (INT8)
+};
+
+enum ScaleKind : int {
+  kPerTensor = 0,   // float32 scalar
+  kPerRow = 1,      // float32 [N]
+  kBlock128 = 2,    // float32 [ceil(N/128), ceil(K/128)]
+  kE8M0Per32 = 3,   // e8m0 bytes [N, K/32]
+  kE4M3Per16 = 4,   // e4m3 bytes [N, K/16], times a float32 global scale
+};
+
+// One quantized [N, K] weight, already checked against its scales by the caller.
+struct Weight {
+  const uint8_t* data;
+  int64_t n;
+  int64_t k;          // elements per row as stored (padded for MX/NVFP4), a multiple of 16
+  int64_t row_bytes;  // k, or k / 2 for e2m1
+  Element element;
+  ScaleKind kind;
+  const void* scale;
+  int64_t scale_cols;  // scales per row of the scale tensor (the per-block kinds)
+  int64_t block;       // elements per scale along K: k for the per-row kinds, else 16, 32 or 128
+  float global;        // NVFP4's global scale; 1 elsewhere
+};
+
+// Entry points of one instruction set. Rows [begin, end) of the output; begin and end need not
+// fall on any step, so callers may split N between threads however they like.
+struct Kernels {
+  // y[m, n] = sum_k x[m, k] * dequantized W[n, k] for x float32 [m_rows, k]; y float32 or, with
+  // bf16, bfloat16 (rounded to nearest even), row stride y_stride elements. Any m_rows >= 1.
+  // For e2m1 weights x comes reordered: in each group of 16 elements, position p holds element
+  // e2m1_order[p] (the order in which the packed nibbles decode fastest).
+  void (*gemv)(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
+               int64_t y_stride, bool bf16);
+  // Rows [begin, end) of the dequantized weight into out ([end - begin, k], float32 or bfloat16).
+  void (*dequantize)(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16);
+  int max_rows;    // activation rows one pass of gemv keeps in registers; more take several passes
+  const uint8_t* e2m1_order;  // 16 entries
+};
+
+extern const Kernels kAvx2;    // AVX2 + FMA + F16C
+extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C
+
+}  // namespace preload

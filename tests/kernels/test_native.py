@@ -1,0 +1,95 @@
+"""Choosing the native kernel variant, and what the native ops refuse."""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from kernels import linear, native
+from kernels.quant import quantize
+
+NEEDS_AVX2 = pytest.mark.skipif("avx2" not in native.available(), reason="the avx2 kernels cannot run here")
+
+
+def test_the_default_is_the_best_variant_this_machine_runs():
+    assert native.resolve(None) == native.resolve("") == native.available()[0]
+    assert native.available()[-1] == "torch"
+
+
+def test_an_unknown_or_unavailable_variant_is_refused_with_what_runs_here():
+    with pytest.raises(native.VariantUnavailableError, match="PRELOAD_KERNELS=avx1024: unknown kernel variant"):
+        native.resolve("avx1024")
+    with pytest.raises(native.VariantUnavailableError, match="unknown kernel variant 'avx1024'; known: avx512"):
+        native.use("avx1024")
+    missing = [v for v in native.VARIANTS if v not in native.available()]
+    if not missing:
+        pytest.skip("this machine runs every variant")
+    with pytest.raises(native.VariantUnavailableError, match=f"PRELOAD_KERNELS={missing[0]}: .*{missing[0]}"):
+        native.resolve(missing[0])
+    assert native.VARIANT == native.available()[0]  # a refused switch changes nothing
+
+
+def test_the_environment_variable_forces_a_variant_at_import(monkeypatch):
+    """The choice is made when kernels.native is imported: imported again here, in place."""
+    try:
+        monkeypatch.setenv(native.ENVIRONMENT, "torch")
+        importlib.reload(native)
+        assert native.VARIANT == "torch" and native.qgemv is None
+        monkeypatch.setenv(native.ENVIRONMENT, "avx1024")
+        with pytest.raises(RuntimeError, match="PRELOAD_KERNELS=avx1024"):  # the class is made anew too
+            importlib.reload(native)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(native)
+    assert native.VARIANT == native.resolve(os.environ.get(native.ENVIRONMENT))
+
+
+@NEEDS_AVX2
+def test_forcing_a_variant_changes_the_dispatch(monkeypatch):
+    """torch dequantizes; avx2 runs its fused op and dequantizes nothing."""
+    q = quantize(torch.randn(64, 128), "mxfp4")
+    x = torch.randn(1, 128)
+    calls = []
+    dequantize = linear.dequantize
+    monkeypatch.setattr(linear, "dequantize", lambda *a, **kw: calls.append("dequantize") or dequantize(*a, **kw))
+    with native.using("torch"):
+        assert native.VARIANT == "torch" and native.qgemv is None
+        expected = linear.quantized_linear(x, q)
+    assert calls == ["dequantize"]
+    calls.clear()
+    with native.using("avx2"):
+        assert native.qgemv == torch.ops.preload.qgemv_avx2
+        op = native.qgemv
+        monkeypatch.setattr(native, "qgemv", lambda *a: calls.append("qgemv_avx2") or op(*a))
+        got = linear.quantized_linear(x, q)
+    assert calls == ["qgemv_avx2"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not native.available()[:-1], reason="the native kernels are not built")
+def test_an_op_for_instructions_this_cpu_lacks_refuses_to_run():
+    missing = [v for v in ("avx512", "avx2") if v not in native.available()]
+    if not missing:
+        pytest.skip("this CPU runs every native variant")
+    q = quantize(torch.randn(16, 32), "fp8_per_tensor")
+    op = getattr(torch.ops.preload, f"qgemv_{missing[0]}")
+    with pytest.raises(RuntimeError, match="kernels need instructions this CPU lacks"):
+        op(torch.randn(1, 32), q.weight, q.scale, None, 0, 0, 0)
+
+
+@NEEDS_AVX2
+@pytest.mark.parametrize("args, message", [
+    ((torch.randn(1, 32), torch.zeros(16, 32, dtype=torch.uint8), torch.ones(15), None, 1, 0, 0), "per-row scale"),
+    ((torch.randn(1, 32), torch.zeros(16, 32, dtype=torch.uint8), torch.ones(()), None, 0, 0, 7), "element format"),
+    ((torch.randn(1, 48), torch.zeros(16, 32, dtype=torch.uint8), torch.ones(()), None, 0, 0, 0), "x has K=48"),
+    ((torch.randn(1, 32), torch.zeros(16, 24, dtype=torch.uint8), torch.ones(()), None, 0, 0, 0), "multiples of 16"),
+    ((torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.zeros(4, 4, dtype=torch.uint8), None, 4, 16, 1),
+     "NVFP4 needs its float32 global scale"),
+    ((torch.randn(1, 64), torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4), None, 1, 0, 1), "no scheme has"),
+])
+def test_native_ops_refuse_inconsistent_inputs(args, message):
+    """A bad shape is an error, never a stray read."""
+    for op in (torch.ops.preload.qgemv_avx2, torch.ops.preload.qgemm_avx2):
+        with pytest.raises(RuntimeError, match=message):
+            op(*args)
