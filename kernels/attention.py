@@ -26,3 +26,24 @@ def attention_reference(q, k, v, q_positions):
     keys = torch.arange(k.shape[2], device=q.device)
     scores = scores.masked_fill(keys[None, None, None, :] > q_positions[:, None, :, None], float("-inf"))
     return (scores.softmax(-1) @ v.float()).to(q.dtype)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    """Attention of new queries over a float32 cache, as float32 GEMMs: q [B, T, H, D] (the
+    projections' layout and dtype); k, v [B, KV, S, D] float32 with H a multiple of KV, any strides
+    with a contiguous last dimension (views of the cache: nothing is gathered or converted);
+    hidden: None when every query sees all S keys, else bool [B, 1, 1, T, S], True where a key is
+    not visible. Returns [B, T, H * D] in q's dtype. Scores are scaled after the product and the
+    softmax runs in float32, as torch's CPU flash attention does."""
+    batch, t, heads, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} kv heads")
+    groups = heads // kv_heads
+    # Query head j * groups + g reads kv head j: rows (g, t) of kv head j's product.
+    queries = q.view(batch, t, kv_heads, groups, d).permute(0, 2, 3, 1, 4).float().reshape(batch * kv_heads, -1, d)
+    scores = torch.bmm(queries, k.flatten(0, 1).transpose(1, 2)).mul_(d ** -0.5)
+    if hidden is not None:
+        scores.view(batch, kv_heads, groups, t, s).masked_fill_(hidden, float("-inf"))
+    out = torch.bmm(scores.softmax(-1), v.flatten(0, 1)).view(batch, kv_heads, groups, t, d)
+    return out.permute(0, 3, 1, 2, 4).to(q.dtype).reshape(batch, t, heads * d)

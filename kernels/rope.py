@@ -48,3 +48,20 @@ def apply_rope_reference(x: torch.Tensor, freqs: torch.Tensor, positions: torch.
     angles = positions.double()[:, None, :, None] * freqs.double()
     out = pairs * torch.polar(torch.ones_like(angles), angles)
     return torch.cat((out.real, out.imag), dim=-1).to(x.dtype)
+
+
+def rope_table(freqs: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """cos and sign-folded sin for positions 0..length-1, [length, 2, head_dim] in `dtype`: a decode
+    step looks its rows up instead of recomputing them. The values are those of cos_sin; sin's first
+    half is negated so that `rotate` needs no negation (exact: negation commutes with rounding)."""
+    cos, sin = cos_sin(freqs, torch.arange(length), dtype)
+    half = sin.shape[-1] // 2
+    sin[:, :half].neg_()
+    return torch.stack((cos, sin), dim=1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """apply_rope in the [..., heads, head_dim] layout the projections produce; cos, sin: rope_table
+    rows for x's positions, [..., 1, head_dim] (broadcast over heads). Bitwise equal to apply_rope,
+    as cat(x2, x1) * [-sin1, sin2] == cat(-x2, x1) * sin. `out` may be x itself."""
+    return torch.add(x * cos, x.roll(x.shape[-1] // 2, -1) * sin, out=out)

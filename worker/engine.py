@@ -3,6 +3,8 @@ all running ones over a static per-slot KV cache. Requests arrive from any threa
 back through a callback as they are produced."""
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import queue
 import threading
@@ -74,6 +76,8 @@ class Engine:
         self.draft = speculator.runner(max_batch, self.max_len + ahead) if speculator else None
         self._pending: queue.Queue[Request | None] = queue.Queue()
         self._free = list(range(max_batch))
+        """A heap: a new request takes the lowest free slot, so running requests tend to hold
+        consecutive slots, whose caches a batched step reads as one view (worker/model.py)."""
         self._running: list[Request] = []
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
@@ -131,7 +135,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             block = not self._running
-            while self._free:
+            arrived = []
+            while len(arrived) < len(self._free):
                 try:
                     request = self._pending.get(block=block)
                 except queue.Empty:
@@ -139,35 +144,42 @@ class Engine:
                 if request is None:
                     return
                 block = False
-                self._prefill(request)
+                arrived.append(request)
+            # Prompts of one length prefill together: one forward reads the weights once for all.
+            for _, group in itertools.groupby(sorted(arrived, key=lambda r: len(r.prompt)), lambda r: len(r.prompt)):
+                self._prefill(list(group))
             if self._running:
                 self._decode()
 
-    def _prefill(self, request: Request) -> None:
-        request.slot = self._free.pop()
-        self.stats["requests"] += 1
-        self.stats["prompt_tokens"] += len(request.prompt)
+    def _prefill(self, requests: list[Request]) -> None:
+        for request in requests:
+            request.slot = heapq.heappop(self._free)
+            self.stats["requests"] += 1
+            self.stats["prompt_tokens"] += len(request.prompt)
         try:
-            ids = torch.tensor([request.prompt])
-            positions = torch.arange(len(request.prompt))[None]
-            slots = torch.tensor([request.slot])
+            ids = torch.tensor([r.prompt for r in requests])
+            positions = torch.arange(ids.shape[1]).expand(len(requests), -1)
+            slots = torch.tensor([r.slot for r in requests])
             if self.speculator is None:
                 logits = self.model.forward(ids, positions, self.cache, slots)
             else:
                 logits, states = self.model.forward(ids, positions, self.cache, slots, hidden=True)
-                self.draft.prefilled(request.slot, request.prompt, states[0])
+                for row, request in enumerate(requests):
+                    self.draft.prefilled(request.slot, request.prompt, states[row])
         except Exception as e:
             log.exception("prefill failed")
-            self._finish(request, f"error: {e}")
+            for request in requests:
+                self._finish(request, f"error: {e}")
             return
-        self._running.append(request)
-        self._emit(request, self._sample(logits[0], request))
+        for row, request in enumerate(requests):
+            self._running.append(request)
+            self._emit(request, self._sample(logits[row], request))
 
     def _decode(self) -> None:
         if self.speculator is not None:
             self._speculate()
             return
-        batch = self._running
+        batch = sorted(self._running, key=lambda r: r.slot)
         ids = torch.tensor([[r.output[-1]] for r in batch])
         positions = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in batch])
         slots = torch.tensor([r.slot for r in batch])
@@ -179,13 +191,15 @@ class Engine:
                 self._finish(r, f"error: {e}")
             return
         self.stats["decode_steps"] += 1
-        for row, request in enumerate(list(batch)):
-            self._emit(request, self._sample(logits[row], request))
+        greedy = logits.argmax(-1).tolist()  # one call for the batch's greedy rows
+        for row, request in enumerate(batch):
+            token = greedy[row] if request.params.temperature == 0 else self._sample(logits[row], request)
+            self._emit(request, token)
 
     def _speculate(self) -> None:
         """One speculative step for every running request: propose, verify in one forward, keep the
         accepted prefix and the main model's next token."""
-        batch, draft, k = list(self._running), self.draft, self.speculator.k
+        batch, draft, k = sorted(self._running, key=lambda r: r.slot), self.draft, self.speculator.k
         mtp = self.speculator.kind == "mtp"
         try:
             proposals, lengths = [], []
@@ -238,7 +252,7 @@ class Engine:
     def _finish(self, request: Request, reason: str) -> None:
         if request in self._running:
             self._running.remove(request)
-        self._free.append(request.slot)
+        heapq.heappush(self._free, request.slot)
         request.on_done(reason)
 
     @staticmethod

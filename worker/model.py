@@ -2,6 +2,7 @@
 keeps references to those tensors (views into a slab, or private memory) and never copies them."""
 
 import dataclasses
+import math
 import mmap
 from collections.abc import Mapping
 
@@ -9,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
-from kernels.attention import attention
+from kernels.attention import cached_attention
+from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight
-from kernels.rope import apply_rope, cos_sin, inv_freq
+from kernels.rope import inv_freq, rope_table, rotate
 from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import CheckpointError
 
@@ -49,30 +51,66 @@ class Layer:
     o_bias: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
+    qkv: tuple = ()
+    """q, k and v grouped as `runs` does: (weight or view, bias, members) per product."""
+    gate_up: torch.Tensor | None = None
+    """gate and up as one view when they lie back to back (see `adjacent`)."""
 
 
 class KVCache:
-    """Static per-slot cache: [num_layers] x [slots, kv_heads, max_len, head_dim] for keys and values.
+    """Static per-slot cache of every layer's keys and values: [num_layers, slots, max_len, 2,
+    kv_heads, head_dim], position-major, so that a step's keys and values for one position are one
+    contiguous copy and a forward takes each layer's views with a few indexing calls for all layers.
     It lives in one anonymous mapping, whose pages the kernel zero-fills on first touch: a large
     cache costs nothing at start-up, and unwritten positions read as zeros, never garbage."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype):
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        per_tensor = num_slots * num_kv_heads * max_len * head_dim
-        self._mapping = mmap.mmap(-1, 2 * num_layers * per_tensor * dtype.itemsize)
-        flat = torch.frombuffer(self._mapping, dtype=dtype)
-        views = [flat[i * per_tensor:(i + 1) * per_tensor].view(shape) for i in range(2 * num_layers)]
-        self.k, self.v = views[0::2], views[1::2]
+        shape = (num_layers, num_slots, max_len, 2, num_kv_heads, head_dim)
+        self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+        self.all = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
+        self.layers = self.all.unbind(0)
         self.num_slots = num_slots
         self.max_len = max_len
+
+
+@dataclasses.dataclass(slots=True)
+class Step:
+    """What every layer of one forward shares, computed once per forward: rope rows, and where each
+    layer writes its new keys and values and reads the cached ones."""
+
+    cos: torch.Tensor
+    """[B * T, 1, head_dim], like sin (rope_table's sign-folded sin)."""
+    sin: torch.Tensor
+    length: int
+    """Cache positions the queries read: 0 .. length-1."""
+    exact: bool
+    """One sequence: torch's own kernels, whose results are bit for bit those transformers computes
+    (and a row's result does not depend on the batch). Several: the faster paths (kernels/dense.py,
+    cached_attention), equal up to rounding."""
+    writes: tuple = ()
+    """One sequence: per layer, the [T, 2 * KV, D] cache rows its new keys and values go to."""
+    keys: tuple = ()
+    """One sequence: per layer, the live [1, KV, length, D] keys, and values; several rows at
+    consecutive slots: per layer, their live [B, length, 2, KV, D] cache (else gathered per layer)."""
+    values: tuple = ()
+    causal: bool = False
+    """One sequence from position 0: attention runs over the new keys alone."""
+    visible: torch.Tensor | None = None
+    """One sequence past position 0 with several tokens: SDPA's [1, 1, T, length] mask."""
+    slots: torch.Tensor | None = None
+    """Several rows: [B, 1] slots and [B, T] positions for the cache writes."""
+    positions: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    """Several rows: cached_attention's [B, 1, 1, T, length] mask of keys not visible (None: all are)."""
 
 
 class CausalLM:
     """The decoder of one tensor-parallel rank (all of it when `tp` is a SingleRank): its weights
     are this rank's shards as the load plan laid them out (kernels are unchanged), and the group
     exchanges partial sums after the row-parallel projections and the vocabulary-parallel
-    embedding, and gathers the vocabulary-parallel logits."""
+    embedding, and gathers the vocabulary-parallel logits. Hidden states run as [B * T, hidden]
+    rows; only attention sees the batch."""
 
     def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
         self.spec = spec
@@ -81,15 +119,20 @@ class CausalLM:
         if missing:
             raise CheckpointError(f"the weights lack {len(missing)} tensor(s) the model needs, e.g. "
                                   f"{', '.join(missing[:3])}; refusing to build a model with uninitialised weights")
+        self._common(spec, weights)
+        self.norm = weights[spec.name("norm")]
+        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+
+    def _common(self, spec: ArchSpec, weights: Mapping[str, Weight]) -> None:
         self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
         self.embed = weights[spec.name("embed")]
         self.lm_head = weights.get(spec.name("lm_head"), self.embed) if spec.tie_word_embeddings \
             else weights[spec.name("lm_head")]
         self.vocab_start = self.tp.rank * self.embed.shape[0]
-        self.norm = weights[spec.name("norm")]
         self.dtype = self.embed.dtype
-        self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.dense = Dense(self.embed.device)
+        self._rope = rope_table(self.inv_freq, 0, self.dtype)
 
     @classmethod
     def from_config(cls, config: dict, weights: Mapping[str, Weight], tp=None) -> "CausalLM":
@@ -99,13 +142,30 @@ class CausalLM:
     def _layer(self, w, i: int) -> Layer:
         def get(key: str):
             return w.get(self.spec.name(key, i))
-        return Layer(input_norm=get("input_norm"), post_norm=get("post_norm"), q=get("q"), k=get("k"), v=get("v"),
-                     o=get("o"), gate=get("gate"), up=get("up"), down=get("down"), q_bias=get("q_bias"),
-                     k_bias=get("k_bias"), v_bias=get("v_bias"), o_bias=get("o_bias"), q_norm=get("q_norm"),
-                     k_norm=get("k_norm"))
+        layer = Layer(input_norm=get("input_norm"), post_norm=get("post_norm"), q=get("q"), k=get("k"), v=get("v"),
+                      o=get("o"), gate=get("gate"), up=get("up"), down=get("down"), q_bias=get("q_bias"),
+                      k_bias=get("k_bias"), v_bias=get("v_bias"), o_bias=get("o_bias"), q_norm=get("q_norm"),
+                      k_norm=get("k_norm"))
+        layer.qkv = runs((layer.q, layer.k, layer.v), (layer.q_bias, layer.k_bias, layer.v_bias))
+        layer.gate_up = adjacent(layer.gate, layer.up)
+        return layer
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(self.spec.num_layers, self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
+        return KVCache(len(self.layers), self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step of one sequence reads: every layer's, the final norm,
+        the lm_head and one embedding row."""
+        def size(w) -> int:
+            return w.nbytes if isinstance(w, (torch.Tensor, QuantizedWeight)) else 0
+        fields = ("input_norm", "q", "k", "v", "o", "post_norm", "gate", "up", "down", "q_bias", "k_bias", "v_bias",
+                  "o_bias", "q_norm", "k_norm")
+        layers = sum(size(getattr(layer, f)) for layer in self.layers for f in fields)
+        return layers + size(self.norm) + size(self.lm_head) + self.embed[0].nbytes
+
+    def linear(self, x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None, exact: bool = False):
+        """x @ w.T on the fastest path for the weight's kind and x's rows (Dense's `exact`)."""
+        return self.dense(x, w, bias, exact) if isinstance(w, torch.Tensor) else linear(x, w, bias)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, slots: torch.Tensor,
@@ -114,24 +174,54 @@ class CausalLM:
         the cache and returns float32 logits for the last position of each row ([B, V]), or for every
         position ([B, T, V]) with all_logits; with `hidden`, (logits, the last layer's output before
         the final norm, [B, T, H]) for an MTP draft."""
-        eps = self.spec.rms_norm_eps
-        x = self._embed(input_ids)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
-        length = int(positions.max()) + 1
+        batch, t = input_ids.shape
+        step = self._step(positions, slots, cache)
+        x = self._embed(input_ids.reshape(-1))
         for i, layer in enumerate(self.layers):
-            x = self._decoder_layer(layer, x, cos, sin, positions, cache, i, slots, length)
-        states = x
-        if not all_logits:
-            x = x[:, -1]
-        logits = self.tp.gather_last(F.linear(rms_norm(x, self.norm, eps), self.lm_head).float())
+            x = self._decoder_layer(layer, x, step, cache.layers[i], i)
+        states = x.view(batch, t, -1)
+        x = states if all_logits else states[:, -1]
+        logits = self._logits(rms_norm(x, self.norm, self.spec.rms_norm_eps), step.exact)
         return (logits, states) if hidden else logits
 
-    def _decoder_layer(self, layer: Layer, x, cos, sin, positions, cache: KVCache, index: int, slots, length: int):
-        eps = self.spec.rms_norm_eps
-        h = rms_norm(x, layer.input_norm, eps)
-        x = x + self._attention(layer, h, cos, sin, positions, cache, index, slots, length)
+    def _logits(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
+        return self.tp.gather_last(self.dense(x, self.lm_head, exact=exact).float())
+
+    def _step(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> Step:
+        batch, t = positions.shape
+        rows = positions.tolist()
+        length = max(map(max, rows)) + 1
+        if length > self._rope.shape[0]:
+            self._rope = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
+        table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
+        step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
+        if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
+            slot, start = int(slots[0]), rows[0][0]
+            step.writes = cache.all[:, slot, start:start + t].flatten(2, 3).unbind(0)
+            step.causal = start == 0
+            if not step.causal:
+                live = cache.all[:, slot, None, :length].permute(0, 1, 3, 4, 2, 5)  # [layers, 1, 2, KV, length, D]
+                step.keys, step.values = live[:, :, 0].unbind(0), live[:, :, 1].unbind(0)
+                if t > 1:
+                    step.visible = (torch.arange(length) <= positions[0, :, None]).view(1, 1, t, length)
+            return step
+        step.slots, step.positions = slots[:, None], positions
+        first = int(slots[0])
+        if slots.tolist() == list(range(first, first + batch)):  # a view, no gather
+            step.keys = cache.all[:, first:first + batch, :length].unbind(0)
+        if t > 1 or any(r[0] != length - 1 for r in rows):  # not every query sees every key
+            step.hidden = (torch.arange(length) > positions[:, :, None]).view(batch, 1, 1, t, length)
+        return step
+
+    def _decoder_layer(self, layer: Layer, x: torch.Tensor, step: Step, kv: torch.Tensor, i: int) -> torch.Tensor:
+        eps, exact = self.spec.rms_norm_eps, step.exact
+        x = x + self._attention(layer, rms_norm(x, layer.input_norm, eps), step, kv, i)
         h = rms_norm(x, layer.post_norm, eps)
-        return x + self.tp.all_reduce(linear(silu_mul(linear(h, layer.gate), linear(h, layer.up)), layer.down))
+        if layer.gate_up is not None:
+            gate, up = self.linear(h, layer.gate_up, None, exact).chunk(2, dim=-1)
+        else:
+            gate, up = self.linear(h, layer.gate, None, exact), self.linear(h, layer.up, None, exact)
+        return x + self.tp.all_reduce(self.linear(silu_mul(gate, up), layer.down, None, exact))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -142,31 +232,102 @@ class CausalLM:
         x = F.embedding(local.masked_fill(outside, 0), self.embed).masked_fill(outside[..., None], 0)
         return self.tp.all_reduce(x)
 
-    def _attention(self, layer: Layer, h, cos, sin, positions, cache: KVCache, index: int, slots, length: int):
-        eps, head_dim = self.spec.rms_norm_eps, self.spec.head_dim
-        batch, t, _ = h.shape
-        q = linear(h, layer.q, layer.q_bias).view(batch, t, self.num_heads, head_dim)
-        k = linear(h, layer.k, layer.k_bias).view(batch, t, self.num_kv_heads, head_dim)
-        v = linear(h, layer.v, layer.v_bias).view(batch, t, self.num_kv_heads, head_dim)
+    def _attention(self, layer: Layer, h: torch.Tensor, step: Step, kv: torch.Tensor, i: int) -> torch.Tensor:
+        heads, kv_heads, head_dim, exact = self.num_heads, self.num_kv_heads, self.spec.head_dim, step.exact
+        rows = h.shape[0]
+        qkv = self._project(h, layer.qkv, exact).view(rows, heads + 2 * kv_heads, head_dim)
+        qk = qkv[:, :heads + kv_heads]
         if layer.q_norm is not None:
-            q = rms_norm(q, layer.q_norm, eps)
-            k = rms_norm(k, layer.k_norm, eps)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        k_cache, v_cache = cache.k[index], cache.v[index]
-        if batch == 1:
-            start = int(positions[0, 0])
-            k_cache[slots[0], :, start:start + t] = k[0]
-            v_cache[slots[0], :, start:start + t] = v[0]
-            keys, values = k_cache[slots[0], None, :, :length], v_cache[slots[0], None, :, :length]
-        else:  # batched: each row's tokens at its own positions (decode, or speculative verification)
-            k_cache[slots[:, None], :, positions] = k.transpose(1, 2)
-            v_cache[slots[:, None], :, positions] = v.transpose(1, 2)
-            keys, values = k_cache[slots, :, :length], v_cache[slots, :, :length]
-        out = attention(q, keys, values, positions)
-        out = self.tp.all_reduce(linear(out.transpose(1, 2).reshape(batch, t, self.num_heads * head_dim), layer.o))
+            eps = self.spec.rms_norm_eps
+            qk = torch.cat((rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)), 1)
+        qk = rotate(qk, step.cos, step.sin, out=qkv[:, :heads + kv_heads])
+        q, new = qk[:, :heads], qkv[:, heads:]
+        if exact:
+            out = self._attend_one(q, new, step, i)
+        else:
+            batch = step.positions.shape[0]
+            t = rows // batch
+            kv[step.slots, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
+            live = step.keys[i] if step.keys else kv[:, :step.length].index_select(0, step.slots[:, 0])
+            cached = live.permute(2, 0, 3, 1, 4).to(torch.float32, memory_format=torch.contiguous_format)
+            out = cached_attention(q.view(batch, t, heads, head_dim), cached[0], cached[1], step.hidden)
+        out = self.tp.all_reduce(self.linear(out.reshape(rows, -1), layer.o, None, exact))
         return out + layer.o_bias if layer.o_bias is not None else out
+
+    def _project(self, h: torch.Tensor, grouped: tuple, exact: bool) -> torch.Tensor:
+        """The outputs of `runs`-grouped projections, concatenated in their original order."""
+        if len(grouped) == 1 and grouped[0][2] == tuple(range(len(grouped[0][2]))):
+            weight, bias, _ = grouped[0]
+            return self.linear(h, weight, bias, exact)
+        pieces = {}
+        for weight, bias, members in grouped:
+            out = self.linear(h, weight, bias, exact)
+            if len(members) == 1:
+                pieces[members[0]] = out
+            else:
+                widths = [self._width(m) for m in members]
+                pieces.update(zip(members, out.split(widths, dim=-1)))
+        return torch.cat([pieces[i] for i in range(len(pieces))], dim=-1)
+
+    def _width(self, member: int) -> int:
+        """Output width of q (0), k (1) or v (2) on this rank."""
+        return (self.num_heads if member == 0 else self.num_kv_heads) * self.spec.head_dim
+
+    def _attend_one(self, q: torch.Tensor, new: torch.Tensor, step: Step, i: int) -> torch.Tensor:
+        """One sequence's attention with torch's SDPA, as transformers runs it: q [T, H, D], new
+        [T, 2 * KV, D] (written to the cache here). Returns [T, H, D]."""
+        t, heads, head_dim = q.shape
+        kv_heads = self.num_kv_heads
+        step.writes[i].copy_(new)
+        if t == 1 and not step.causal:  # decode: the fewest calls
+            return F.scaled_dot_product_attention(q.view(1, heads, 1, head_dim), step.keys[i], step.values[i],
+                                                  enable_gqa=True).reshape(1, heads, head_dim)
+        if step.causal:  # from position 0: the new keys are all there is
+            keys, values = new.view(1, t, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True, enable_gqa=True)
+            return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], step.keys[i], step.values[i],
+                                             attn_mask=step.visible, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+def runs(weights: tuple, biases: tuple) -> tuple:
+    """Projections of one input grouped into as few products as memory allows: ((weight or view,
+    bias, member indices in memory order), ...), one per run of weights that lie back to back."""
+    order = sorted(range(len(weights)), key=lambda i: _address(weights[i]))
+    groups = [[order[0]]]
+    for i in order[1:]:
+        if adjacent(*(weights[j] for j in groups[-1]), weights[i]) is not None:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    out = []
+    for members in groups:
+        members_biases = [biases[i] for i in members]
+        bias = None if members_biases[0] is None else torch.cat(members_biases)  # a few KB
+        out.append((adjacent(*(weights[i] for i in members)) if len(members) > 1 else weights[members[0]], bias,
+                    tuple(members)))
+    return tuple(out)
+
+
+def _address(w: Weight) -> int:
+    return (w if isinstance(w, torch.Tensor) else w.weight).data_ptr()
+
+
+def adjacent(*weights: Weight | None) -> torch.Tensor | None:
+    """One [sum N, K] view over plain weights that lie back to back in the same memory (the slab
+    places a layer's tensors in checkpoint order), so that one GEMV reads them all; None if they do
+    not (or any is quantized). Never copies."""
+    if any(not isinstance(w, torch.Tensor) for w in weights):
+        return None
+    first = weights[0]
+    expected = first.data_ptr()
+    for w in weights:
+        if (w.dim() != 2 or not w.is_contiguous() or w.dtype != first.dtype or w.shape[1] != first.shape[1]
+                or w.data_ptr() != expected or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return None
+        expected += w.nbytes
+    return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
 
 
 class MTPDraft(CausalLM):
@@ -190,17 +351,8 @@ class MTPDraft(CausalLM):
             raise CheckpointError(f"the MTP draft lacks {', '.join(missing[:3])}; load the checkpoint's draft "
                                   "component (and its main one)")
         self.enorm, self.hnorm, self.eh_proj, self.head_norm = (weights[n] for n in names)
-        self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
-        self.embed = weights[spec.name("embed")]
-        self.lm_head = weights.get(spec.name("lm_head"), self.embed) if spec.tie_word_embeddings \
-            else weights[spec.name("lm_head")]
-        self.vocab_start = self.tp.rank * self.embed.shape[0]
-        self.dtype = self.embed.dtype
+        self._common(spec, weights)
         self.layers = [self._layer(weights, first)]
-        self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(1, self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
 
     @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -209,9 +361,10 @@ class MTPDraft(CausalLM):
         (hidden states at t). Returns float32 logits for the tokens at t+2 ([B, T, V]) and this
         layer's output states ([B, T, H]), which chain into the next step."""
         eps = self.spec.rms_norm_eps
-        e = rms_norm(self._embed(input_ids), self.enorm, eps)
-        x = linear(torch.cat([e, rms_norm(states.to(self.dtype), self.hnorm, eps)], dim=-1), self.eh_proj)
-        cos, sin = cos_sin(self.inv_freq, positions, self.dtype)
-        x = self._decoder_layer(self.layers[0], x, cos, sin, positions, cache, 0, slots, int(positions.max()) + 1)
-        logits = self.tp.gather_last(F.linear(rms_norm(x, self.head_norm, eps), self.lm_head).float())
-        return logits, x
+        batch, t = input_ids.shape
+        step = self._step(positions, slots, cache)
+        e = rms_norm(self._embed(input_ids.reshape(-1)), self.enorm, eps)
+        x = self.linear(torch.cat([e, rms_norm(states.reshape(batch * t, -1).to(self.dtype), self.hnorm, eps)], dim=-1),
+                        self.eh_proj, None, step.exact)
+        x = self._decoder_layer(self.layers[0], x, step, cache.layers[0], 0)
+        return self._logits(rms_norm(x, self.head_norm, eps), step.exact).view(batch, t, -1), x.view(batch, t, -1)

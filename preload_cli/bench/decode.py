@@ -1,18 +1,74 @@
 """`preload bench decode`: decode tokens/s of our engine against transformers' generate, on the
-same checkpoint, prompt and dtype, greedy, both in this process; plus our aggregate tokens/s with
-several requests batched.
+same checkpoint, prompt and dtype, greedy, both in this process; our aggregate tokens/s with several
+requests batched; llama.cpp's where `llama_cpp` is importable; and this machine's memory bandwidth,
+measured in the same run, against which the weight bytes a token reads are set.
 
-    preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--repeats 5] [--json]
+    preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--repeats 5] [--batch 8] [--json]
 """
 
 import argparse
 import json
 import pathlib
 import statistics
+import tempfile
 import threading
 import time
 
 PROMPT = "The history of the printing press begins"
+BANDWIDTH_BYTES = 1 << 29  # 16x this machine's last-level cache and more: a read streams from memory
+TARGETS = {"bandwidth_share": 0.6, "ours_over_transformers": 2.0, "batch_over_single": 4.0}
+LLAMA_FTYPES = {"none": ("BF16", 32), "int8": ("Q8_0", 7)}  # llama.cpp's file types with the same weight bits
+
+
+def measure_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s that summing a buffer far larger than the caches reads, best of `repeats`."""
+    import torch
+
+    buffer = torch.ones(BANDWIDTH_BYTES // 4)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first pass also faults the pages in
+        start = time.perf_counter()
+        buffer.sum()
+        best = min(best, time.perf_counter() - start)
+    return BANDWIDTH_BYTES / best
+
+
+def llama_cpp_tokens_per_s(args, model_path: pathlib.Path, ids: list[int], threads: int) -> tuple[float | None, str]:
+    """(llama.cpp's decode tokens/s, on the same prompt and bits, greedy; or None, and why not)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, ("skipped: llama_cpp is not importable; `pip install llama-cpp-python` to compare (and pass "
+                      "--gguf FILE for a model other than the default)")
+    if args.quantization not in LLAMA_FTYPES:
+        return None, f"skipped: llama.cpp has no file type with {args.quantization}'s weight bits"
+    name, ftype = LLAMA_FTYPES[args.quantization]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.gguf:
+            gguf = args.gguf
+        elif args.model:
+            return None, "skipped: pass --gguf FILE (this model as GGUF) to compare against llama.cpp"
+        else:  # the default model's own GGUF, re-quantized to the weight bits our engine runs
+            from preload_daemon.default_model import gguf_path
+
+            gguf = str(pathlib.Path(tmp) / f"model-{name}.gguf")
+            params = llama_cpp.llama_model_quantize_default_params()
+            params.ftype, params.allow_requantize = ftype, True
+            if llama_cpp.llama_model_quantize(str(gguf_path()).encode(), gguf.encode(), params) != 0:
+                return None, f"failed: llama.cpp could not write a {name} GGUF"
+        llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(ids) + args.new_tokens + 8, n_threads=threads,
+                              verbose=False)
+
+        def run() -> float:
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(ids)
+            for _ in range(args.new_tokens):
+                llm.eval([llm.sample(temp=0.0)])
+            return args.new_tokens / (time.perf_counter() - start)
+
+        run()
+        return statistics.median(run() for _ in range(args.repeats)), f"llama.cpp {name}, {threads} threads"
 
 
 def run(args) -> int:
@@ -30,12 +86,11 @@ def run(args) -> int:
     ids = Tokenizer(model_path).encode(PROMPT)
     n = args.new_tokens
     weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path), quantization=args.quantization)))
-    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=args.batch,
-                    max_len=len(ids) + n + 1).start()
+    model = CausalLM.from_config(weights.config, weights.tensors)
+    engine = Engine(model, max_batch=args.batch, max_len=len(ids) + n + 1).start()
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weights.tensors[
-        "model.embed_tokens.weight"].dtype).eval()  # transformers runs the unquantized checkpoint
-    prompt = torch.tensor([ids])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=model.dtype).eval()
+    prompt = torch.tensor([ids])  # transformers runs the unquantized checkpoint
 
     def ours() -> float:
         return n / engine.generate(ids, params).seconds
@@ -56,23 +111,45 @@ def run(args) -> int:
             finished.acquire()
         return args.batch * n / (time.perf_counter() - start)
 
-    ours(), theirs()  # warm-up
-    rows = {"preload engine, 1 request": [ours() for _ in range(args.repeats)],
+    ours(), theirs(), ours_batched()  # warm-up
+    single, batched = "preload engine, 1 request", f"preload engine, {args.batch} requests"
+    rows = {single: [ours() for _ in range(args.repeats)],
             "transformers generate, 1 request": [theirs() for _ in range(args.repeats)],
-            f"preload engine, {args.batch} requests": [ours_batched() for _ in range(args.repeats)]}
+            batched: [ours_batched() for _ in range(args.repeats)]}
     engine.stop()
+    threads = torch.get_num_threads()
+    llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
+    bandwidth = measure_bandwidth()
     medians = {k: statistics.median(v) for k, v in rows.items()}
-    ratio = medians["preload engine, 1 request"] / medians["transformers generate, 1 request"]
+    weight_bytes = model.weight_bytes_per_token()
+    ratios = {"bandwidth_share": medians[single] * weight_bytes / bandwidth,
+              "ours_over_transformers": medians[single] / medians["transformers generate, 1 request"],
+              "batch_over_single": medians[batched] / medians[single]}
+    if llama is not None:
+        medians[llama_note] = llama
+        ratios["ours_over_llama_cpp"] = medians[single] / llama
     if args.json:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
-                          "tokens_per_s": rows, "medians": medians, "ours_over_transformers": ratio,
-                          "threads": torch.get_num_threads()}, indent=2))
-    else:
-        print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
-              f"{args.repeats}, {torch.get_num_threads()} threads")
-        for name, value in medians.items():
-            print(f"{name:<36} {value:>8.1f} tokens/s")
-        print(f"{'ours / transformers (1 request)':<36} {ratio:>8.2f}x")
+                          "tokens_per_s": rows, "medians": medians, "ratios": ratios, "targets": TARGETS,
+                          "weight_bytes_per_token": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
+                          "llama_cpp": llama_note, "threads": threads}, indent=2))
+        return 0
+    print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
+          f"{args.repeats}, {threads} threads")
+    for name, value in medians.items():
+        print(f"{name:<40} {value:>8.1f} tokens/s")
+    if llama is None:
+        print(f"{'llama.cpp':<40} {llama_note}")
+    print(f"{'memory bandwidth (sum of 512 MiB)':<40} {bandwidth / 1e9:>8.1f} GB/s")
+    print(f"{'weight bytes read per token':<40} {weight_bytes / 1e6:>8.1f} MB")
+    print(f"{'tokens/s x bytes / bandwidth (1 request)':<40} {ratios['bandwidth_share']:>8.0%}   "
+          f"target >= {TARGETS['bandwidth_share']:.0%}")
+    print(f"{'ours / transformers (1 request)':<40} {ratios['ours_over_transformers']:>8.2f}x  "
+          f"target >= {TARGETS['ours_over_transformers']:.0f}x")
+    if llama is not None:
+        print(f"{'ours / llama.cpp (1 request)':<40} {ratios['ours_over_llama_cpp']:>8.2f}x  target >= 1x")
+    print(f"{f'{args.batch} requests / 1 request (aggregate)':<40} {ratios['batch_over_single']:>8.2f}x  "
+          f"target >= {TARGETS['batch_over_single']:.0f}x")
     return 0
 
 
@@ -80,7 +157,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
+    parser.add_argument("--gguf", help="the same model as a GGUF file at the same weight bits, for the llama.cpp row "
+                                       "(default model: derived from its own GGUF)")
     parser.add_argument("--json", action="store_true")
-

@@ -81,3 +81,80 @@ def test_missing_weights_are_refused(tiny_llama):
     weights = {n: ckpt.read(n) for n in ckpt.tensors if "layers.1.mlp.up_proj" not in n}
     with pytest.raises(Exception, match="lack 1 tensor.*layers.1.mlp.up_proj.weight.*uninitialised"):
         CausalLM.from_config(ckpt.config, weights)
+
+
+def test_one_sequence_is_bit_for_bit_transformers_in_bfloat16(checkpoints):
+    """Prefill and every decode step of one sequence run torch's own kernels, as transformers does:
+    the logits are equal bit for bit, not merely close (the engine's warm = cold = transformers)."""
+    path = tiny_model("llama", checkpoints / "ref-bf16", dtype=torch.bfloat16, seed=2)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = load(path)
+    prompt = torch.tensor([[5, 17, 99, 3, 200, 41, 7]])
+    out = ref.generate(prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,
+                       return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, prompt.shape[1]:].tolist()
+    cache = model.new_cache(2, 64)
+    logits = [model.forward(prompt, torch.arange(prompt.shape[1])[None], cache, torch.tensor([1]))]
+    for i, token in enumerate(tokens[:-1]):
+        logits.append(model.forward(torch.tensor([[token]]), torch.tensor([[prompt.shape[1] + i]]), cache,
+                                    torch.tensor([1])))
+    for ours, theirs in zip(logits, out.logits):
+        assert torch.equal(ours, theirs.float())
+
+
+def test_rows_at_scattered_slots_with_several_tokens_equal_one_by_one(tiny_llama):
+    """Rows whose slots are not consecutive (their cache is gathered) and that add several tokens at
+    once (speculative verification, a draft's catch-up), and equal-length prompts prefilled together,
+    give what each row gives alone."""
+    model = load(tiny_llama)
+    prompts = {2: [1, 2, 3, 4, 5, 6], 0: [9, 8], 3: [100, 101, 102]}
+    cache = model.new_cache(4, 32)
+    for slot, p in prompts.items():
+        model.forward(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
+    new = {2: [7, 11], 0: [12, 13], 3: [14, 15]}
+    batched = model.forward(torch.tensor(list(new.values())),
+                            torch.tensor([[len(p), len(p) + 1] for p in prompts.values()]), cache,
+                            torch.tensor(list(prompts)), all_logits=True)
+    together = model.forward(torch.tensor([[3, 4, 5], [6, 7, 8]]), torch.arange(3).expand(2, 3),
+                             model.new_cache(2, 8), torch.tensor([0, 1]))
+    for row, (slot, p) in enumerate(prompts.items()):
+        alone = model.new_cache(1, 32)
+        model.forward(torch.tensor([p]), torch.arange(len(p))[None], alone, torch.tensor([0]))
+        single = model.forward(torch.tensor([new[slot]]), torch.tensor([[len(p), len(p) + 1]]), alone,
+                               torch.tensor([0]), all_logits=True)
+        torch.testing.assert_close(batched[row], single[0], rtol=1e-5, atol=1e-5)
+    for row, p in enumerate([[3, 4, 5], [6, 7, 8]]):
+        single = model.forward(torch.tensor([p]), torch.arange(3)[None], model.new_cache(1, 8), torch.tensor([0]))
+        torch.testing.assert_close(together[row], single[0], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_bfloat16_decode_takes_the_widened_product_and_stays_close(checkpoints):
+    """Several bfloat16 rows multiply float32-widened weight tiles (kernels/dense.py): equal to each
+    row alone up to bfloat16 rounding, and the same greedy tokens."""
+    model = load(tiny_model("llama", checkpoints / "batched-bf16", dtype=torch.bfloat16, seed=3))
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8], [100, 101, 102]]
+    cache = model.new_cache(3, 32)
+    last = [int(model.forward(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([s])).argmax())
+            for s, p in enumerate(prompts)]
+    batched = model.forward(torch.tensor(last)[:, None], torch.tensor([[len(p)] for p in prompts]), cache,
+                            torch.tensor([0, 1, 2]))
+    for slot, p in enumerate(prompts):
+        alone = model.new_cache(1, 32)
+        model.forward(torch.tensor([p]), torch.arange(len(p))[None], alone, torch.tensor([0]))
+        single = model.forward(torch.tensor([[last[slot]]]), torch.tensor([[len(p)]]), alone, torch.tensor([0]))[0]
+        torch.testing.assert_close(batched[slot], single, rtol=2e-2, atol=2e-2 * single.abs().max().item())
+        assert int(batched[slot].argmax()) == int(single.argmax())
+
+
+def test_weights_that_lie_back_to_back_are_multiplied_as_one_view(tiny_llama):
+    """gate and up (and q, k, v where the slab keeps them adjacent) become views over the loaded
+    memory, never copies."""
+    model = load(tiny_llama)
+    layer = model.layers[0]
+    assert layer.gate_up is not None and layer.gate_up.data_ptr() == layer.gate.data_ptr()
+    assert layer.gate_up.untyped_storage().data_ptr() == layer.gate.untyped_storage().data_ptr()
+    assert torch.equal(layer.gate_up, torch.cat((layer.gate, layer.up)))
+    members = sorted(m for _, _, group in layer.qkv for m in group)
+    assert members == [0, 1, 2]
+    for weight, _, group in layer.qkv:
+        assert weight.untyped_storage().data_ptr() == layer.q.untyped_storage().data_ptr()
