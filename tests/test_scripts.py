@@ -30,15 +30,14 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     summary = result["summary"]
     assert summary["warm (ipc_cache)"]["n"] == 1 and summary["ratios"]["weights_cold_over_warm"] > 0
     assert result["imports"]["engine_over_torch"] > 0
-    out = run_preload("bench", "attach", "--sizes-gb", "0.01", "--tensors", "300", "--tp-gb", "0.01", "--repeats",
+    # The TP=2 row is left out here (CI time): test_plan checks that a rank reads half the bytes.
+    out = run_preload("bench", "attach", "--sizes-gb", "0.01", "--tensors", "300", "--tp-gb", "0", "--repeats",
                       "1", "--json", timeout=600, env_extra={"PRELOAD_BENCH_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     small, many = result["rows"]
     assert small["attach_ms_median"] > 0 and many["num_tensors"] >= 290
     assert small["cold_share_disk"] > 0 and small["cold_share_cached"] > 0
-    # Each TP=2 rank reads about half of the files (norms are replicated; headers are read by both).
-    assert all(0.4 < share < 0.65 for share in result["tp2"]["read_share_per_rank"]), result["tp2"]
 
 
 def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
