@@ -118,7 +118,10 @@ def run(args) -> int:
             batched: [ours_batched() for _ in range(args.repeats)]}
     engine.stop()
     threads = torch.get_num_threads()
-    llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
+    try:
+        llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
+    except Exception as e:  # an optional comparison: llama-cpp-python's API moves between releases
+        llama, llama_note = None, f"failed: {type(e).__name__}: {e}"
     bandwidth = measure_bandwidth()
     medians = {k: statistics.median(v) for k, v in rows.items()}
     weight_bytes = model.weight_bytes_per_token()
