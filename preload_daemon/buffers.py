@@ -49,12 +49,6 @@ def bytes_tensor(buffer) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-def typed_view(raw: torch.Tensor, offset: int, nbytes: int, dtype: torch.dtype,
-               shape: tuple[int, ...]) -> torch.Tensor:
-    """A `dtype` tensor of `shape` viewing raw[offset:offset + nbytes] (raw: a flat uint8 tensor)."""
-    return SlabViews(raw).view(offset, nbytes, dtype, shape)
-
-
 class SlabViews:
     """Typed views into one flat uint8 buffer, each made by a single as_strided call on a flat view
     of the buffer in that dtype (kept per dtype): about a microsecond per tensor."""

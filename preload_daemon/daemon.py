@@ -57,7 +57,7 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
 def _reap_loop(server: DaemonServer, stop: threading.Event, interval: float) -> None:
     while not stop.wait(interval):
         try:
-            server.store.reap()
+            server.store.leases.reap()
         except Exception:
             log.exception("lease reaper failed; retrying")
 

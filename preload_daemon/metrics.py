@@ -51,7 +51,7 @@ class _StoreCollector:
         yield leases
         ended = CounterMetricFamily("preload_daemon_leases_ended", "Leases that ended, by how (released, "
                                     "session: the process exited, reaped, evicted)", labels=["how"])
-        for how, count in sorted(store.leases_ended.items()):
+        for how, count in sorted(store.leases.ended.items()):
             ended.add_metric([how], count)
         yield ended
         yield GaugeMetricFamily("preload_daemon_sessions", "Open sessions (attached processes)", value=len(sessions))

@@ -180,11 +180,11 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def RenewLease(self, request, context):
-        return pb.RenewLeaseResponse(lease=wire.lease(self.store.renew(wire.lease_id(request.lease_id))))
+        return pb.RenewLeaseResponse(lease=wire.lease(self.store.leases.renew(wire.lease_id(request.lease_id))))
 
     @_rpc
     def Release(self, request, context):
-        self.store.release(wire.lease_id(request.lease_id))
+        self.store.leases.release(wire.lease_id(request.lease_id))
         return pb.ReleaseResponse()
 
     @_rpc
@@ -264,7 +264,8 @@ class DaemonServer:
             self.store = ModelStore(config.device, config.shm_dir, on_change=self.update_health,
                                     allow_external=config.allow_external_links, load_timeout_s=config.load_timeout_s)
             self.store.adopt()
-            self.sessions = SessionServer(session_path(config.socket_path), self.store.end_session, config.max_sessions,
+            self.sessions = SessionServer(session_path(config.socket_path), self.store.leases.end_session,
+                                          config.max_sessions,
                                           on_request=lambda *request: self.servicer.session_request(*request))
             options = [("grpc.max_receive_message_length", config.max_message_bytes),
                        ("grpc.max_send_message_length", config.max_message_bytes)]

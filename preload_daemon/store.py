@@ -1,6 +1,6 @@
 """The model store: models, their versions and variants, slabs, leases and retention. Thread-safe;
 the gRPC servicer is a thin layer over it. Loads of a model run one at a time (loading.py); which
-version a request means is matching.py's to say.
+version a request means is matching.py's to say; the leases are kept in leasing.py's book.
 
 - A model name has immutable versions (weights content: the checkpoint files a version was loaded
   from, or the tensors a trainer streamed) and one active pointer.
@@ -11,7 +11,6 @@ version a request means is matching.py's to say.
   oldest of them or fails.
 """
 
-import collections
 import dataclasses
 import json
 import logging
@@ -27,6 +26,7 @@ from preload_daemon.execute import execute
 from preload_daemon.fill import Filler, free_slab
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.leases import Lease
+from preload_daemon.leasing import Leases
 from preload_daemon.loading import Loading, Loads
 from preload_daemon.matching import find_model, find_version, new_number, pick_version, version_for
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
@@ -52,15 +52,12 @@ class ModelStore:
         self.lock = self._lock
         """Held while reading several records at once (status, metrics); never held long."""
         self._models: dict[str, Model] = {}
-        self._leases: dict[str, Variant] = {}
-        self._ended: collections.deque = collections.deque(maxlen=4096)
-        """Sessions that closed recently: an Attach racing its session's close is refused."""
+        self.leases = Leases(self._lock, self._retain)
+        """Renew, release, end_session and reap are the lease book's (leasing.py)."""
         self._loads = Loads(device, self._lock, self._models, self._on_change)
         self.recovery: list[str] = []
         """What was adopted from, or discarded of, a previous daemon's slabs (adopt.py)."""
         self.adopted_bytes, self.adoption_seconds = 0, 0.0
-        self.leases_ended: collections.Counter = collections.Counter()
-        """By how: released, session (its process exited), reaped, evicted."""
 
     def adopt(self) -> adopt.Adopted:
         """Takes over the slabs a previous daemon on this device left (its caller holds the
@@ -219,56 +216,10 @@ class ModelStore:
             if target.model.versions.get(target.number) is not target:
                 raise NotFoundError(f"{name} v{target.number} was freed on {self.device} while attaching; attach again")
             variant = pick_variant(target, layout, self.device)
-            if session.token in self._ended:
-                raise NotFoundError(f"the session of pid {session.pid} closed while attaching; attach again")
-            lease = Lease.new(session.pid, session.pid_start_time, name, target.number, session.token)
-            variant.leases[lease.id] = lease
-            self._leases[lease.id] = variant
+            lease = self.leases.grant(variant, session)
         log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, session.pid, name, target.number,
                  variant.layout, self.device)
         return variant, lease
-
-    def renew(self, lease_id: str) -> Lease:
-        with self._lock:
-            variant = self._leases.get(lease_id)
-            if variant is None:
-                raise NotFoundError(f"lease {lease_id} is unknown or was reaped; attach again")
-            lease = variant.leases[lease_id]
-            lease.renewed_at = time.time()
-            return lease
-
-    def release(self, lease_id: str, why: str = "released", how: str = "released") -> None:
-        with self._lock:
-            variant = self._leases.pop(lease_id, None)
-            if variant is None:
-                raise NotFoundError(f"lease {lease_id} is unknown or was already released")
-            lease = variant.leases.pop(lease_id)
-            self.leases_ended[how] += 1
-        log.info("lease %s of pid %d on %s v%d %s", lease_id, lease.pid, lease.model, lease.version, why)
-        self._retain(variant.version.model)
-
-    def end_session(self, session: Session) -> None:
-        """A session's connection closed (its process exited, or let go): its leases end now."""
-        with self._lock:
-            self._ended.append(session.token)
-            ids = [i for i, v in self._leases.items() if v.leases[i].session == session.token]
-        for lease_id in ids:
-            try:
-                self.release(lease_id, "ended with its session (the process exited or closed its client)", "session")
-            except NotFoundError:
-                continue
-
-    def reap(self) -> list[Lease]:
-        """Drops the leases of processes that are gone; returns them."""
-        with self._lock:
-            leases = [v.leases[i] for i, v in self._leases.items()]
-        dead = [lease for lease in leases if not lease.holder_alive()]
-        for lease in dead:
-            try:
-                self.release(lease.id, "reaped: its process is gone", "reaped")
-            except NotFoundError:
-                continue
-        return dead
 
     def verify(self, name: str = "", number: int = 0) -> list[tuple[Variant, str]]:
         """Re-hashes the slabs of `name` (every model if empty), version `number` (every version if
@@ -334,9 +285,7 @@ class ModelStore:
         for version in victims:
             model.versions.pop(version.number, None)
             for variant in version.variants.values():
-                for lease_id in variant.leases:
-                    self._leases.pop(lease_id, None)
-                    self.leases_ended["evicted"] += 1
+                self.leases.evicted(variant)
                 free_slab(variant.slab)
                 freed.append(variant)
             log.info("freed %s v%d on %s (%d variant(s), %.1f MiB)", model.name, version.number, self.device,
@@ -406,5 +355,5 @@ class ModelStore:
             for variant in self.variants():
                 free_slab(variant.slab)
             self._models.clear()
-            self._leases.clear()
+            self.leases.clear()
             adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)

@@ -62,7 +62,8 @@ def test_worker_does_not_import_the_cli():
 def test_worker_leaves_layout_to_the_daemon():
     """Workers say what they want and the daemon finds the variant: no worker module reaches into
     the daemon's store or server (to rebuild its cache keys, say)."""
-    found = forbidden_imports("worker", ("preload_daemon.store", "preload_daemon.server", "preload_daemon.stream"))
+    found = forbidden_imports("worker", ("preload_daemon.store", "preload_daemon.leasing", "preload_daemon.server",
+                                         "preload_daemon.stream"))
     assert not found, "\n".join(found)
 
 

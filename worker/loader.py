@@ -25,8 +25,8 @@ from preload_daemon.execute import execute
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec, build_plan
 
-if TYPE_CHECKING:  # the client (grpc) is imported when an engine attaches, not by a cold engine
-    from preload_daemon.client import AttachedModel
+if TYPE_CHECKING:  # the client (protobuf) is imported when an engine attaches, not by a cold engine
+    from preload_daemon.attached import AttachedModel
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.2

@@ -5,10 +5,10 @@ import torch
 import transformers
 
 from preload_cli.models import tiny_model
+from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.execute import execute
 from preload_daemon.plan import LoadSpec, build_plan
-from preload_daemon.buffers import typed_view
 from worker.model import CausalLM
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -28,7 +28,8 @@ def load(path, dtype="auto"):
     plan = build_plan(ckpt, LoadSpec(path=str(path), dtype=dtype))
     dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
     execute(plan, ckpt, dest)
-    weights = {e.name: typed_view(dest, e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
+    views = SlabViews(dest)
+    weights = {e.name: views.view(e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
     return CausalLM.from_config(ckpt.config, weights)
 
 

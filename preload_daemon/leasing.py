@@ -1,0 +1,90 @@
+"""The store's lease book: which leases stand, on which variant, and how they end (released, with
+their session, reaped by pid, or evicted with their version). It shares the store's lock; ending a
+lease hands its model back to the store's retention, which may then free what no lease holds."""
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+
+from preload_daemon.errors import NotFoundError
+from preload_daemon.leases import Lease
+from preload_daemon.records import Model, Variant
+from preload_daemon.sessions import Session
+
+log = logging.getLogger(__name__)
+
+
+class Leases:
+    """The leases of one store, by id, each with the variant it pins."""
+
+    def __init__(self, lock, on_release: Callable[[Model], None]):
+        self._lock = lock
+        self._on_release = on_release
+        self._variants: dict[str, Variant] = {}
+        self._ended_sessions: collections.deque = collections.deque(maxlen=4096)
+        """Sessions that closed recently: an Attach racing its session's close is refused."""
+        self.ended: collections.Counter = collections.Counter()
+        """By how: released, session (its process exited), reaped, evicted."""
+
+    def grant(self, variant: Variant, session: Session) -> Lease:
+        """A new lease on `variant` for the session's process (caller holds the lock)."""
+        if session.token in self._ended_sessions:
+            raise NotFoundError(f"the session of pid {session.pid} closed while attaching; attach again")
+        version = variant.version
+        lease = Lease.new(session.pid, session.pid_start_time, version.model.name, version.number, session.token)
+        variant.leases[lease.id] = lease
+        self._variants[lease.id] = variant
+        return lease
+
+    def renew(self, lease_id: str) -> Lease:
+        with self._lock:
+            variant = self._variants.get(lease_id)
+            if variant is None:
+                raise NotFoundError(f"lease {lease_id} is unknown or was reaped; attach again")
+            lease = variant.leases[lease_id]
+            lease.renewed_at = time.time()
+            return lease
+
+    def release(self, lease_id: str, why: str = "released", how: str = "released") -> None:
+        with self._lock:
+            variant = self._variants.pop(lease_id, None)
+            if variant is None:
+                raise NotFoundError(f"lease {lease_id} is unknown or was already released")
+            lease = variant.leases.pop(lease_id)
+            self.ended[how] += 1
+        log.info("lease %s of pid %d on %s v%d %s", lease_id, lease.pid, lease.model, lease.version, why)
+        self._on_release(variant.version.model)
+
+    def end_session(self, session: Session) -> None:
+        """A session's connection closed (its process exited, or let go): its leases end now."""
+        with self._lock:
+            self._ended_sessions.append(session.token)
+            ids = [i for i, v in self._variants.items() if v.leases[i].session == session.token]
+        for lease_id in ids:
+            try:
+                self.release(lease_id, "ended with its session (the process exited or closed its client)", "session")
+            except NotFoundError:
+                continue
+
+    def reap(self) -> list[Lease]:
+        """Drops the leases of processes that are gone; returns them."""
+        with self._lock:
+            leases = [v.leases[i] for i, v in self._variants.items()]
+        dead = [lease for lease in leases if not lease.holder_alive()]
+        for lease in dead:
+            try:
+                self.release(lease.id, "reaped: its process is gone", "reaped")
+            except NotFoundError:
+                continue
+        return dead
+
+    def evicted(self, variant: Variant) -> None:
+        """The variant's slab is being freed with its leases standing (caller holds the lock)."""
+        for lease_id in variant.leases:
+            self._variants.pop(lease_id, None)
+            self.ended["evicted"] += 1
+
+    def clear(self) -> None:
+        """Forgets every lease: the store is freeing every slab (caller holds the lock)."""
+        self._variants.clear()
