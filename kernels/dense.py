@@ -1,19 +1,33 @@
-"""Products with plain (unquantized) weights, on the fastest path torch has for the shape and CPU.
+"""Products with plain (unquantized) weights, on the fastest path there is for the shape and CPU.
 
-One activation row runs torch's bfloat16/float16 GEMV, which streams the weight once. More rows on a
-CPU without bfloat16 matrix instructions (no AVX512-BF16 or AMX) meet torch's reference GEMM, a dot
-product per output at ~8 GFLOP/s a core; unless the caller asks for exactly torch's result, they
-widen the weight to float32 in tiles that stay in cache and run float32 GEMM on each (1.5-2x faster
-at 8 rows on a 2-core AVX2 EPYC; MKL's float32 GEMM reaches only 20-40 GFLOP/s a core at 8 rows
-there): the weight is still read once. Results are rounded to the input dtype as the reference
-rounds them, but the float32 sums run in another order, so a few differ in the last bit. (The
-reference GEMM's rows equal its GEMV's bit for bit; that is what `exact` keeps.)"""
+One activation row runs torch's bfloat16/float16 GEMV, which streams the weight once (the native
+kernel below is no faster for one row: measured on a 2-core AVX2 EPYC). A few bfloat16 rows (up to
+`native_rows()`) run the native fused GEMV of kernels/csrc with its bfloat16 element format, where
+those kernels are built: it streams the weight once for all the rows, with float32 sums in
+registers (2.5-4x faster than the widened tiles below at 8 rows there). More rows, or no native
+kernels, on a CPU without bfloat16 matrix instructions (no AVX512-BF16 or AMX) meet torch's
+reference GEMM, a dot product per output at ~8 GFLOP/s a core; they widen the weight to float32 in
+tiles that stay in cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's
+float32 GEMM reaches only 20-40 GFLOP/s a core at 8 rows there): the weight is still read once.
+Results are rounded to the input dtype as the reference rounds them, but the float32 sums run in
+another order, so a few differ in the last bit. `exact` keeps torch's own kernel, whose rows equal
+its GEMV's bit for bit."""
 
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
+BF16_ELEMENT = 3  # kernels/csrc/qgemv_kernels.h: Element kBF16, with a per-tensor scale of 1
+_NATIVE_ROWS = {"avx2": 8, "avx512": 4}  # rows one pass of the fused GEMV keeps in registers
+_ONE = torch.ones(())
+
+
+def native_rows() -> int:
+    """Most activation rows the native bfloat16 GEMV takes (0: not built, or not chosen here)."""
+    return _NATIVE_ROWS.get(native.VARIANT, 0)
 
 
 def reduced_gemm_is_slow(device: torch.device) -> bool:
@@ -32,7 +46,14 @@ class Dense:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if exact or rows == 1 or not self.widen or w.dtype not in REDUCED:
+        if exact or w.dtype not in REDUCED:
+            return F.linear(x, w, bias)
+        if self.widen and 1 < rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
+                and w.is_contiguous() and w.shape[1] % 16 == 0:
+            out = native.qgemv(x.reshape(rows, x.shape[-1]), w, _ONE, None, 0, 0, BF16_ELEMENT)
+            out = out.view(*x.shape[:-1], w.shape[0])
+            return out + bias if bias is not None else out
+        if rows == 1 or not self.widen:
             return F.linear(x, w, bias)
         out = widened_linear(x.reshape(rows, x.shape[-1]), w, self._buffer(w.shape)).view(*x.shape[:-1], w.shape[0])
         return out + bias if bias is not None else out

@@ -1,4 +1,6 @@
-// Quantized linear layers on x86-64 CPUs: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]).
+// Quantized linear layers on x86-64 CPUs: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]),
+// and plain bfloat16 ones (element kBF16, a per-tensor scale of 1) for few activation rows, where
+// these kernels stream the weight faster than torch's bfloat16 GEMV.
 //
 // The torch ops, one pair per instruction set: preload::qgemv_avx2 / qgemm_avx2 and
 // preload::qgemv_avx512 / qgemm_avx512 (kernels/native.py picks one). qgemv (a few activation
@@ -50,11 +52,12 @@ void check_cpu() {
 // Everything the kernels index is checked here: a bad shape is an error, never a stray read.
 Weight check_weight(const at::Tensor& weight, const at::Tensor& scale, const std::optional<at::Tensor>& global_scale,
                     int64_t scale_kind, int64_t block, int64_t element) {
-  TORCH_CHECK(element == preload::kE4M3 || element == preload::kE2M1 || element == preload::kInt8,
-              "unknown element format ", element);
+  TORCH_CHECK(element >= preload::kE4M3 && element <= preload::kBF16, "unknown element format ", element);
   TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), "the native kernels run on CPU tensors");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.element_size() == 1,
-              "weight must be contiguous bytes [N, K]");
+  bool bf16 = element == preload::kBF16;
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+              (bf16 ? weight.scalar_type() == at::kBFloat16 : weight.element_size() == 1),
+              bf16 ? "weight must be contiguous bfloat16 [N, K]" : "weight must be contiguous bytes [N, K]");
   int64_t n = weight.size(0), k = weight.size(1) * (element == preload::kE2M1 ? 2 : 1);
   bool per_block = scale_kind >= preload::kBlock128;
   if (!per_block) block = k;
@@ -90,17 +93,25 @@ Weight check_weight(const at::Tensor& weight, const at::Tensor& scale, const std
   }
   bool scheme = element == preload::kE2M1 ? scale_kind >= preload::kE8M0Per32
                 : element == preload::kInt8 ? scale_kind <= preload::kPerRow
+                : bf16                      ? scale_kind == preload::kPerTensor
                                             : scale_kind <= preload::kE8M0Per32;
   TORCH_CHECK(scheme, "no scheme has element format ", element, " with scale kind ", scale_kind);
-  return Weight{static_cast<const uint8_t*>(weight.data_ptr()), n, k, weight.size(1),
+  return Weight{static_cast<const uint8_t*>(weight.data_ptr()), n, k, weight.size(1) * weight.element_size(),
                 static_cast<preload::Element>(element), static_cast<preload::ScaleKind>(scale_kind),
                 scale.data_ptr(), scale.dim() == 2 ? scale.size(1) : 0, block, global};
 }
 
-void check_x(const at::Tensor& x, const Weight& w) {
+// The checks both ops start with: this CPU runs variant K, and x fits the weight.
+template <const Kernels* K>
+Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                      const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block_size,
+                      int64_t element) {
+  check_cpu<K>();
+  Weight w = check_weight(weight, scale, global_scale, scale_kind, block_size, element);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "x must be a float32 or bfloat16 [M, K] CPU tensor");
   TORCH_CHECK(x.size(1) <= w.k, "x has K=", x.size(1), ", more than the weight's ", w.k);
+  return w;
 }
 
 // x as the kernels read it: contiguous float32 [M, k], zero-padded to the stored width, and for
@@ -144,9 +155,7 @@ template <const Kernels* K>
 at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                  const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block_size,
                  int64_t element) {
-  check_cpu<K>();
-  Weight w = check_weight(weight, scale, global_scale, scale_kind, block_size, element);
-  check_x(x, w);
+  Weight w = checked_weight<K>(x, weight, scale, global_scale, scale_kind, block_size, element);
   thread_local std::vector<float> buffer;
   const float* xp = kernel_rows(x, w, K->e2m1_order, buffer);
   int64_t m_rows = x.size(0);
@@ -174,9 +183,7 @@ template <const Kernels* K>
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
                  const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block_size,
                  int64_t element) {
-  check_cpu<K>();
-  Weight w = check_weight(weight, scale, global_scale, scale_kind, block_size, element);
-  check_x(x, w);
+  Weight w = checked_weight<K>(x, weight, scale, global_scale, scale_kind, block_size, element);
   at::ScalarType dtype = K == &preload::kAvx512 ? x.scalar_type() : at::kFloat;
   at::Tensor xs = x.to(dtype);
   if (x.size(1) != w.k) {

@@ -4,9 +4,9 @@
 // vector layer below (8 or 16 floats per register, 16 or 32 registers); everything after it is shared.
 //
 // The weight is decoded 32 elements at a time straight into registers and never written back, so
-// a GEMV reads it once, as a bf16 GEMV does: e4m3 through F16C (its bits placed where a float16
-// keeps exponent and mantissa), e2m1 through two 16-entry tables (pshufb) of bfloat16 bytes, int8
-// by widening. Each step multiplies R weight rows by M activation rows with R x M accumulators in
+// a GEMV reads it once: e4m3 through F16C (its bits placed where a float16 keeps exponent and
+// mantissa), e2m1 through two 16-entry tables (pshufb) of bfloat16 bytes, int8 by widening, and
+// plain bfloat16 by a shift (it is the high half of a float32). Each step multiplies R weight rows by M activation rows with R x M accumulators in
 // registers. No torch header is included here: see qgemv_kernels.h.
 #include "qgemv_kernels.h"
 
@@ -134,6 +134,16 @@ inline void decode16(const uint8_t* p, Vec* out) {
     __m256i w0, w1;
     e2m1_words(_mm256_set1_epi64x(packed), w0, w1);
     bf16_words_to_vecs(w0, out);
+  } else if constexpr (kElem == kBF16) {
+#ifdef PRELOAD_AVX512
+    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#else
+    out[0] = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+    out[1] = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))), 16));
+#endif
   } else {
 #ifdef PRELOAD_AVX512
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -143,6 +153,9 @@ inline void decode16(const uint8_t* p, Vec* out) {
 #endif
   }
 }
+
+template <int kElem>
+constexpr int kChunkBytes = kElem == kE2M1 ? kChunk / 2 : kElem == kBF16 ? kChunk * 2 : kChunk;
 
 // 32 elements into kVecs registers, as decode16 orders them.
 template <int kElem>
@@ -154,12 +167,10 @@ inline void decode32(const uint8_t* p, Vec* out) {
     bf16_words_to_vecs(w1, out + kHalf);
   } else {
     decode16<kElem>(p, out);
-    decode16<kElem>(p + 16, out + kHalf);
+    decode16<kElem>(p + kChunkBytes<kElem> / 2, out + kHalf);
   }
 }
 
-template <int kElem>
-constexpr int kChunkBytes = kElem == kE2M1 ? kChunk / 2 : kChunk;
 // What the decoders leave out of each element: 2^8 for e4m3.
 template <int kElem>
 constexpr float kFactor = kElem == kE4M3 ? 256.0f : 1.0f;
@@ -393,6 +404,7 @@ PassFn pick_pass(const Weight& w, int m) {
     return w.kind == kE4M3Per16 ? pick_pass<kE2M1, kBlock16Scale>(m, ms) : pick_pass<kE2M1, kBlock32Scale>(m, ms);
   }
   if (w.element == kInt8) return pick_pass<kInt8, kRowScale>(m, ms);
+  if (w.element == kBF16) return pick_pass<kBF16, kRowScale>(m, ms);
   if (w.kind == kBlock128) return pick_pass<kE4M3, kBlock128Scale>(m, ms);
   if (w.kind == kE8M0Per32) return pick_pass<kE4M3, kBlock32Scale>(m, ms);
   return pick_pass<kE4M3, kRowScale>(m, ms);
@@ -442,7 +454,7 @@ void dequantize_rows(const Weight& w, int64_t begin, int64_t end, void* out, boo
       for (int64_t j = j0; j < lesser(j0 + per_block, pieces); ++j) {
         Vec v[kHalf];
         if constexpr (kElem == kE2M1) decode16_e2m1_in_order(row + j * 8, v);
-        else decode16<kElem>(row + j * 16, v);
+        else decode16<kElem>(row + j * kChunkBytes<kElem> / 2, v);
         for (int h = 0; h < kHalf; ++h) {
           const int64_t at = offset + j * 16 + h * kLanes;
           if (bf16) store_bf16(static_cast<uint16_t*>(out) + at, vmul(v[h], scale));
@@ -456,6 +468,7 @@ void dequantize_rows(const Weight& w, int64_t begin, int64_t end, void* out, boo
 void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16) {
   if (w.element == kE2M1) dequantize_rows<kE2M1>(w, begin, end, out, bf16);
   else if (w.element == kInt8) dequantize_rows<kInt8>(w, begin, end, out, bf16);
+  else if (w.element == kBF16) dequantize_rows<kBF16>(w, begin, end, out, bf16);
   else dequantize_rows<kE4M3>(w, begin, end, out, bf16);
 }
 

@@ -12,6 +12,7 @@ enum Element : int {
   kE4M3 = 0,  // one byte per element (the FP8 schemes, MXFP8)
   kE2M1 = 1,  // two per byte, low nibble first (MXFP4, NVFP4)
   kInt8 = 2,  // one signed byte per element (INT8)
+  kBF16 = 3,  // two bytes per element, unquantized (scale kind kPerTensor, a scale of 1)
 };
 
 enum ScaleKind : int {
@@ -27,7 +28,7 @@ struct Weight {
   const uint8_t* data;
   int64_t n;
   int64_t k;          // elements per row as stored (padded for MX/NVFP4), a multiple of 16
-  int64_t row_bytes;  // k, or k / 2 for e2m1
+  int64_t row_bytes;  // k, k / 2 for e2m1, 2k for bfloat16
   Element element;
   ScaleKind kind;
   const void* scale;

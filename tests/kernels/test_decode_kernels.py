@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention import attention_reference, cached_attention
-from kernels.dense import Dense, widened_linear
+from kernels import native
+from kernels.dense import Dense, native_rows, widened_linear
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin, inv_freq, rope_table, rotate
 
@@ -69,7 +70,54 @@ def test_dense_keeps_torch_s_kernel_for_one_row_and_when_asked():
     assert torch.equal(dense(x.float(), w.float()), F.linear(x.float(), w.float()))  # float32: torch's GEMM
 
 
-def test_rms_norm_on_bfloat16_equals_the_float32_path_bit_for_bit():
+@pytest.mark.parametrize("variant", native.available())
+def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, monkeypatch):
+    """2 to native_rows() rows take the fused kernel where it is chosen; one row and more rows do not."""
+    w, x = torch.randn(300, 96).bfloat16(), torch.randn(12, 96).bfloat16()
+    with native.using(variant):
+        dense, calls = Dense(), []
+        op = native.qgemv
+        if op is not None:
+            monkeypatch.setattr(native, "qgemv", lambda *a: calls.append(a[0].shape[0]) or op(*a))
+        for rows in range(1, 13):
+            torch.testing.assert_close(dense(x[:rows], w).float(), (x[:rows].float() @ w.float().T),
+                                       rtol=1e-2, atol=3e-2)
+    expected = list(range(2, native_rows_of(variant) + 1)) if dense.widen else []
+    assert calls == expected
+
+
+def native_rows_of(variant: str) -> int:
+    with native.using(variant):
+        return native_rows()
+
+
+@pytest.mark.parametrize("variant", native.available())
+def test_rms_norm_on_bfloat16_equals_the_float32_path(variant):
+    """torch's path bit for bit; the native norm sums the squares in another order, so a few
+    elements in a million differ, by one bfloat16 step at most. Every row as if alone."""
     x = (torch.randn(4096, 576) * torch.rand(4096, 1) * 30).bfloat16()
     w = torch.randn(576).bfloat16()
-    assert torch.equal(rms_norm(x, w, 1e-5), w * F.rms_norm(x.float(), (576,), eps=1e-5).bfloat16())
+    expected = w * F.rms_norm(x.float(), (576,), eps=1e-5).bfloat16()
+    with native.using(variant):
+        got = rms_norm(x, w, 1e-5)
+        assert torch.equal(rms_norm(x[7:8], w, 1e-5), got[7:8])
+        assert torch.equal(rms_norm(x.view(64, 64, 576)[1:3], w, 1e-5).view(-1, 576), got[64:192])
+    if variant == "torch":
+        assert torch.equal(got, expected)
+    else:
+        differ = got != expected
+        assert differ.sum() <= x.numel() // 100_000
+        step = expected.float().abs() * 2 ** -7  # a bfloat16 step is at most 2^-7 of the value
+        assert (got.float() - expected.float()).abs()[differ].le(step[differ] * 1.01).all()
+
+
+@pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
+def test_native_rms_norm_on_float32_and_what_it_refuses(variant):
+    x, w = torch.randn(5, 96), torch.randn(96)
+    with native.using(variant):
+        torch.testing.assert_close(rms_norm(x, w, 1e-6), w * F.rms_norm(x, (96,), eps=1e-6), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rms_norm(x.bfloat16(), w, 1e-6), w * F.rms_norm(x.bfloat16(), (96,), eps=1e-6))
+    with pytest.raises(RuntimeError, match="weight must be contiguous \\[K\\]"):
+        torch.ops.preload.rms_norm(x, torch.randn(95), 1e-6)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        torch.ops.preload.rms_norm(x, w.bfloat16(), 1e-6)

@@ -93,3 +93,31 @@ def test_native_ops_refuse_inconsistent_inputs(args, message):
     for op in (torch.ops.preload.qgemv_avx2, torch.ops.preload.qgemm_avx2):
         with pytest.raises(RuntimeError, match=message):
             op(*args)
+
+
+@pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 11])
+def test_bfloat16_weights_on_the_fused_kernel_match_the_float32_product(variant, rows):
+    """The bfloat16 element format: any N (tails of the 4-row steps), K a multiple of 16 but not of
+    32 (the 16-element tail), strided x, more rows than one pass takes; float32 and bfloat16 x."""
+    torch.manual_seed(rows)
+    w = torch.randn(203, 336).bfloat16()
+    x = torch.randn(rows, 2 * 336)[:, ::2]
+    expected = x @ w.float().T
+    op = getattr(torch.ops.preload, f"qgemv_{variant}")
+    torch.testing.assert_close(op(x, w, torch.ones(()), None, 0, 0, 3), expected, rtol=1e-5, atol=1e-4)
+    got = op(x.bfloat16(), w, torch.ones(()), None, 0, 0, 3)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), (x.bfloat16().float() @ w.float().T).bfloat16().float(),
+                               rtol=1e-2, atol=1e-2)
+    dequantized = getattr(torch.ops.preload, f"qgemm_{variant}")(x, w, torch.ones(()), None, 0, 0, 3)
+    torch.testing.assert_close(dequantized, expected, rtol=1e-5, atol=1e-4)
+
+
+@NEEDS_AVX2
+def test_bfloat16_element_format_refuses_other_weights_and_scales():
+    for op in (torch.ops.preload.qgemv_avx2, torch.ops.preload.qgemm_avx2):
+        with pytest.raises(RuntimeError, match="contiguous bfloat16"):
+            op(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.uint8), torch.ones(()), None, 0, 0, 3)
+        with pytest.raises(RuntimeError, match="no scheme has"):
+            op(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(4), None, 1, 0, 3)
