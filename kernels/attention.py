@@ -4,6 +4,8 @@ sequence (and none past the sequence's length)."""
 import torch
 import torch.nn.functional as F
 
+from kernels import native
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
     """q: [B, H, T, D]; k, v: [B, KV, S, D] with H a multiple of KV; q_positions: [B, T] absolute
@@ -47,3 +49,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: 
         scores.view(batch, kv_heads, groups, t, s).masked_fill_(hidden, float("-inf"))
     out = torch.bmm(scores.softmax(-1), v.flatten(0, 1)).view(batch, kv_heads, groups, t, d)
     return out.permute(0, 3, 1, 2, 4).to(q.dtype).reshape(batch, t, heads * d)
+
+
+def has_decode_attention() -> bool:
+    """Whether decode_attention runs here (the native kernels are built and chosen)."""
+    return native.decode_attention is not None
+
+
+def decode_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """One new query per sequence over its cached keys, read in place (kernels/csrc/attention.cpp):
+    q [B, H, D]; cache: one layer of the engine's KV cache, [slots, max_len, 2, KV, D] in q's dtype;
+    row b sees positions [0, lengths[b]) of slot slots[b] (int64 [B] both). Returns [B, H * D] in
+    q's dtype, the softmax in float32. Only where has_decode_attention()."""
+    return native.decode_attention(q.contiguous(), cache, slots, lengths, q.shape[-1] ** -0.5).view(q.shape[0], -1)

@@ -3,8 +3,8 @@ which of their variants runs: "avx512", "avx2", or "torch" (none: kernels/linear
 path). At import the best one this CPU can run is chosen, unless PRELOAD_KERNELS=avx512|avx2|torch
 forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
 
-`VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` the library's
-norm (the same in every variant), or None for "torch"."""
+`VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` and
+`decode_attention` the library's decode-path ops (the same in every variant), or None for "torch"."""
 
 import contextlib
 import logging
@@ -31,7 +31,7 @@ def _load() -> tuple[str, ...]:
 
 _RUNNABLE = _load()
 VARIANT = "torch"
-qgemv = qgemm = rms_norm = None
+qgemv = qgemm = rms_norm = decode_attention = None
 
 
 def available() -> tuple[str, ...]:
@@ -62,7 +62,7 @@ def resolve(requested: str | None) -> str:
 
 def use(variant: str) -> None:
     """Run the quantized linear layers on `variant` from now on."""
-    global VARIANT, qgemv, qgemm, rms_norm
+    global VARIANT, qgemv, qgemm, rms_norm, decode_attention
     reason = why_unavailable(variant)
     if reason:
         raise VariantUnavailableError(reason)
@@ -70,6 +70,7 @@ def use(variant: str) -> None:
     qgemv = None if variant == "torch" else getattr(torch.ops.preload, f"qgemv_{variant}")
     qgemm = None if variant == "torch" else getattr(torch.ops.preload, f"qgemm_{variant}")
     rms_norm = None if variant == "torch" else torch.ops.preload.rms_norm
+    decode_attention = None if variant == "torch" else torch.ops.preload.decode_attention
 
 
 @contextlib.contextmanager

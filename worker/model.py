@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
-from kernels.attention import cached_attention
+from kernels.attention import cached_attention, decode_attention, has_decode_attention
 from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
@@ -85,9 +85,10 @@ class Step:
     length: int
     """Cache positions the queries read: 0 .. length-1."""
     exact: bool
-    """One sequence: torch's own kernels, whose results are bit for bit those transformers computes
-    (and a row's result does not depend on the batch). Several: the faster paths (kernels/dense.py,
-    cached_attention), equal up to rounding."""
+    """One sequence: torch's own products, whose rows do not depend on how many come together
+    (and with PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the
+    native norm and decode attention round in another order). Several: the faster paths
+    (kernels/dense.py, cached_attention), equal up to rounding."""
     writes: tuple = ()
     """One sequence: per layer, the [T, 2 * KV, D] cache rows its new keys and values go to."""
     keys: tuple = ()
@@ -98,6 +99,10 @@ class Step:
     """One sequence from position 0: attention runs over the new keys alone."""
     visible: torch.Tensor | None = None
     """One sequence past position 0 with several tokens: SDPA's [1, 1, T, length] mask."""
+    lengths: torch.Tensor | None = None
+    """One new token a row, with the native decode attention: each row's cache length, int64 [B]
+    (and slot_ids its slot); then keys, values, visible and hidden stay unset."""
+    slot_ids: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     """Several rows: [B, 1] slots and [B, T] positions for the cache writes."""
     positions: torch.Tensor | None = None
@@ -195,17 +200,21 @@ class CausalLM:
             self._rope = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
         step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
+        if t == 1 and has_decode_attention():  # decode: attention reads the cache in place
+            step.lengths, step.slot_ids = positions[:, 0] + 1, slots.to(torch.int64).contiguous()
         if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
             slot, start = int(slots[0]), rows[0][0]
             step.writes = cache.all[:, slot, start:start + t].flatten(2, 3).unbind(0)
             step.causal = start == 0
-            if not step.causal:
+            if not step.causal and step.lengths is None:
                 live = cache.all[:, slot, None, :length].permute(0, 1, 3, 4, 2, 5)  # [layers, 1, 2, KV, length, D]
                 step.keys, step.values = live[:, :, 0].unbind(0), live[:, :, 1].unbind(0)
                 if t > 1:
                     step.visible = (torch.arange(length) <= positions[0, :, None]).view(1, 1, t, length)
             return step
         step.slots, step.positions = slots[:, None], positions
+        if step.lengths is not None:
+            return step
         first = int(slots[0])
         if slots.tolist() == list(range(first, first + batch)):  # a view, no gather
             step.keys = cache.all[:, first:first + batch, :length].unbind(0)
@@ -242,7 +251,13 @@ class CausalLM:
             qk = torch.cat((rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)), 1)
         qk = rotate(qk, step.cos, step.sin, out=qkv[:, :heads + kv_heads])
         q, new = qk[:, :heads], qkv[:, heads:]
-        if exact:
+        if step.lengths is not None:
+            if exact:
+                step.writes[i].copy_(new)
+            else:
+                kv[step.slots, step.positions] = new.view(rows, 1, 2, kv_heads, head_dim)
+            out = decode_attention(q, kv, step.slot_ids, step.lengths)
+        elif exact:
             out = self._attend_one(q, new, step, i)
         else:
             batch = step.positions.shape[0]

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import attention_reference, cached_attention
+from kernels.attention import attention_reference, cached_attention, decode_attention, has_decode_attention
 from kernels import native
 from kernels.dense import Dense, native_rows, widened_linear
 from kernels.norm import rms_norm
@@ -121,3 +121,34 @@ def test_native_rms_norm_on_float32_and_what_it_refuses(variant):
         torch.ops.preload.rms_norm(x, torch.randn(95), 1e-6)
     with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
         torch.ops.preload.rms_norm(x, w.bfloat16(), 1e-6)
+
+
+@pytest.mark.skipif(not has_decode_attention(), reason="the native kernels are not built or not chosen")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_each_row_s_slot_and_length_in_place(dtype):
+    """Rows at scattered slots with their own lengths, GQA, against the plain reference over the
+    same keys; what lies past a row's length (here: huge values) is never read."""
+    cache = torch.randn(5, 40, 2, 2, 16).to(dtype)  # [slots, max_len, k/v, kv heads, D]
+    cache[:, 30:] = 1e4
+    slots, lengths = torch.tensor([3, 0, 4]), torch.tensor([30, 1, 17])
+    q = torch.randn(3, 6, 16).to(dtype)
+    out = decode_attention(q, cache, slots, lengths)
+    assert out.shape == (3, 96) and out.dtype == dtype
+    for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        keys, values = cache[slot, :length].permute(1, 2, 0, 3)[:, None]  # [1, KV, S, D] each
+        expected = attention_reference(q[row, None, :, None], keys, values, torch.tensor([[length - 1]]))
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[row], expected.reshape(-1), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not has_decode_attention(), reason="the native kernels are not built or not chosen")
+@pytest.mark.parametrize("slots, lengths, message", [
+    ([5], [3], "slot 5 or length 3 is outside"), ([0], [41], "length 41 is outside"), ([0], [0], "length 0"),
+    ([-1], [3], "slot -1"),
+])
+def test_decode_attention_refuses_rows_outside_the_cache(slots, lengths, message):
+    cache, q = torch.randn(5, 40, 2, 2, 16), torch.randn(1, 6, 16)
+    with pytest.raises(RuntimeError, match=message):
+        decode_attention(q, cache, torch.tensor(slots), torch.tensor(lengths))
+    with pytest.raises(RuntimeError, match="not a multiple of 2 kv heads"):
+        decode_attention(torch.randn(1, 5, 16), cache, torch.tensor([0]), torch.tensor([3]))

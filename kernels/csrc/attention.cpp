@@ -1,0 +1,120 @@
+// Decode attention: one new query per sequence over that sequence's cached keys and values, read
+// in place from the engine's KV cache (worker/model.py's KVCache, one layer of it: [slots,
+// max_len, 2, kv_heads, head_dim], position-major), in float32 whatever the cache's dtype. torch's
+// CPU flash attention costs ~100-150 us a call for one query over a short cache, and a batch needs
+// its live cache gathered and converted first; this reads each key and value once and costs a few
+// microseconds. Plain C++ compiled for any x86-64, vectorized by the compiler.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  uint32_t bits = uint32_t(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Query heads [h0, h0 + group) of row b, which all read kv head j: out[b, h] = softmax(q.K^T *
+// scale) V over positions [0, length).
+template <typename T>
+void attend(const T* q, const T* cache, T* out, int64_t b, int64_t j, int64_t group, int64_t slot, int64_t length,
+            int64_t heads, int64_t kv_heads, int64_t d, int64_t position_stride, int64_t slot_stride, float scale,
+            std::vector<float>& scores, std::vector<float>& query, std::vector<float>& sum) {
+  scores.assign(group * length, 0.0f);
+  query.resize(group * d);
+  sum.assign(group * d, 0.0f);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t e = 0; e < d; ++e) query[g * d + e] = widen(q[(b * heads + j * group + g) * d + e]);
+  const T* keys = cache + slot * slot_stride + j * d;           // [length] rows, position_stride apart
+  const T* values = keys + kv_heads * d;                        // the value half of each position
+  for (int64_t s = 0; s < length; ++s) {
+    const T* key = keys + s * position_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.0f;
+      const float* qg = query.data() + g * d;
+      for (int64_t e = 0; e < d; ++e) dot += qg[e] * widen(key[e]);
+      scores[g * length + s] = dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores.data() + g * length;
+    const float top = *std::max_element(row, row + length);
+    float total = 0.0f;
+    for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - top));
+    const float inverse = 1.0f / total;
+    for (int64_t s = 0; s < length; ++s) row[s] *= inverse;
+  }
+  for (int64_t s = 0; s < length; ++s) {
+    const T* value = values + s * position_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * length + s];
+      float* acc = sum.data() + g * d;
+      for (int64_t e = 0; e < d; ++e) acc[e] += p * widen(value[e]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t e = 0; e < d; ++e) out[(b * heads + j * group + g) * d + e] = static_cast<T>(sum[g * d + e]);
+}
+
+// q [B, H, D]; cache [slots, max_len, 2, KV, D] contiguous, q's dtype; slots, lengths int64 [B]:
+// row b reads positions [0, lengths[b]) of cache slot slots[b]. Returns [B, H, D] in q's dtype.
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slots,
+                            const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu() && slots.device().is_cpu() && lengths.device().is_cpu(),
+              "decode_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be contiguous [B, H, D]");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(2) == 2 && cache.size(4) == q.size(2),
+              "cache must be contiguous [slots, max_len, 2, KV, D] with q's D");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "q and cache must both be float32 or both bfloat16");
+  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = cache.size(3);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads are not a multiple of ", kv_heads,
+              " kv heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && slots.dim() == 1 &&
+              lengths.dim() == 1 && slots.size(0) == batch && lengths.size(0) == batch && slots.is_contiguous() &&
+              lengths.is_contiguous(), "slots and lengths must be contiguous int64 [B]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && length[b] >= 1 && length[b] <= cache.size(1),
+                "row ", b, ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(0),
+                " slots of ", cache.size(1), " positions");
+  at::Tensor out = at::empty({batch, heads, d}, q.options());
+  const int64_t group = heads / kv_heads, position_stride = 2 * kv_heads * d, slot_stride = cache.size(1) * position_stride;
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += length[b];
+  const int64_t grain = work * heads * d < (int64_t(1) << 16) ? batch * kv_heads : 1;  // small: one thread
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, query, sum;
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / kv_heads, j = i % kv_heads;
+      if (q.scalar_type() == at::kFloat)
+        attend(q.data_ptr<float>(), cache.data_ptr<float>(), out.data_ptr<float>(), b, j, group, slot[b], length[b],
+               heads, kv_heads, d, position_stride, slot_stride, s, scores, query, sum);
+      else
+        attend(q.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), b, j, group,
+               slot[b], length[b], heads, kv_heads, d, position_stride, slot_stride, s, scores, query, sum);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(preload, m) {
+  m.def("decode_attention(Tensor q, Tensor cache, Tensor slots, Tensor lengths, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(preload, CPU, m) { m.impl("decode_attention", &decode_attention); }
