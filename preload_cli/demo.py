@@ -8,12 +8,13 @@ warm engine a real question, and clean up.
 import argparse
 import json
 import pathlib
-import urllib.request
 
 from preload_cli.bench.restart import Engine, measure, summarise, table, with_daemon
 
 
 def ask(engine: Engine, model: pathlib.Path, question: str) -> str:
+    import urllib.request  # here, not at the top: every `preload engine` imports this module
+
     from worker.tokenizer import Tokenizer
     prompt = Tokenizer(model).chat_prompt([{"role": "user", "content": question}])
     body = {"prompt": prompt, "max_tokens": 64, "temperature": 0}

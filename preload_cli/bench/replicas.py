@@ -11,7 +11,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import urllib.request
 
 from preload_cli.bench.attach import machine
 from preload_cli.bench.restart import Engine, with_daemon
@@ -29,6 +28,8 @@ def run_replicas(model: pathlib.Path, runtime_dir: pathlib.Path, load_format: st
                  daemons: tuple[int, ...] = ()) -> list[dict]:
     """Starts M replicas behind one router, has each answer, and measures every process (and the
     `daemons`, while the replicas still map their slab)."""
+    import urllib.request  # here, not at the top: every `preload engine` imports this module
+
     extra = ["--dp-size", str(replicas), "--max-batch", "1", "--max-model-len", "512"]
     engine = Engine(model, load_format, runtime_dir, *extra, *(["--no-fallback"] if load_format == "ipc_cache" else []))
     try:
