@@ -1,6 +1,6 @@
 """RMSNorm, computed in float32 and scaled in the input dtype (as Llama/Qwen reference code does).
 
-On CPU the native kernels' norm where they are built (kernels/csrc/norm.cpp: a few microseconds,
+On CPU the native kernels' norm where they are built (kernels/csrc/decode.cpp: a few microseconds,
 where torch's fused rms_norm costs 30-40 us a call whatever the size, 61 calls a token for the
 default model); else torch's. The two sum the squares in different orders, so an element may
 differ in its last bit."""
