@@ -51,9 +51,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: 
     return out.permute(0, 3, 1, 2, 4).to(q.dtype).reshape(batch, t, heads * d)
 
 
-def has_decode_attention() -> bool:
-    """Whether decode_attention runs here (the native kernels are built and chosen)."""
-    return native.decode_attention is not None
+def has_decode_attention(dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> bool:
+    """Whether decode_attention runs for a cache of `dtype` on `device`: the native kernels are
+    built and chosen, and it is a float32 or bfloat16 CPU cache (float16 takes torch's SDPA)."""
+    return native.decode_attention is not None and dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
 
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ from kernels import native
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
 BF16_ELEMENT = 3  # kernels/csrc/qgemv_kernels.h: Element kBF16, with a per-tensor scale of 1
-_NATIVE_ROWS = {"avx2": 8, "avx512": 4}  # rows one pass of the fused GEMV keeps in registers
+_NATIVE_ROWS = {"avx2": 8, "avx512": 4}  # kMaxM of qgemv_kernels.cpp: rows one pass keeps in registers
 _ONE = torch.ones(())
 
 

@@ -21,12 +21,28 @@ class VariantUnavailableError(RuntimeError):
     """A requested kernel variant cannot run here (not built, or this CPU lacks its instructions)."""
 
 
+_OPS = ("variants", "rms_norm", "decode_attention", *(f"{op}_{v}" for op in ("qgemv", "qgemm") for v in VARIANTS[:2]))
+_broken = ""
+"""Why the built library cannot be used ("" where it can or is not built)."""
+
+
 def _load() -> tuple[str, ...]:
-    """The native variants this CPU can run, best first; () where the library is not built."""
+    """The native variants this CPU can run, best first; () where the library is not built, or is
+    stale or broken (built from older sources or against another torch): then the pure torch path
+    runs, with a warning that says how to rebuild."""
+    global _broken
     if not os.path.exists(_LIBRARY):
         return ()
-    torch.ops.load_library(_LIBRARY)
-    return tuple(torch.ops.preload.variants())
+    try:
+        torch.ops.load_library(_LIBRARY)
+        missing = [op for op in _OPS if not hasattr(torch.ops.preload, op)]
+        if missing:
+            raise RuntimeError(f"it lacks the op(s) {', '.join(missing)}")
+        return tuple(torch.ops.preload.variants())
+    except (OSError, RuntimeError, AttributeError) as e:
+        _broken = f"{_LIBRARY} cannot be used ({e}); rebuild it: python scripts/build_kernels.py --force"
+        logging.getLogger(__name__).warning("native CPU kernels off: %s", _broken)
+        return ()
 
 
 _RUNNABLE = _load()
@@ -45,6 +61,8 @@ def why_unavailable(variant: str) -> str:
         return f"unknown kernel variant {variant!r}; known: {', '.join(VARIANTS)}"
     if variant in available():
         return ""
+    if _broken:
+        return f"kernel variant {variant!r} cannot run: {_broken}"
     if not os.path.exists(_LIBRARY):
         return f"kernel variant {variant!r} is not built here: run scripts/build_kernels.py"
     return f"this CPU lacks the instructions of kernel variant {variant!r}; it runs: {', '.join(available())}"
@@ -61,7 +79,8 @@ def resolve(requested: str | None) -> str:
 
 
 def use(variant: str) -> None:
-    """Run the quantized linear layers on `variant` from now on."""
+    """Run the native ops of `variant` from now on (quantized and few-row bfloat16 linear layers,
+    the norm, decode attention), or none of them for "torch"."""
     global VARIANT, qgemv, qgemm, rms_norm, decode_attention
     reason = why_unavailable(variant)
     if reason:

@@ -141,7 +141,8 @@ class Engine:
                     request = self._pending.get(block=block)
                 except queue.Empty:
                     break
-                if request is None:
+                if request is None:  # stopping: what arrived with it, and what runs, ends here
+                    self._abandon(arrived + self._running)
                     return
                 block = False
                 arrived.append(request)
@@ -248,6 +249,16 @@ class Engine:
         request.on_token(token)
         if len(request.output) >= request.params.max_tokens:
             self._finish(request, "length")
+
+    def _abandon(self, requests: list[Request]) -> None:
+        """The engine is stopping: every request still open ends with an error, so that no caller
+        waits forever (a caller already gone, e.g. a closed event loop, is only logged)."""
+        self._running.clear()
+        for request in requests:
+            try:
+                request.on_done("error: the engine stopped")
+            except Exception:
+                log.debug("a stopped request's caller is gone", exc_info=True)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self._running:

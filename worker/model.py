@@ -200,7 +200,7 @@ class CausalLM:
             self._rope = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
         step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
-        if t == 1 and has_decode_attention():  # decode: attention reads the cache in place
+        if t == 1 and has_decode_attention(self.dtype, cache.all.device):  # decode: reads the cache in place
             step.lengths, step.slot_ids = positions[:, 0] + 1, slots.to(torch.int64).contiguous()
         if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
             slot, start = int(slots[0]), rows[0][0]
@@ -308,11 +308,13 @@ class CausalLM:
 
 def runs(weights: tuple, biases: tuple) -> tuple:
     """Projections of one input grouped into as few products as memory allows: ((weight or view,
-    bias, member indices in memory order), ...), one per run of weights that lie back to back."""
+    bias, member indices in memory order), ...), one per run of weights that lie back to back (and
+    all have a bias, or none has)."""
     order = sorted(range(len(weights)), key=lambda i: _address(weights[i]))
     groups = [[order[0]]]
     for i in order[1:]:
-        if adjacent(*(weights[j] for j in groups[-1]), weights[i]) is not None:
+        same_bias = (biases[i] is None) == (biases[groups[-1][0]] is None)
+        if same_bias and adjacent(*(weights[j] for j in groups[-1]), weights[i]) is not None:
             groups[-1].append(i)
         else:
             groups.append([i])

@@ -157,8 +157,9 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
                  int64_t element) {
   Weight w = checked_weight<K>(x, weight, scale, global_scale, scale_kind, block_size, element);
   thread_local std::vector<float> buffer;
-  const float* xp = kernel_rows(x, w, K->e2m1_order, buffer);
   int64_t m_rows = x.size(0);
+  if (m_rows == 0) return at::empty({0, w.n}, x.options());
+  const float* xp = kernel_rows(x, w, K->e2m1_order, buffer);
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m_rows, w.n}, x.options());
   void* yp = y.data_ptr();

@@ -214,9 +214,10 @@ inline float row_scale(const Weight& w, int64_t n) {
   return 1.0f;
 }
 
-inline uint16_t to_bf16(float v) {  // round to nearest even, as torch rounds
+inline uint16_t to_bf16(float v) {  // round to nearest even, as torch rounds; a NaN stays a (quiet) NaN
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
@@ -426,16 +427,20 @@ void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_
   }
 }
 
-inline void store_bf16(uint16_t* dst, Vec v) {
+inline void store_bf16(uint16_t* dst, Vec v) {  // to_bf16 on every lane
 #ifdef PRELOAD_AVX512
   __m512i bits = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
 #else
   __m256i bits = _mm256_castps_si256(v);
   __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
   __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
+  rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
 #endif
@@ -475,9 +480,9 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 }  // namespace
 
 #ifdef PRELOAD_AVX512
-extern const Kernels kAvx512 = {&gemv, &dequantize, kMaxM, kE2M1Order};
+extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kMaxM, kE2M1Order};
+extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order};
 #endif
 
 }  // namespace preload

@@ -48,7 +48,6 @@ struct Kernels {
                int64_t y_stride, bool bf16);
   // Rows [begin, end) of the dequantized weight into out ([end - begin, k], float32 or bfloat16).
   void (*dequantize)(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16);
-  int max_rows;    // activation rows one pass of gemv keeps in registers; more take several passes
   const uint8_t* e2m1_order;  // 16 entries
 };
 

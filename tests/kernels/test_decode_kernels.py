@@ -74,11 +74,11 @@ def test_dense_keeps_torch_s_kernel_for_one_row_and_when_asked():
 def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, monkeypatch):
     """2 to native_rows() rows take the fused kernel where it is chosen; one row and more rows do not."""
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(12, 96).bfloat16()
-    with native.using(variant):
+    with native.using(variant), monkeypatch.context() as patch:  # undone before `using` restores
         dense, calls = Dense(), []
         op = native.qgemv
         if op is not None:
-            monkeypatch.setattr(native, "qgemv", lambda *a: calls.append(a[0].shape[0]) or op(*a))
+            patch.setattr(native, "qgemv", lambda *a: calls.append(a[0].shape[0]) or op(*a))
         for rows in range(1, 13):
             torch.testing.assert_close(dense(x[:rows], w).float(), (x[:rows].float() @ w.float().T),
                                        rtol=1e-2, atol=3e-2)

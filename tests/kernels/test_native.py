@@ -27,7 +27,7 @@ def test_an_unknown_or_unavailable_variant_is_refused_with_what_runs_here():
         pytest.skip("this machine runs every variant")
     with pytest.raises(native.VariantUnavailableError, match=f"PRELOAD_KERNELS={missing[0]}: .*{missing[0]}"):
         native.resolve(missing[0])
-    assert native.VARIANT == native.available()[0]  # a refused switch changes nothing
+    assert native.VARIANT == native.resolve(os.environ.get(native.ENVIRONMENT))  # a refused switch changes nothing
 
 
 def test_the_environment_variable_forces_a_variant_at_import(monkeypatch):
@@ -58,12 +58,13 @@ def test_forcing_a_variant_changes_the_dispatch(monkeypatch):
         expected = linear.quantized_linear(x, q)
     assert calls == ["dequantize"]
     calls.clear()
-    with native.using("avx2"):
+    with native.using("avx2"), monkeypatch.context() as patch:  # undone before `using` restores
         assert native.qgemv == torch.ops.preload.qgemv_avx2
         op = native.qgemv
-        monkeypatch.setattr(native, "qgemv", lambda *a: calls.append("qgemv_avx2") or op(*a))
+        patch.setattr(native, "qgemv", lambda *a: calls.append("qgemv_avx2") or op(*a))
         got = linear.quantized_linear(x, q)
     assert calls == ["qgemv_avx2"]
+    assert native.qgemv == (None if native.VARIANT == "torch" else getattr(torch.ops.preload, f"qgemv_{native.VARIANT}"))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -121,3 +122,34 @@ def test_bfloat16_element_format_refuses_other_weights_and_scales():
             op(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.uint8), torch.ones(()), None, 0, 0, 3)
         with pytest.raises(RuntimeError, match="no scheme has"):
             op(torch.randn(1, 32), torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(4), None, 1, 0, 3)
+
+
+def test_a_stale_or_broken_library_leaves_the_torch_path_with_how_to_rebuild(tmp_path, monkeypatch, caplog):
+    """A library that cannot be loaded (another torch's build, a truncated file) or lacks ops (built
+    from older sources) turns the native kernels off with a warning; nothing fails to import."""
+    broken = tmp_path / "libpreload_kernels.so"
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.setattr(native, "_LIBRARY", str(broken))
+    monkeypatch.setattr(native, "_broken", "")
+    with caplog.at_level("WARNING", logger="kernels.native"):
+        assert native._load() == ()
+    assert "rebuild it: python scripts/build_kernels.py --force" in caplog.text
+    monkeypatch.setattr(native, "_RUNNABLE", ())
+    assert native.available() == ("torch",)
+    assert "cannot run: " in native.why_unavailable("avx2") and str(broken) in native.why_unavailable("avx2")
+
+
+@NEEDS_AVX2
+def test_native_ops_take_zero_rows():
+    q = quantize(torch.randn(16, 32), "fp8_per_tensor")
+    for op in (torch.ops.preload.qgemv_avx2, torch.ops.preload.qgemm_avx2):
+        assert op(torch.randn(0, 32), q.weight, q.scale, None, 0, 0, 0).shape == (0, 16)
+
+
+@NEEDS_AVX2
+def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
+    """A NaN whose high mantissa bits are all ones must not round over into -0 (a hostile scale)."""
+    q = quantize(torch.randn(16, 32), "fp8_per_tensor")
+    nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    out = torch.ops.preload.qgemv_avx2(torch.randn(1, 32).bfloat16(), q.weight, nan.reshape(()), None, 0, 0, 0)
+    assert out.isnan().all()

@@ -68,3 +68,31 @@ def test_bad_sampling_params():
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_stopping_ends_every_open_request_with_an_error(tiny_llama):
+    """Requests running or just submitted when the engine stops are told so: nobody waits forever,
+    and a caller that is gone (its callback raises) does not stop the others being told."""
+    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(tiny_llama))))
+    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=4, max_len=4096).start()
+    limit = engine.max_len - len(PROMPT)  # the tiny model's context
+    reasons, first_token = [], threading.Event()
+
+    def gone(reason):
+        raise RuntimeError("event loop is closed")
+
+    def hold(token):  # the engine's thread waits here until stop() has queued its sentinel
+        first_token.set()
+        stop_queued.wait(60)
+
+    params, stop_queued = SamplingParams(max_tokens=limit, ignore_eos=True), threading.Event()
+    engine.submit(PROMPT, params, hold, gone)
+    engine.submit(PROMPT, params, lambda t: None, reasons.append)
+    assert first_token.wait(60)
+    stopper = threading.Thread(target=engine.stop)
+    stopper.start()
+    while engine._pending.empty():
+        stopper.join(0.01)
+    stop_queued.set()
+    stopper.join(60)
+    assert not stopper.is_alive() and reasons == ["error: the engine stopped"]

@@ -10,7 +10,7 @@ from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.execute import execute
 from preload_daemon.plan import LoadSpec, build_plan
-from worker.model import CausalLM
+from worker.model import CausalLM, runs
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
@@ -164,7 +164,40 @@ def test_weights_that_lie_back_to_back_are_multiplied_as_one_view(tiny_llama):
     assert layer.gate_up is not None and layer.gate_up.data_ptr() == layer.gate.data_ptr()
     assert layer.gate_up.untyped_storage().data_ptr() == layer.gate.untyped_storage().data_ptr()
     assert torch.equal(layer.gate_up, torch.cat((layer.gate, layer.up)))
-    members = sorted(m for _, _, group in layer.qkv for m in group)
-    assert members == [0, 1, 2]
-    for weight, _, group in layer.qkv:
-        assert weight.untyped_storage().data_ptr() == layer.q.untyped_storage().data_ptr()
+    # The slab keeps checkpoint (name) order: k_proj, o_proj, q_proj, v_proj. q and v lie back to
+    # back and become one product over a view starting at q; k stays alone.
+    projections = (layer.q, layer.k, layer.v)
+    assert sorted(g[2] for g in layer.qkv) == [(0, 2), (1,)]
+    for weight, _, members in layer.qkv:
+        assert weight.data_ptr() == projections[members[0]].data_ptr()
+        assert torch.equal(weight, torch.cat([projections[m] for m in members]))
+
+
+def test_projections_with_and_without_a_bias_are_not_grouped():
+    """Back-to-back weights whose bias presence differs stay separate products (a grouped bias
+    would drop or misplace one)."""
+    flat = torch.randn(3 * 8 * 4)
+    q, k, v = flat.view(3, 8, 4).unbind(0)
+    bias = torch.randn(8)
+    groups = runs((q, k, v), (None, bias, bias))
+    assert [g[2] for g in groups] == [(0,), (1, 2)]
+    assert groups[0][1] is None and torch.equal(groups[1][1], torch.cat((bias, bias)))
+
+
+@pytest.mark.parametrize("variant", native.available())
+def test_float16_model_decodes_on_every_kernel_variant(checkpoints, variant):
+    """float16 has no native decode path (norm, attention, GEMV take float32 and bfloat16): it
+    falls back to torch's, with the greedy tokens of transformers."""
+    path = tiny_model("llama", checkpoints / "ref-fp16", dtype=torch.float16, seed=3)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).eval()
+    model = load(path)
+    assert model.dtype == torch.float16
+    prompt = torch.tensor([[5, 17, 99, 3]])
+    expected = ref.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    cache, tokens = model.new_cache(2, 32), []
+    with native.using(variant):
+        logits = model.forward(prompt, torch.arange(4)[None], cache, torch.tensor([1]))
+        for step in range(6):
+            tokens.append(int(logits.argmax(-1)))
+            logits = model.forward(torch.tensor([[tokens[-1]]]), torch.tensor([[4 + step]]), cache, torch.tensor([1]))
+    assert tokens == expected[0, 4:].tolist()
