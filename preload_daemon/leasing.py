@@ -22,14 +22,16 @@ class Leases:
         self._lock = lock
         self._on_release = on_release
         self._variants: dict[str, Variant] = {}
-        self._ended_sessions: collections.deque = collections.deque(maxlen=4096)
-        """Sessions that closed recently: an Attach racing its session's close is refused."""
+        self._ended_sessions: collections.deque = collections.deque()
+        self._ended_set: set[str] = set()
+        """Sessions that closed recently (the last 4096; the set for lookups): an Attach racing its
+        session's close is refused."""
         self.ended: collections.Counter = collections.Counter()
         """By how: released, session (its process exited), reaped, evicted."""
 
     def grant(self, variant: Variant, session: Session) -> Lease:
         """A new lease on `variant` for the session's process (caller holds the lock)."""
-        if session.token in self._ended_sessions:
+        if session.token in self._ended_set:
             raise NotFoundError(f"the session of pid {session.pid} closed while attaching; attach again")
         version = variant.version
         lease = Lease.new(session.pid, session.pid_start_time, version.model.name, version.number, session.token)
@@ -60,6 +62,9 @@ class Leases:
         """A session's connection closed (its process exited, or let go): its leases end now."""
         with self._lock:
             self._ended_sessions.append(session.token)
+            self._ended_set.add(session.token)
+            if len(self._ended_sessions) > 4096:
+                self._ended_set.discard(self._ended_sessions.popleft())
             ids = [i for i, v in self._variants.items() if v.leases[i].session == session.token]
         for lease_id in ids:
             try:

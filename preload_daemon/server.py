@@ -258,6 +258,7 @@ class DaemonServer:
         self.config = config
         ensure_private_dir(config.runtime_dir)
         self._lock_fd = _lock_device(config)
+        self.sessions = None
         try:
             self.serving_since = 0.0
             self.health = health.HealthServicer()
@@ -285,6 +286,8 @@ class DaemonServer:
                 os.umask(old_umask)
             os.chmod(config.socket_path, 0o600)
         except BaseException:
+            if getattr(self, "sessions", None) is not None:
+                self.sessions.close()  # its listening socket, file and threads
             os.close(self._lock_fd)  # a retry in this process must not find the device locked
             raise
         self.update_health()

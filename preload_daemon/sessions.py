@@ -39,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from preload_daemon.errors import PreloadError, details
+from preload_daemon.errors import InvalidRequestError, PreloadError, details
 from preload_daemon.leases import process_start_time
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,8 @@ class SessionServer:
     def close(self) -> None:
         self._closed.set()
         self._wake_w.send(b"x")
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # not started when the daemon failed to start
+            self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._listener.close()
         self.path.unlink(missing_ok=True)
@@ -342,7 +343,11 @@ def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socke
 def request(sock: socket.socket, kind: int, payload: bytes, timeout: float) -> bytes:
     """Client side: sends one request frame on an open session and returns the answer's payload;
     raises SessionError if the daemon closed the session or did not answer within `timeout`, and
-    SessionAnswerError (with the daemon's "ErrorClass: message") for an error answer."""
+    SessionAnswerError (with the daemon's "ErrorClass: message") for an error answer. A payload
+    over MAX_REQUEST is refused here with InvalidRequestError: the daemon would end the session."""
+    if len(payload) > MAX_REQUEST:
+        raise InvalidRequestError(f"the request is {len(payload)} bytes, over the session's limit of {MAX_REQUEST}; "
+                                  "name fewer checkpoint files in it")
     sock.settimeout(timeout)
     try:
         sock.sendall(_FRAME.pack(len(payload), kind) + payload)

@@ -100,3 +100,23 @@ def test_a_load_past_its_timeout_fails_and_keeps_nothing(tmp_path, tiny_llama):
     with pytest.raises(LoadingError, match=r"took longer than 1e-09s \(the daemon's --load-timeout\); nothing of it"):
         store.load(LoadSpec(path=str(tiny_llama), name="m"))
     assert store.variants() == [] and not list((tmp_path / "shm").glob("*.slab"))
+
+
+def test_a_daemon_that_fails_to_start_leaves_no_socket_or_lock_behind(runtime_dir, monkeypatch):
+    """A failure late in start-up (here: gRPC refuses) closes the session listener and its socket
+    file and frees the device lock, so that a retry in the same process starts cleanly."""
+    from preload_daemon import server
+    from preload_daemon.config import DaemonConfig
+    from preload_daemon.sessions import session_path
+
+    config = DaemonConfig(device="cpu:0", runtime_dir=runtime_dir)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no gRPC today")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server.grpc, "server", refuse)
+        with pytest.raises(RuntimeError, match="no gRPC today"):
+            server.DaemonServer(config)
+    assert not session_path(config.socket_path).exists()
+    server.DaemonServer(config).stop(grace=0)  # the device lock was released

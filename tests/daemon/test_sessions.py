@@ -206,6 +206,9 @@ def test_attach_travels_on_the_session_and_bad_frames_get_clear_errors(daemon, t
         request(sock, ATTACH, pb.AttachRequest(model="tiny-llama").SerializeToString(), 10))
     lease = next(l for l in daemon.client.list_models()[0].leases if l.id == answer.lease.id)
     assert lease.pid == os.getpid()
+    with pytest.raises(InvalidRequestError, match="over the session's limit"):  # refused before it is sent
+        request(sock, ATTACH, bytes(MAX_REQUEST + 1), 10)
+    assert daemon.client.list_models()[0].leases  # the session and its lease live on
     sock.sendall(struct.pack(">IB", MAX_REQUEST + 1, ATTACH))
     assert sock.recv(1 << 16)[5:].startswith(b"InvalidRequestError: a ")
     wait_until(lambda: not daemon.client.list_models()[0].leases, what="the session's lease to end")
