@@ -7,6 +7,7 @@ blocked thread or a traceback."""
 
 import dataclasses
 import hashlib
+import operator
 import os
 import pathlib
 import stat
@@ -14,6 +15,7 @@ import struct
 
 import torch
 
+from preload_daemon.buffers import gc_paused
 from preload_daemon.errors import CheckpointError
 from preload_daemon.hfconfig import load_json, read_config
 from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, open_regular, read_regular, short_repr,
@@ -22,6 +24,7 @@ from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, op
 MAX_HEADER_BYTES = 100 << 20
 INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
+IOV_MAX = 1024  # buffers in one preadv (Linux's limit)
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
 
@@ -78,6 +81,7 @@ class TensorInfo:
     nbytes: int
 
 
+@gc_paused()
 def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity]:
     """Parses and validates one safetensors header. Raises CheckpointError naming the file and the
     first thing wrong with it."""
@@ -114,8 +118,25 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        tensors[name] = _tensor_info(path, name, entry, data_start, data_len)
-        spans.append((tensors[name].start, tensors[name].start + tensors[name].nbytes, name))
+        # The common case checked inline (a JSON value's type is exactly dict, list, str or int: a
+        # bool is no int here); anything else goes to _tensor_info, which names what is wrong.
+        dtype, shape, offsets = (entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")) \
+            if type(entry) is dict else (None, None, None)
+        if type(dtype) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2 \
+                and (dtype := SAFETENSORS_DTYPES.get(dtype)) is not None:
+            begin, end = offsets
+            nbytes = dtype.itemsize
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    break
+                nbytes *= d
+            else:
+                if type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len and nbytes == end - begin:
+                    tensors[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
+                    spans.append((begin, end, name))
+                    continue
+        tensors[name] = slow = _tensor_info(path, name, entry, data_start, data_len)  # raises
+        spans.append((slow.start - data_start, slow.start - data_start + slow.nbytes, name))
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
@@ -211,6 +232,11 @@ def checkpoint_dir(directory: str | os.PathLike) -> pathlib.Path:
 def weight_files(path: pathlib.Path, *, allow_external: bool = False) -> list[pathlib.Path]:
     """The *.safetensors files of a checkpoint directory (see checkpoint_dir): those its index names,
     else all of them. Each must lie inside the directory unless `allow_external`."""
+    return _weight_files(path, allow_external)[0]
+
+
+def _weight_files(path: pathlib.Path, allow_external: bool) -> tuple[list[pathlib.Path], dict[str, str] | None]:
+    """weight_files, and the index's weight_map (None without an index)."""
     index = path / INDEX_FILE
     if os.path.lexists(index):
         weight_map = read_index(inside(path, index, allow_external))
@@ -219,11 +245,11 @@ def weight_files(path: pathlib.Path, *, allow_external: bool = False) -> list[pa
         if missing:
             raise CheckpointError(f"{index} names files that do not exist: "
                                   f"{', '.join(map(short_text, missing[:5]))}; copy the whole checkpoint directory")
-        return files
+        return files, weight_map
     files = [inside(path, f, allow_external) for f in sorted(path.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors files; convert the weights to safetensors first")
-    return files
+    return files, None
 
 
 def read_index(index: pathlib.Path) -> dict[str, str]:
@@ -233,6 +259,9 @@ def read_index(index: pathlib.Path) -> dict[str, str]:
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: no weight_map object (tensor name -> file name); {INDEX_FIX}")
+    values = weight_map.values()
+    if all(type(file) is str for file in values) and not any(map(file_name_problem, set(values))):
+        return weight_map  # each distinct file name checked once (a big model has a few, for 90,000 tensors)
     for name, file in weight_map.items():
         problem = file_name_problem(file)
         if problem:
@@ -252,7 +281,8 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.identity: list[FileIdentity] = []
         self._identity_of: dict[pathlib.Path, FileIdentity] = {}
-        for file in weight_files(self.path, allow_external=allow_external):
+        files, weight_map = _weight_files(self.path, allow_external)
+        for file in files:
             tensors, identity = read_header(file)
             twice = sorted(tensors.keys() & self.tensors.keys())
             if twice:
@@ -261,7 +291,8 @@ class Checkpoint:
             self.tensors.update(tensors)
             self.identity.append(identity)
             self._identity_of[file] = identity
-        self._check_index()
+        if weight_map is not None:
+            self._check_index(weight_map)
         self._fds: dict[pathlib.Path, int] = {}
 
     @property
@@ -304,6 +335,36 @@ class Checkpoint:
                                       f"truncated after it was opened; {FIX}")
             done += n
 
+    def read_batch(self, reads: list[tuple[str, int, memoryview]]) -> None:
+        """read_into of many (name, skip, out): reads whose bytes follow each other in a file are one
+        preadv into their places (a syscall per run of tiny tensors); a run that fails or comes back
+        short is read again tensor by tensor, for read_into's errors."""
+        by_file: dict[pathlib.Path, list] = {}
+        tensors = self.tensors
+        for read in reads:
+            info = tensors[read[0]]
+            if read[1] + len(read[2]) > info.nbytes:
+                self.read_into(read[0], read[2], read[1])  # raises
+            by_file.setdefault(info.file, []).append((info.start + read[1], read))
+        for file, spans in by_file.items():
+            fd = self._fds[file] if file in self._fds else self._fds.setdefault(file, self._open(file))
+            spans.sort(key=operator.itemgetter(0))
+            i = 0
+            while i < len(spans):
+                start = end = spans[i][0]
+                j = i
+                while j < len(spans) and spans[j][0] == end and j - i < IOV_MAX:
+                    end += len(spans[j][1][2])
+                    j += 1
+                try:
+                    done = os.preadv(fd, [read[2] for _, read in spans[i:j]], start)
+                except OSError:
+                    done = -1
+                if done != end - start:
+                    for _, (name, skip, out) in spans[i:j]:
+                        self.read_into(name, out, skip)
+                i = j
+
     def open_files(self) -> None:
         """Opens every weight file now (read_into opens them on first use), so that threads reading
         at once share one descriptor per file."""
@@ -327,12 +388,12 @@ class Checkpoint:
             os.close(fd)
         self._fds.clear()
 
-    def _check_index(self) -> None:
+    def _check_index(self, weight_map: dict[str, str]) -> None:
         index = self.path / INDEX_FILE
-        if not os.path.lexists(index):
-            return
-        for name, file in read_index(index).items():
-            info = self.tensors.get(name)
-            if info is None or info.file.name != file:
+        tensors = self.tensors
+        file_names = {file: file.name for file in self._identity_of}  # Path.name costs a microsecond or so
+        for name, file in weight_map.items():
+            info = tensors.get(name)
+            if info is None or file_names[info.file] != file:
                 raise CheckpointError(f"{index} places tensor {short_repr(name)} in {file}, but that file does not "
                                       "hold it; regenerate the index")

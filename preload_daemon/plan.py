@@ -3,12 +3,13 @@ offset. Written once and used by both the daemon (destination: a shared slab) an
 path (destination: private memory), which is why the two produce identical bytes."""
 
 import dataclasses
+import math
 
 import torch
 
 from kernels import quant
 from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
-from preload_daemon.buffers import DTYPES
+from preload_daemon.buffers import DTYPES, gc_paused
 from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.safepath import short_repr, short_text
@@ -133,6 +134,7 @@ class LoadPlan:
         return dataclasses.replace(self.spec.layout, dtype=str(self.dtype).removeprefix("torch."))
 
 
+@gc_paused()
 def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
     """The ordered tensors this rank materialises, with aligned slab offsets."""
     arch = ArchSpec.from_config(checkpoint.config, f"{checkpoint.path}/config.json")
@@ -152,22 +154,36 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         entries.append(PlanEntry(offset=offset, nbytes=nbytes, **fields))
         offset = _align(offset + nbytes)
 
+    # Per kind, not per tensor: the expected shape and the shard (a big model has ~90,000 tensors
+    # of a few dozen kinds and shapes).
+    expected: dict[str, tuple[int, ...]] = {}
+    shards: dict[tuple[str, tuple[int, ...]], Shard | None] = {}
+    tensors = checkpoint.tensors
     for name, kind in _component_tensors(checkpoint, arch, spec.component):
-        info = checkpoint.tensors[name]
-        arch.check_shape(name, kind, info.shape)
+        info = tensors[name]
+        want = expected.get(kind.key)
+        if want is None:
+            want = expected[kind.key] = kind.shape(arch)
+        if info.shape != want:
+            arch.check_shape(name, kind, info.shape)  # raises, naming both shapes
         if not (prequantized and kind.quantizable):  # _block_scale checks those
             _check_stored_dtype(checkpoint, info, kind)
-        shard = arch.shard(kind, info.shape, spec.tp_size, spec.tp_rank)
-        shape = list(info.shape)
+        shard_key = (kind.key, info.shape)
+        shard = shards.get(shard_key, shards)
+        if shard is shards:
+            shard = shards[shard_key] = arch.shard(kind, info.shape, spec.tp_size, spec.tp_rank)
+        shape = info.shape
         if shard is not None:
+            shape = list(shape)
             shape[shard.dim] = shard.length
+            shape = tuple(shape)
         if kind.quantizable and spec.quantization != "none":
             params = tuple(sorted({**SCHEME_PARAMS.get(spec.quantization, {}), "in_features": str(shape[1])}.items()))
             common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
             stem = name.removesuffix(".weight")
             if prequantized:
                 scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard)
-                add(name=name, dtype=info.dtype, shape=tuple(shape), shard=shard, source=name, part="weight", **common)
+                add(name=name, dtype=info.dtype, shape=shape, shard=shard, source=name, part="weight", **common)
                 add(name=f"{stem}.weight_scale", dtype=torch.float32, shape=scale_shape, shard=scale_shard,
                     source=scale_name, part="weight_scale", **common)
             else:
@@ -176,7 +192,9 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
                         quantize=True, **common)
             continue
         dtype = target if info.dtype.is_floating_point and info.dtype.itemsize > 1 else info.dtype
-        add(name=name, role=kind.role, dtype=dtype, shape=tuple(shape), shard=shard, source=name)
+        nbytes = dtype.itemsize * _numel(shape)
+        entries.append(PlanEntry(name, kind.role, dtype, shape, offset, nbytes, shard, name))  # add(), inlined
+        offset = (offset + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     return LoadPlan(spec, arch, target, tuple(entries), max(offset, ALIGNMENT))
 
 
@@ -292,10 +310,7 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
 
 
 def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def _align(n: int) -> int:
