@@ -7,7 +7,6 @@ blocked thread or a traceback."""
 
 import dataclasses
 import hashlib
-import operator
 import os
 import pathlib
 import stat
@@ -24,7 +23,6 @@ from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, op
 MAX_HEADER_BYTES = 100 << 20
 INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
-IOV_MAX = 1024  # buffers in one preadv (Linux's limit)
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
 
@@ -334,36 +332,6 @@ class Checkpoint:
                 raise CheckpointError(f"{info.file}: ends early while reading {short_repr(name)}; the file was "
                                       f"truncated after it was opened; {FIX}")
             done += n
-
-    def read_batch(self, reads: list[tuple[str, int, memoryview]]) -> None:
-        """read_into of many (name, skip, out): reads whose bytes follow each other in a file are one
-        preadv into their places (a syscall per run of tiny tensors); a run that fails or comes back
-        short is read again tensor by tensor, for read_into's errors."""
-        by_file: dict[pathlib.Path, list] = {}
-        tensors = self.tensors
-        for read in reads:
-            info = tensors[read[0]]
-            if read[1] + len(read[2]) > info.nbytes:
-                self.read_into(read[0], read[2], read[1])  # raises
-            by_file.setdefault(info.file, []).append((info.start + read[1], read))
-        for file, spans in by_file.items():
-            fd = self._fds[file] if file in self._fds else self._fds.setdefault(file, self._open(file))
-            spans.sort(key=operator.itemgetter(0))
-            i = 0
-            while i < len(spans):
-                start = end = spans[i][0]
-                j = i
-                while j < len(spans) and spans[j][0] == end and j - i < IOV_MAX:
-                    end += len(spans[j][1][2])
-                    j += 1
-                try:
-                    done = os.preadv(fd, [read[2] for _, read in spans[i:j]], start)
-                except OSError:
-                    done = -1
-                if done != end - start:
-                    for _, (name, skip, out) in spans[i:j]:
-                        self.read_into(name, out, skip)
-                i = j
 
     def open_files(self) -> None:
         """Opens every weight file now (read_into opens them on first use), so that threads reading

@@ -13,7 +13,6 @@ on one thread are reused there: on many threads, malloc's per-thread arenas woul
 import collections
 import concurrent.futures
 import os
-from collections.abc import Iterator
 
 import torch
 
@@ -24,9 +23,8 @@ from preload_daemon.plan import LoadPlan, PlanEntry
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 READ_CHUNK = 16 << 20
-WINDOW = 4096  # units (a group, or a batch of small ones) in flight ahead of the one being hashed ...
+WINDOW = 4096  # groups in flight ahead of the one being hashed ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
-BATCH_READS = 4096  # small reads in one job at most
 
 
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
@@ -40,49 +38,45 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     reader = _Reader(checkpoint)
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     hashed, in_flight = 0, 0
-    # Units in plan order, each (groups, next_offset, futures): one group, or a batch of groups read
-    # by one job (small direct reads: tiny tensors add up), waited for and hashed at once.
-    pending: collections.deque = collections.deque()
-    batch: list = []  # the batch's groups ...
-    reads: list = []  # ... their direct reads, (name, skip, out) as Checkpoint.read_batch takes them ...
-    batch_jobs: list = []  # ... and their other small jobs (a column shard's rows)
+    pending: collections.deque = collections.deque()  # (group, next_offset, futures) in plan order
+    batch: list = []  # small reads of consecutive groups, run as one job (tiny tensors add up)
+    batch_items: list = []
     batch_bytes = 0
-    tensors = checkpoint.tensors
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
 
         def flush() -> None:
-            nonlocal batch_bytes, batch, reads, batch_jobs
+            nonlocal batch_bytes
+            batch_bytes = 0
             if batch:
-                pending.append((batch, batch[-1][1], [pool.submit(_run_batch, checkpoint, reads, batch_jobs)]))
-                batch, reads, batch_jobs, batch_bytes = [], [], [], 0
+                future = pool.submit(_run_all, list(batch))
+                for item in batch_items:
+                    item[2].append(future)
+                batch.clear()
+                batch_items.clear()
 
         try:
             for group, next_offset in groups(plan):
-                entry = group[0]
-                read = _small_read(tensors, entry, memory) if len(group) == 1 else None
-                jobs, inline = ([], False) if read is not None else _jobs(reader, group, dest, memory)
-                if read is not None or (not inline and len(jobs) == 1 and entry.nbytes < READ_CHUNK):
-                    batch.append((group, next_offset))
-                    if read is not None:
-                        reads.append(read)
-                    else:
-                        batch_jobs.append(jobs[0])
-                    batch_bytes += entry.nbytes
-                    if batch_bytes >= READ_CHUNK or len(batch) >= BATCH_READS:
+                item = (group, next_offset, [])
+                jobs, inline = _jobs(reader, group, dest, memory)
+                if inline:  # through the scratch buffer, on this thread only (see the module doc)
+                    for job in jobs:
+                        job()
+                elif len(jobs) == 1 and group[0].nbytes < READ_CHUNK:
+                    batch.append(jobs[0])
+                    batch_items.append(item)
+                    batch_bytes += group[0].nbytes
+                    if batch_bytes >= READ_CHUNK:
                         flush()
                 else:
                     flush()
-                    if inline:  # through the scratch buffer, on this thread only (see the module doc)
-                        for job in jobs:
-                            job()
-                        pending.append(([(group, next_offset)], next_offset, []))
-                    else:
-                        pending.append(([(group, next_offset)], next_offset, [pool.submit(job) for job in jobs]))
-                in_flight += entry.nbytes
-                while len(pending) > WINDOW or (pending and in_flight > WINDOW_BYTES):
-                    unit = pending.popleft()
-                    in_flight -= sum(g[0][0].nbytes for g in unit[0])
-                    hashed = _finish(unit, memory, hashed, hasher, on_tensor)
+                    item[2].extend(pool.submit(job) for job in jobs)
+                pending.append(item)
+                in_flight += group[0].nbytes
+                while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
+                    if not pending[0][2]:
+                        flush()  # the oldest group is still in the batch
+                    in_flight -= pending[0][0][0].nbytes
+                    hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
             flush()
             while pending:
                 hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
@@ -93,57 +87,43 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
             raise
 
 
-def _run_batch(checkpoint: Checkpoint, reads: list, jobs: list) -> None:
-    checkpoint.read_batch(reads)
+def _run_all(jobs: list) -> None:
     for job in jobs:
         job()
 
 
-def _small_read(tensors, entry: PlanEntry, memory: memoryview):
-    """(name, skip, out) when `entry` is a read of under READ_CHUNK bytes straight from the file to
-    its place (same dtype, the whole tensor or whole rows), else None."""
-    if entry.quantize or not 0 < entry.nbytes < READ_CHUNK:
-        return None
-    info = tensors[entry.source]
-    shard = entry.shard
-    if info.dtype != entry.dtype or (shard is not None and shard.dim != 0):
-        return None
-    return entry.source, _row_range(info, shard)[1], memory[entry.offset:entry.offset + entry.nbytes]
-
-
-def groups(plan: LoadPlan) -> Iterator[tuple[tuple[PlanEntry, ...], int]]:
+def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
     """The plan's entries grouped by what one write makes: the parts of one quantized source (they
     follow each other), or one copied tensor; each with the offset where the next group starts."""
-    entries, i, n = plan.entries, 0, len(plan.entries)
-    while i < n:
-        first, j = entries[i], i + 1
-        if first.quantize:
-            while j < n and entries[j].source == first.source and entries[j].quantize:
-                j += 1
-        yield entries[i:j], entries[j].offset if j < n else plan.total_bytes
-        i = j
+    entries, out, i = plan.entries, [], 0
+    while i < len(entries):
+        group = [entries[i]]
+        if entries[i].quantize:
+            while i + len(group) < len(entries) and entries[i + len(group)].source == entries[i].source \
+                    and entries[i + len(group)].quantize:
+                group.append(entries[i + len(group)])
+        i += len(group)
+        out.append((group, entries[i].offset if i < len(entries) else plan.total_bytes))
+    return out
 
 
-def _finish(unit, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
-    """Waits for one unit's writes, zeroes its padding (fresh memory holds garbage), hashes it."""
-    unit_groups, next_offset, futures = unit
+def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
+    """Waits for one group's writes, zeroes its padding (fresh memory holds garbage), hashes it."""
+    group, next_offset, futures = item
     for future in futures:
         future.result()
-    for group, group_next in unit_groups:
-        end = group[-1].offset + group[-1].nbytes
-        if end < group_next:
-            memory[end:group_next] = bytes(group_next - end)
+    end = group[-1].offset + group[-1].nbytes
+    if end < next_offset:
+        memory[end:next_offset] = bytes(next_offset - end)
     if hasher is not None:
         hasher.update(memory[hashed:next_offset])
     if on_tensor is not None:
-        for group, _ in unit_groups:
-            for entry in group:
-                on_tensor(entry)
+        for entry in group:
+            on_tensor(entry)
     return next_offset
 
 
-def _jobs(reader: "_Reader", group: tuple[PlanEntry, ...], dest: torch.Tensor,
-          memory: memoryview) -> tuple[list, bool]:
+def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor, memory: memoryview) -> tuple[list, bool]:
     """The reads that write one group, and whether they must run on the calling thread: direct
     reads of at most READ_CHUNK bytes each or one read per row of a column shard (any thread), or
     the whole group through the scratch buffer (conversion, quantization: the calling thread)."""
@@ -164,7 +144,7 @@ def _jobs(reader: "_Reader", group: tuple[PlanEntry, ...], dest: torch.Tensor,
     return [lambda: reader.copy_into(entry, out)], True
 
 
-def write_group(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
+def write_group(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
     """Writes one group's bytes into `dest`. `reader` has read(name, shard) -> tensor and
     copy_into(entry, out): a checkpoint's files, or the tensor a publishing client just sent."""
     if group[0].quantize:
@@ -187,7 +167,7 @@ class TensorReader:
         out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
 
 
-def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
+def _quantize_into(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
     first = group[0]
     try:
         # The whole weight, then this rank's slice: scales that span the slice (per tensor, per row

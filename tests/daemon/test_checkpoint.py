@@ -135,33 +135,6 @@ def test_identity_changes_when_rewritten_in_place(tmp_path):
     assert after[0].differences(before[0]) == ["ctime_ns"]
 
 
-def test_read_batch_fills_what_read_into_does_and_names_a_truncated_file(tmp_path):
-    """Tensors that follow each other in the file are one preadv into their several places, in any
-    order asked; the bytes are read_into's. A file cut short after its header was read fails the
-    run, which is read again tensor by tensor for read_into's error."""
-    tensors = {f"t{i}": torch.arange(i * 10, i * 10 + 5 + i, dtype=torch.int16) for i in range(6)}
-    make_dir(tmp_path, tensors)
-    ckpt = Checkpoint(tmp_path)
-    names = ["t3", "t0", "t5", "t1", "t4", "t2"]
-    outs = {name: torch.zeros(ckpt.tensors[name].nbytes, dtype=torch.uint8) for name in names}
-    ckpt.read_batch([(name, 0, memoryview(outs[name].numpy())) for name in names])
-    for name in names:
-        assert torch.equal(outs[name].view(torch.int16), tensors[name])
-    part = torch.zeros(4, dtype=torch.uint8)
-    ckpt.read_batch([("t5", 2, memoryview(part.numpy()))])  # from byte 2 on
-    assert torch.equal(part.view(torch.int16), tensors["t5"][1:3])
-    with pytest.raises(ValueError, match="run past"):
-        ckpt.read_batch([("t0", 4, memoryview(outs["t0"].numpy()))])
-    ckpt.close()
-    ckpt = Checkpoint(tmp_path)
-    ckpt.open_files()
-    file = tmp_path / "model.safetensors"
-    os.truncate(file, file.stat().st_size - 4)
-    with pytest.raises(CheckpointError, match="ends early"):
-        ckpt.read_batch([(name, 0, memoryview(outs[name].numpy())) for name in names])
-    ckpt.close()
-
-
 def test_gc_paused_nests_and_restores_the_collector():
     import gc
 
