@@ -25,12 +25,6 @@ _NATIVE_ROWS = {"avx2": 8, "avx512": 4}  # kMaxM of qgemv_kernels.cpp: rows one 
 _ONE = torch.ones(())
 
 
-def torch_only() -> bool:
-    """Whether no native kernels are chosen (PRELOAD_KERNELS=torch, or none built): then `exact`
-    products are worth asking for, as every other op of a sequence runs torch's kernels too."""
-    return native.VARIANT == "torch"
-
-
 def native_rows() -> int:
     """Most activation rows the native bfloat16 GEMV takes (0: not built, or not chosen here)."""
     return _NATIVE_ROWS.get(native.VARIANT, 0)

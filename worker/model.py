@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul
 from kernels.attention import cached_attention, decode_attention, has_decode_attention
-from kernels.dense import Dense, torch_only
+from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight
@@ -84,13 +84,11 @@ class Step:
     sin: torch.Tensor
     length: int
     """Cache positions the queries read: 0 .. length-1."""
-    single: bool
-    """One sequence (batch 1): attention through SDPA over its own cache rows, as transformers
-    runs it. Several: cached_attention over the batch (and decode attention either way)."""
     exact: bool
-    """One sequence with no native kernels chosen (PRELOAD_KERNELS=torch): torch's own products,
-    so that the logits are bit for bit those transformers computes. Otherwise the fastest products
-    (kernels/dense.py), equal up to rounding."""
+    """One sequence: torch's own products, whose rows do not depend on how many come together
+    (and with PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the
+    native norm and decode attention round in another order). Several: the faster paths
+    (kernels/dense.py, cached_attention), equal up to rounding."""
     writes: tuple = ()
     """One sequence: per layer, the [T, 2 * KV, D] cache rows its new keys and values go to."""
     keys: tuple = ()
@@ -201,7 +199,7 @@ class CausalLM:
         if length > self._rope.shape[0]:
             self._rope = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
-        step = Step(table[:, :, 0], table[:, :, 1], length, single=batch == 1, exact=batch == 1 and torch_only())
+        step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
         if t == 1 and has_decode_attention(self.dtype, cache.all.device):  # decode: reads the cache in place
             step.lengths, step.slot_ids = positions[:, 0] + 1, slots.to(torch.int64).contiguous()
         if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
@@ -254,12 +252,12 @@ class CausalLM:
         qk = rotate(qk, step.cos, step.sin, out=qkv[:, :heads + kv_heads])
         q, new = qk[:, :heads], qkv[:, heads:]
         if step.lengths is not None:
-            if step.single:
+            if exact:
                 step.writes[i].copy_(new)
             else:
                 kv[step.slots, step.positions] = new.view(rows, 1, 2, kv_heads, head_dim)
             out = decode_attention(q, kv, step.slot_ids, step.lengths)
-        elif step.single:
+        elif exact:
             out = self._attend_one(q, new, step, i)
         else:
             batch = step.positions.shape[0]
