@@ -46,16 +46,15 @@ class Dense:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if exact or w.dtype not in REDUCED:
+        if exact or w.dtype not in REDUCED or rows == 1 or not self.widen:
             return F.linear(x, w, bias)
-        if self.widen and 1 < rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
+        x2 = x.reshape(rows, x.shape[-1])
+        if rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and w.is_contiguous() and w.shape[1] % 16 == 0:
-            out = native.qgemv(x.reshape(rows, x.shape[-1]), w, _ONE, None, 0, 0, BF16_ELEMENT)
-            out = out.view(*x.shape[:-1], w.shape[0])
-            return out + bias if bias is not None else out
-        if rows == 1 or not self.widen:
-            return F.linear(x, w, bias)
-        out = widened_linear(x.reshape(rows, x.shape[-1]), w, self._buffer(w.shape)).view(*x.shape[:-1], w.shape[0])
+            out = native.qgemv(x2, w, _ONE, None, 0, 0, BF16_ELEMENT)
+        else:
+            out = widened_linear(x2, w, self._buffer(w.shape))
+        out = out.view(*x.shape[:-1], w.shape[0])
         return out + bias if bias is not None else out
 
     def _buffer(self, shape) -> torch.Tensor:

@@ -251,18 +251,16 @@ class CausalLM:
             qk = torch.cat((rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)), 1)
         qk = rotate(qk, step.cos, step.sin, out=qkv[:, :heads + kv_heads])
         q, new = qk[:, :heads], qkv[:, heads:]
+        if exact:  # one sequence: its new rows of the cache are one contiguous view
+            step.writes[i].copy_(new)
+        else:
+            batch, t = step.positions.shape
+            kv[step.slots, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
         if step.lengths is not None:
-            if exact:
-                step.writes[i].copy_(new)
-            else:
-                kv[step.slots, step.positions] = new.view(rows, 1, 2, kv_heads, head_dim)
             out = decode_attention(q, kv, step.slot_ids, step.lengths)
         elif exact:
             out = self._attend_one(q, new, step, i)
         else:
-            batch = step.positions.shape[0]
-            t = rows // batch
-            kv[step.slots, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
             live = step.keys[i] if step.keys else kv[:, :step.length].index_select(0, step.slots[:, 0])
             cached = live.permute(2, 0, 3, 1, 4).to(torch.float32, memory_format=torch.contiguous_format)
             out = cached_attention(q.view(batch, t, heads, head_dim), cached[0], cached[1], step.hidden)
@@ -290,10 +288,9 @@ class CausalLM:
 
     def _attend_one(self, q: torch.Tensor, new: torch.Tensor, step: Step, i: int) -> torch.Tensor:
         """One sequence's attention with torch's SDPA, as transformers runs it: q [T, H, D], new
-        [T, 2 * KV, D] (written to the cache here). Returns [T, H, D]."""
+        [T, 2 * KV, D] (already written to the cache). Returns [T, H, D]."""
         t, heads, head_dim = q.shape
         kv_heads = self.num_kv_heads
-        step.writes[i].copy_(new)
         if t == 1 and not step.causal:  # decode: the fewest calls
             return F.scaled_dot_product_attention(q.view(1, heads, 1, head_dim), step.keys[i], step.values[i],
                                                   enable_gqa=True).reshape(1, heads, head_dim)
