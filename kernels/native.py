@@ -86,10 +86,12 @@ def use(variant: str) -> None:
     if reason:
         raise VariantUnavailableError(reason)
     VARIANT = variant
-    qgemv = None if variant == "torch" else getattr(torch.ops.preload, f"qgemv_{variant}")
-    qgemm = None if variant == "torch" else getattr(torch.ops.preload, f"qgemm_{variant}")
-    rms_norm = None if variant == "torch" else torch.ops.preload.rms_norm
-    decode_attention = None if variant == "torch" else torch.ops.preload.decode_attention
+    if variant == "torch":
+        qgemv = qgemm = rms_norm = decode_attention = None
+        return
+    ops = torch.ops.preload
+    qgemv, qgemm = getattr(ops, f"qgemv_{variant}"), getattr(ops, f"qgemm_{variant}")
+    rms_norm, decode_attention = ops.rms_norm, ops.decode_attention
 
 
 @contextlib.contextmanager
