@@ -1,17 +1,19 @@
 """Products with plain (unquantized) weights, on the fastest path there is for the shape and CPU.
 
-One activation row runs torch's bfloat16/float16 GEMV, which streams the weight once (the native
-kernel below is no faster for one row: measured on a 2-core AVX2 EPYC). A few bfloat16 rows (up to
-`native_rows()`) run the native fused GEMV of kernels/csrc with its bfloat16 element format, where
-those kernels are built: it streams the weight once for all the rows, with float32 sums in
-registers (2.5-4x faster than the widened tiles below at 8 rows there). More rows, or no native
-kernels, on a CPU without bfloat16 matrix instructions (no AVX512-BF16 or AMX) meet torch's
-reference GEMM, a dot product per output at ~8 GFLOP/s a core; they widen the weight to float32 in
-tiles that stay in cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's
-float32 GEMM reaches only 20-40 GFLOP/s a core at 8 rows there): the weight is still read once.
-Results are rounded to the input dtype as the reference rounds them, but the float32 sums run in
-another order, so a few differ in the last bit. `exact` keeps torch's own kernel, whose rows equal
-its GEMV's bit for bit."""
+One activation row (a decode step) runs the native fused GEMV of kernels/csrc with its bfloat16
+element format where those kernels are built: it prefetches each weight row ahead of its reads and
+streams the weight from memory about 1.5-2x faster than torch's bfloat16 GEMV (a 2-core AVX2 Zen 1
+VM: 11-15 GB/s against 6-9). A few bfloat16 rows (up to `native_rows()`) take the same kernel on
+CPUs without bfloat16 matrix instructions (no AVX512-BF16 or AMX): it streams the weight once for
+all the rows, with float32 sums in registers (2.5-4x faster than the widened tiles below at 8
+rows there). More rows, or no native kernels, on such a CPU meet torch's reference GEMM, a dot
+product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
+cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
+reaches only 20-40 GFLOP/s a core at 8 rows there): the weight is still read once. Results are
+rounded to the input dtype as the reference rounds them, but the float32 sums run in another
+order, so a few differ in the last bit. `exact` keeps torch's own kernel for several rows (one
+sequence's prefill), whose rows equal its GEMV's bit for bit; without native kernels one row is
+torch's GEMV too."""
 
 import torch
 import torch.nn.functional as F
@@ -20,9 +22,8 @@ from kernels import native
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-BF16_ELEMENT = 3  # kernels/csrc/qgemv_kernels.h: Element kBF16, with a per-tensor scale of 1
 _NATIVE_ROWS = {"avx2": 8, "avx512": 4}  # kMaxM of qgemv_kernels.cpp: rows one pass keeps in registers
-_ONE = torch.ones(())
+UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 
 def native_rows() -> int:
@@ -46,12 +47,14 @@ class Dense:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if exact or w.dtype not in REDUCED or rows == 1 or not self.widen:
+        if w.dtype not in REDUCED or (rows > 1 and (exact or not self.widen)):
             return F.linear(x, w, bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and w.is_contiguous() and w.shape[1] % 16 == 0:
-            out = native.qgemv(x2, w, _ONE, None, 0, 0, BF16_ELEMENT)
+            out = native.qgemv(x2, w, UNIT_SCALE, None, 0, 0, native.BF16_ELEMENTS)
+        elif rows == 1:
+            return F.linear(x, w, bias)
         else:
             out = widened_linear(x2, w, self._buffer(w.shape))
         out = out.view(*x.shape[:-1], w.shape[0])

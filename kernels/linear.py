@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.native import E2M1_ELEMENTS, E4M3_ELEMENTS, INT8_ELEMENTS
 from kernels.quant import E4M3, E4M3_MAX, FP8_BLOCK, MX_BLOCK, NV_BLOCK, QuantizedWeight, dequantize
 
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
@@ -24,11 +25,10 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # torch's int8 kernel.
 _POLICY = {"avx2": (16, False), "avx512": (4, True)}
 # scheme -> (scale kind, block size along K or 0 for the whole row, element format) of kernels/csrc/qgemv.cpp
-E4M3_ELEMENTS, E2M1_ELEMENTS, INT8_ELEMENTS = 0, 1, 2
-_NATIVE = {"fp8_per_tensor": (0, 0, E4M3_ELEMENTS), "fp8_per_channel": (1, 0, E4M3_ELEMENTS),
-           "fp8_block": (2, FP8_BLOCK, E4M3_ELEMENTS), "int8": (1, 0, INT8_ELEMENTS),
-           "mxfp8": (3, MX_BLOCK, E4M3_ELEMENTS), "mxfp4": (3, MX_BLOCK, E2M1_ELEMENTS),
-           "nvfp4": (4, NV_BLOCK, E2M1_ELEMENTS)}
+NATIVE_FORMATS = {"fp8_per_tensor": (0, 0, E4M3_ELEMENTS), "fp8_per_channel": (1, 0, E4M3_ELEMENTS),
+                  "fp8_block": (2, FP8_BLOCK, E4M3_ELEMENTS), "int8": (1, 0, INT8_ELEMENTS),
+                  "mxfp8": (3, MX_BLOCK, E4M3_ELEMENTS), "mxfp4": (3, MX_BLOCK, E2M1_ELEMENTS),
+                  "nvfp4": (4, NV_BLOCK, E2M1_ELEMENTS)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,7 +76,7 @@ def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
 
 def _native(x: torch.Tensor, q: QuantizedWeight, gemv_max_m: int) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
-    kind, block, element = _NATIVE[q.scheme]
+    kind, block, element = NATIVE_FORMATS[q.scheme]
     width = q.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)  # K as stored (padded for MX/NVFP4)
     if x.dtype not in (torch.float32, torch.bfloat16) or width % 16:
         return None

@@ -4,7 +4,8 @@ path). At import the best one this CPU can run is chosen, unless PRELOAD_KERNELS
 forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` and
-`decode_attention` the library's decode-path ops (the same in every variant), or None for "torch"."""
+`decode_attention` the library's decode-path ops (the same in every variant), or None for "torch";
+`variant_index()` is what the fused decoder layer (kernels/decode_layer.py) is told per call."""
 
 import contextlib
 import logging
@@ -13,6 +14,9 @@ import os
 import torch
 
 VARIANTS = ("avx512", "avx2", "torch")  # best first
+E4M3_ELEMENTS, E2M1_ELEMENTS, INT8_ELEMENTS, BF16_ELEMENTS = 0, 1, 2, 3
+"""How the native GEMV reads a weight's elements (kernels/csrc/qgemv_kernels.h, enum Element);
+BF16_ELEMENTS takes a per-tensor scale of 1."""
 ENVIRONMENT = "PRELOAD_KERNELS"
 _LIBRARY = os.path.join(os.path.dirname(__file__), "_native", "libpreload_kernels.so")
 
@@ -36,6 +40,8 @@ def _load() -> tuple[str, ...]:
     try:
         torch.ops.load_library(_LIBRARY)
         missing = [op for op in _OPS if not hasattr(torch.ops.preload, op)]
+        if not _has_class("DecodeLayer"):
+            missing.append("DecodeLayer")
         if missing:
             raise RuntimeError(f"it lacks the op(s) {', '.join(missing)}")
         return tuple(torch.ops.preload.variants())
@@ -43,6 +49,14 @@ def _load() -> tuple[str, ...]:
         _broken = f"{_LIBRARY} cannot be used ({e}); rebuild it: python scripts/build_kernels.py --force"
         logging.getLogger(__name__).warning("native CPU kernels off: %s", _broken)
         return ()
+
+
+def _has_class(name: str) -> bool:
+    try:
+        getattr(torch.classes.preload, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 _RUNNABLE = _load()
@@ -92,6 +106,11 @@ def use(variant: str) -> None:
     ops = torch.ops.preload
     qgemv, qgemm = getattr(ops, f"qgemv_{variant}"), getattr(ops, f"qgemm_{variant}")
     rms_norm, decode_attention = ops.rms_norm, ops.decode_attention
+
+
+def variant_index() -> int:
+    """The variant in use as the native layer ops take it (0 avx2, 1 avx512), or -1 for "torch"."""
+    return {"avx2": 0, "avx512": 1}.get(VARIANT, -1)
 
 
 @contextlib.contextmanager

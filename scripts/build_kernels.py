@@ -1,5 +1,5 @@
 """Builds the optional native CPU kernels (kernels/csrc) into kernels/_native/libpreload_kernels.so on
-any x86-64 machine with g++: the torch ops (qgemv.cpp and decode.cpp, plain x86-64) and
+any x86-64 machine with g++: the torch ops (qgemv.cpp, decode.cpp and layer.cpp, plain x86-64) and
 the SIMD kernels (qgemv_kernels.cpp) twice, for AVX2 and for AVX-512, all compiled at once.
 Compiling AVX-512 code needs no AVX-512 CPU; kernels/native.py picks at run time what this CPU can
 run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
@@ -27,6 +27,7 @@ COMMON = ["-O3", "-std=c++20", "-fPIC", "-Wall", "-Wno-uninitialized", "-Wno-may
 UNITS = {
     "ops": ("qgemv.cpp", ["-fopenmp"]),  # at::parallel_for is OpenMP, compiled into the caller
     "decode": ("decode.cpp", ["-fopenmp"]),
+    "layer": ("layer.cpp", ["-fopenmp"]),
     "avx2": ("qgemv_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"]),
     "avx512": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
 }

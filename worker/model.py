@@ -2,6 +2,7 @@
 keeps references to those tensors (views into a slab, or private memory) and never copies them."""
 
 import dataclasses
+import logging
 import math
 import mmap
 from collections.abc import Mapping
@@ -10,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.activation import silu_mul
+from kernels import native
 from kernels.attention import cached_attention, decode_attention, has_decode_attention
+from kernels.decode_layer import MAX_ROWS, FusedLayer, fused_layer
 from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
@@ -20,6 +23,7 @@ from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import CheckpointError
 
 Weight = torch.Tensor | QuantizedWeight  # the attention and MLP projections may be quantized
+log = logging.getLogger(__name__)
 
 
 class SingleRank:
@@ -61,17 +65,23 @@ class KVCache:
     """Static per-slot cache of every layer's keys and values: [num_layers, slots, max_len, 2,
     kv_heads, head_dim], position-major, so that a step's keys and values for one position are one
     contiguous copy and a forward takes each layer's views with a few indexing calls for all layers.
-    It lives in one anonymous mapping, whose pages the kernel zero-fills on first touch: a large
+    It lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a large
     cache costs nothing at start-up, and unwritten positions read as zeros, never garbage."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype):
         shape = (num_layers, num_slots, max_len, 2, num_kv_heads, head_dim)
-        self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+        # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
+        self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.all = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
         self.layers = self.all.unbind(0)
         self.num_slots = num_slots
         self.max_len = max_len
+
+    def drop_pages(self) -> None:
+        """Gives the cache's pages back to the kernel: every position reads as zeros again, and a
+        process snapshot taken now stores none of them. Only while no forward runs."""
+        self._mapping.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,9 +95,10 @@ class Step:
     length: int
     """Cache positions the queries read: 0 .. length-1."""
     exact: bool
-    """One sequence: torch's own products, whose rows do not depend on how many come together
-    (and with PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the
-    native norm and decode attention round in another order). Several: the faster paths
+    """One sequence: torch's own products for several rows (a prefill), whose rows do not depend on
+    how many come together; one row takes the native GEMV where it is built (kernels/dense.py). With
+    PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the native GEMV,
+    norm and decode attention round in another order. Several sequences: the faster paths
     (kernels/dense.py, cached_attention), equal up to rounding."""
     writes: tuple = ()
     """One sequence: per layer, the [T, 2 * KV, D] cache rows its new keys and values go to."""
@@ -101,7 +112,8 @@ class Step:
     """One sequence past position 0 with several tokens: SDPA's [1, 1, T, length] mask."""
     lengths: torch.Tensor | None = None
     """One new token a row, with the native decode attention: each row's cache length, int64 [B]
-    (and slot_ids its slot); then keys, values, visible and hidden stay unset."""
+    (and slot_ids its slot, rope its rope_table rows); then keys, values, visible and hidden stay unset."""
+    rope: torch.Tensor | None = None
     slot_ids: torch.Tensor | None = None
     slots: torch.Tensor | None = None
     """Several rows: [B, 1] slots and [B, T] positions for the cache writes."""
@@ -115,7 +127,10 @@ class CausalLM:
     are this rank's shards as the load plan laid them out (kernels are unchanged), and the group
     exchanges partial sums after the row-parallel projections and the vocabulary-parallel
     embedding, and gathers the vocabulary-parallel logits. Hidden states run as [B * T, hidden]
-    rows; only attention sees the batch."""
+    rows; only attention sees the batch. A decode step of an unsplit model runs each layer as one
+    native call where the native kernels are chosen (kernels/decode_layer.py), else op by op."""
+
+    fused: list[FusedLayer] | None = None
 
     def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
         self.spec = spec
@@ -127,6 +142,25 @@ class CausalLM:
         self._common(spec, weights)
         self.norm = weights[spec.name("norm")]
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
+        self.fused = self._fuse()
+
+    def _fuse(self) -> list[FusedLayer] | None:
+        """Every layer's fused decode step, or None (decode steps then run op by op) where the
+        model is split or any layer cannot run fused."""
+        if self.tp.size != 1:
+            return None
+        fused = []
+        for layer in self.layers:
+            one = fused_layer(
+                projections={n: getattr(layer, n) for n in ("q", "k", "v", "o", "gate", "up", "down")},
+                norms=(layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm),
+                biases={n: getattr(layer, f"{n}_bias") for n in ("q", "k", "v", "o")}, heads=self.num_heads,
+                kv_heads=self.num_kv_heads, head_dim=self.spec.head_dim, eps=self.spec.rms_norm_eps)
+            if isinstance(one, str):
+                log.debug("decode steps run op by op: %s", one)
+                return None
+            fused.append(one)
+        return fused
 
     def _common(self, spec: ArchSpec, weights: Mapping[str, Weight]) -> None:
         self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
@@ -158,6 +192,12 @@ class CausalLM:
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
         return KVCache(len(self.layers), self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
 
+    @staticmethod
+    def copy_cache(cache: KVCache, source: int, targets: list[int], length: int) -> None:
+        """The first `length` positions of slot `source`, every layer's, into each of `targets` (the
+        choices of one prompt, n > 1, share its prefill)."""
+        cache.all[:, targets, :length] = cache.all[:, source:source + 1, :length]
+
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step of one sequence reads: every layer's, the final norm,
         the lm_head and one embedding row."""
@@ -182,8 +222,12 @@ class CausalLM:
         batch, t = input_ids.shape
         step = self._step(positions, slots, cache)
         x = self._embed(input_ids.reshape(-1))
-        for i, layer in enumerate(self.layers):
-            x = self._decoder_layer(layer, x, step, cache.layers[i], i)
+        if self.fused is not None and step.rope is not None and batch <= MAX_ROWS and native.variant_index() >= 0:
+            for layer, kv in zip(self.fused, cache.layers):
+                x = layer(x, kv, step.slot_ids, step.lengths, step.rope)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = self._decoder_layer(layer, x, step, cache.layers[i], i)
         states = x.view(batch, t, -1)
         x = states if all_logits else states[:, -1]
         logits = self._logits(rms_norm(x, self.norm, self.spec.rms_norm_eps), step.exact)
@@ -201,7 +245,7 @@ class CausalLM:
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
         step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
         if t == 1 and has_decode_attention(self.dtype, cache.all.device):  # decode: reads the cache in place
-            step.lengths, step.slot_ids = positions[:, 0] + 1, slots.to(torch.int64).contiguous()
+            step.lengths, step.slot_ids, step.rope = positions[:, 0] + 1, slots.to(torch.int64).contiguous(), table
         if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
             slot, start = int(slots[0]), rows[0][0]
             step.writes = cache.all[:, slot, start:start + t].flatten(2, 3).unbind(0)
@@ -343,42 +387,3 @@ def adjacent(*weights: Weight | None) -> torch.Tensor | None:
         expected += w.nbytes
     return first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
 
-
-class MTPDraft(CausalLM):
-    """A DeepSeek-V3-style multi-token-prediction layer used as a draft. From the main model's hidden
-    state at position t (before its final norm) and the token at t+1 it predicts the token at t+2:
-    eh_proj([enorm(embed(token)); hnorm(hidden)]) -> one decoder layer -> shared_head.norm -> lm_head.
-    Chained for more tokens by feeding its own output state back. The embedding and lm_head are the
-    main model's (the daemon shares them by reference); the decoder layer runs at the token's
-    position with its own one-layer KV cache."""
-
-    def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
-        if spec.num_mtp_layers < 1:
-            raise CheckpointError(f"{spec.source}: num_nextn_predict_layers is 0: this model has no MTP layer; "
-                                  "use --speculative draft --draft-model DIR instead")
-        self.spec = spec
-        self.tp = tp or SingleRank()
-        first = spec.num_layers
-        names = [spec.name(k, first) for k in ("enorm", "hnorm", "eh_proj", "head_norm")]
-        missing = [n for n in [*names, spec.name("embed")] if n not in weights]
-        if missing:
-            raise CheckpointError(f"the MTP draft lacks {', '.join(missing[:3])}; load the checkpoint's draft "
-                                  "component (and its main one)")
-        self.enorm, self.hnorm, self.eh_proj, self.head_norm = (weights[n] for n in names)
-        self._common(spec, weights)
-        self.layers = [self._layer(weights, first)]
-
-    @torch.inference_mode()
-    def step(self, input_ids: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-             slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids, positions: [B, T] (the tokens at t+1 and their positions); states: [B, T, H]
-        (hidden states at t). Returns float32 logits for the tokens at t+2 ([B, T, V]) and this
-        layer's output states ([B, T, H]), which chain into the next step."""
-        eps = self.spec.rms_norm_eps
-        batch, t = input_ids.shape
-        step = self._step(positions, slots, cache)
-        e = rms_norm(self._embed(input_ids.reshape(-1)), self.enorm, eps)
-        x = self.linear(torch.cat([e, rms_norm(states.reshape(batch * t, -1).to(self.dtype), self.hnorm, eps)], dim=-1),
-                        self.eh_proj, None, step.exact)
-        x = self._decoder_layer(self.layers[0], x, step, cache.layers[0], 0)
-        return self._logits(rms_norm(x, self.head_norm, eps), step.exact).view(batch, t, -1), x.view(batch, t, -1)

@@ -12,14 +12,15 @@ from the normalised residual max(0, p - q), so their tokens follow the main mode
 The caches need no copying back: a rejected position is simply not counted, and the next forward
 overwrites it. Two drafts:
 - `ModelDraft`: a separate, smaller checkpoint with the same vocabulary, with its own KV cache.
-- `MTPDraft` (worker/model.py): the checkpoint's own MTP layer, fed the main model's hidden states.
+- `MTPDraft` (worker/mtp.py): the checkpoint's own MTP layer, fed the main model's hidden states.
 """
 
 import dataclasses
 
 import torch
 
-from worker.model import CausalLM, MTPDraft
+from worker.model import CausalLM
+from worker.mtp import MTPDraft
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

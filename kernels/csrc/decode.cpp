@@ -23,37 +23,12 @@
 #include <cstring>
 #include <vector>
 
+#include "decode_ops.h"
+
 namespace {
 
-inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {  // the high half of a float32
-  uint32_t bits = uint32_t(v.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-template <typename T>
-void norm_rows(const T* x, const T* weight, T* out, int64_t begin, int64_t end, int64_t width, int64_t x_stride,
-          float eps) {
-  constexpr int kLanes = 16;  // partial sums the compiler keeps in vector registers
-  for (int64_t r = begin; r < end; ++r) {
-    const T* row = x + r * x_stride;
-    float partial[kLanes] = {};
-    int64_t j = 0;
-    for (; j + kLanes <= width; j += kLanes)
-      for (int l = 0; l < kLanes; ++l) {
-        float v = widen(row[j + l]);
-        partial[l] += v * v;
-      }
-    float sum = 0.0f;
-    for (; j < width; ++j) sum += widen(row[j]) * widen(row[j]);
-    for (int l = 0; l < kLanes; ++l) sum += partial[l];
-    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
-    T* dst = out + r * width;
-    for (j = 0; j < width; ++j) dst[j] = static_cast<T>(widen(weight[j]) * widen(static_cast<T>(widen(row[j]) * scale)));
-  }
-}
+using preload::attend;
+using preload::norm_rows;
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm runs on CPU tensors");
@@ -75,48 +50,6 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
            width, stride, e);
   });
   return out;
-}
-
-// Query heads [h0, h0 + group) of row b, which all read kv head j: out[b, h] = softmax(q.K^T *
-// scale) V over positions [0, length).
-template <typename T>
-void attend(const T* q, const T* cache, T* out, int64_t b, int64_t j, int64_t group, int64_t slot, int64_t length,
-            int64_t heads, int64_t kv_heads, int64_t d, int64_t position_stride, int64_t slot_stride, float scale,
-            std::vector<float>& scores, std::vector<float>& query, std::vector<float>& sum) {
-  scores.assign(group * length, 0.0f);
-  query.resize(group * d);
-  sum.assign(group * d, 0.0f);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t e = 0; e < d; ++e) query[g * d + e] = widen(q[(b * heads + j * group + g) * d + e]);
-  const T* keys = cache + slot * slot_stride + j * d;           // [length] rows, position_stride apart
-  const T* values = keys + kv_heads * d;                        // the value half of each position
-  for (int64_t s = 0; s < length; ++s) {
-    const T* key = keys + s * position_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      float dot = 0.0f;
-      const float* qg = query.data() + g * d;
-      for (int64_t e = 0; e < d; ++e) dot += qg[e] * widen(key[e]);
-      scores[g * length + s] = dot * scale;
-    }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores.data() + g * length;
-    const float top = *std::max_element(row, row + length);
-    float total = 0.0f;
-    for (int64_t s = 0; s < length; ++s) total += (row[s] = std::exp(row[s] - top));
-    const float inverse = 1.0f / total;
-    for (int64_t s = 0; s < length; ++s) row[s] *= inverse;
-  }
-  for (int64_t s = 0; s < length; ++s) {
-    const T* value = values + s * position_stride;
-    for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * length + s];
-      float* acc = sum.data() + g * d;
-      for (int64_t e = 0; e < d; ++e) acc[e] += p * widen(value[e]);
-    }
-  }
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t e = 0; e < d; ++e) out[(b * heads + j * group + g) * d + e] = static_cast<T>(sum[g * d + e]);
 }
 
 // q [B, H, D]; cache [slots, max_len, 2, KV, D] contiguous, q's dtype; slots, lengths int64 [B]:
@@ -150,15 +83,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
   const int64_t grain = work * heads * d < (int64_t(1) << 16) ? batch * kv_heads : 1;  // small: one thread
   const float s = static_cast<float>(scale);
   at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, query, sum;
+    preload::AttendScratch scratch;
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / kv_heads, j = i % kv_heads;
       if (q.scalar_type() == at::kFloat)
         attend(q.data_ptr<float>(), cache.data_ptr<float>(), out.data_ptr<float>(), b, j, group, slot[b], length[b],
-               heads, kv_heads, d, position_stride, slot_stride, s, scores, query, sum);
+               heads, kv_heads, d, position_stride, slot_stride, s, scratch);
       else
         attend(q.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), b, j, group,
-               slot[b], length[b], heads, kv_heads, d, position_stride, slot_stride, s, scores, query, sum);
+               slot[b], length[b], heads, kv_heads, d, position_stride, slot_stride, s, scratch);
     }
   });
   return out;

@@ -23,83 +23,19 @@
 #include <vector>
 
 #include "qgemv_kernels.h"
+#include "weights.h"
 
 namespace {
 
 using preload::Kernels;
 using preload::Weight;
+using preload::check_cpu;
+using preload::check_weight;
+using preload::name_of;
+using preload::runs_here;
 
 constexpr int64_t kTileBytes = int64_t(4) << 20;  // qgemm: dequantized weight per GEMM call
 constexpr int64_t kGemvWork = int64_t(1) << 16;   // qgemv: multiply-adds per block of rows a thread takes
-
-bool runs_here(const Kernels* kernels) {
-  __builtin_cpu_init();
-  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  if (kernels == &preload::kAvx2) return avx2;
-  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
-
-const char* name_of(const Kernels* kernels) { return kernels == &preload::kAvx2 ? "avx2" : "avx512"; }
-
-template <const Kernels* K>
-void check_cpu() {
-  static const bool ok = runs_here(K);
-  TORCH_CHECK(ok, "the ", name_of(K), " kernels need instructions this CPU lacks; choose another variant "
-              "(kernels.native.available() lists those it can run)");
-}
-
-// Everything the kernels index is checked here: a bad shape is an error, never a stray read.
-Weight check_weight(const at::Tensor& weight, const at::Tensor& scale, const std::optional<at::Tensor>& global_scale,
-                    int64_t scale_kind, int64_t block, int64_t element) {
-  TORCH_CHECK(element >= preload::kE4M3 && element <= preload::kBF16, "unknown element format ", element);
-  TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), "the native kernels run on CPU tensors");
-  bool bf16 = element == preload::kBF16;
-  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
-              (bf16 ? weight.scalar_type() == at::kBFloat16 : weight.element_size() == 1),
-              bf16 ? "weight must be contiguous bfloat16 [N, K]" : "weight must be contiguous bytes [N, K]");
-  int64_t n = weight.size(0), k = weight.size(1) * (element == preload::kE2M1 ? 2 : 1);
-  bool per_block = scale_kind >= preload::kBlock128;
-  if (!per_block) block = k;
-  TORCH_CHECK(k % 16 == 0 && k > 0 && block % 16 == 0 && block > 0, "K and the block size must be multiples of 16");
-  TORCH_CHECK(scale.is_contiguous(), "scale must be contiguous");
-  float global = 1.0f;
-  switch (scale_kind) {
-    case preload::kPerTensor:
-      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "per-tensor scale: one float32");
-      break;
-    case preload::kPerRow:
-      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n, "per-row scale: N float32");
-      break;
-    case preload::kBlock128:
-      TORCH_CHECK(scale.scalar_type() == at::kFloat && block == 128 && scale.dim() == 2 &&
-                  scale.size(0) == (n + 127) / 128 && scale.size(1) == (k + 127) / 128,
-                  "block scale: float32 [ceil(N/128), ceil(K/128)]");
-      break;
-    case preload::kE8M0Per32:
-    case preload::kE4M3Per16:
-      TORCH_CHECK(scale.element_size() == 1 && scale.dim() == 2 && scale.size(0) == n &&
-                  block == (scale_kind == preload::kE8M0Per32 ? 32 : 16) && k % block == 0 &&
-                  scale.size(1) == k / block,
-                  "MX/NVFP4 scale: bytes [N, K / block]");
-      if (scale_kind == preload::kE4M3Per16) {
-        TORCH_CHECK(global_scale && global_scale->device().is_cpu() && global_scale->scalar_type() == at::kFloat &&
-                    global_scale->numel() == 1, "NVFP4 needs its float32 global scale");
-        global = *global_scale->data_ptr<float>();
-      }
-      break;
-    default:
-      TORCH_CHECK(false, "unknown scale kind ", scale_kind);
-  }
-  bool scheme = element == preload::kE2M1 ? scale_kind >= preload::kE8M0Per32
-                : element == preload::kInt8 ? scale_kind <= preload::kPerRow
-                : bf16                      ? scale_kind == preload::kPerTensor
-                                            : scale_kind <= preload::kE8M0Per32;
-  TORCH_CHECK(scheme, "no scheme has element format ", element, " with scale kind ", scale_kind);
-  return Weight{static_cast<const uint8_t*>(weight.data_ptr()), n, k, weight.size(1) * weight.element_size(),
-                static_cast<preload::Element>(element), static_cast<preload::ScaleKind>(scale_kind),
-                scale.data_ptr(), scale.dim() == 2 ? scale.size(1) : 0, block, global};
-}
 
 // The checks both ops start with: this CPU runs variant K, and x fits the weight.
 template <const Kernels* K>
@@ -114,11 +50,11 @@ Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::T
   return w;
 }
 
-// x as the kernels read it: contiguous float32 [M, k], zero-padded to the stored width, and for
-// e2m1 weights each group of 16 elements in the kernels' order (see qgemv_kernels.h). x itself where
-// it already is all that.
-const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* e2m1_order, std::vector<float>& buffer) {
-  bool reorder = w.element == preload::kE2M1;
+// x as the kernels read it: contiguous float32 [M, k], zero-padded to the stored width, and each
+// group of 16 elements in the kernels' order for the weight's element format where they have one
+// (`order`: see qgemv_kernels.h). x itself where it already is all that.
+const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* order, std::vector<float>& buffer) {
+  bool reorder = order != nullptr;
   if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !reorder) return x.data_ptr<float>();
   int64_t m_rows = x.size(0), width = x.size(1), s0 = x.stride(0), s1 = x.stride(1), k = w.k;
   buffer.assign(m_rows * k, 0.0f);
@@ -139,13 +75,7 @@ const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* e2
         for (int64_t j = 0; j < width; ++j) widen(j, src[j * s1]);
       }
     }
-    if (reorder) {
-      float group[16];
-      for (int64_t g = 0; g < k; g += 16) {  // k is a multiple of 16
-        for (int p = 0; p < 16; ++p) group[p] = dst[g + e2m1_order[p]];
-        std::copy(group, group + 16, dst + g);
-      }
-    }
+    if (reorder) preload::order_groups(dst, k, order);
   }
   return buffer.data();
 }
@@ -159,7 +89,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   thread_local std::vector<float> buffer;
   int64_t m_rows = x.size(0);
   if (m_rows == 0) return at::empty({0, w.n}, x.options());
-  const float* xp = kernel_rows(x, w, K->e2m1_order, buffer);
+  const float* xp = kernel_rows(x, w, preload::x_order(K, w), buffer);
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m_rows, w.n}, x.options());
   void* yp = y.data_ptr();

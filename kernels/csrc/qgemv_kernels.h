@@ -43,12 +43,14 @@ struct Kernels {
   // y[m, n] = sum_k x[m, k] * dequantized W[n, k] for x float32 [m_rows, k]; y float32 or, with
   // bf16, bfloat16 (rounded to nearest even), row stride y_stride elements. Any m_rows >= 1.
   // For e2m1 weights x comes reordered: in each group of 16 elements, position p holds element
-  // e2m1_order[p] (the order in which the packed nibbles decode fastest).
+  // e2m1_order[p] (the order in which the packed nibbles decode fastest); for bfloat16 weights
+  // likewise by bf16_order where that is not null.
   void (*gemv)(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                int64_t y_stride, bool bf16);
   // Rows [begin, end) of the dequantized weight into out ([end - begin, k], float32 or bfloat16).
   void (*dequantize)(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16);
   const uint8_t* e2m1_order;  // 16 entries
+  const uint8_t* bf16_order;  // 16 entries, or null: in order
 };
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C

@@ -1,7 +1,9 @@
 """`preload bench decode`: decode tokens/s of our engine against transformers' generate, on the
 same checkpoint, prompt and dtype, greedy, both in this process; our aggregate tokens/s with several
 requests batched; llama.cpp's where `llama_cpp` is importable; and this machine's memory bandwidth,
-measured in the same run, against which the weight bytes a token reads are set.
+measured in the same run, against which the weight bytes a token reads are set. Decode rates count
+the tokens after the first over the time from the first to the last (the prefill, whose time to
+the first token is shown beside, is not decode); llama.cpp's count its steps after the prompt.
 
     preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--repeats 5] [--batch 8] [--json]
 """
@@ -59,10 +61,10 @@ def llama_cpp_tokens_per_s(args, model_path: pathlib.Path, ids: list[int], threa
         llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(ids) + args.new_tokens + 8, n_threads=threads,
                               verbose=False)
 
-        def run() -> float:
+        def run() -> float:  # decode steps per second after the prompt's evaluation, as for our rows
             llm.reset()
-            start = time.perf_counter()
             llm.eval(ids)
+            start = time.perf_counter()
             for _ in range(args.new_tokens):
                 llm.eval([llm.sample(temp=0.0)])
             return args.new_tokens / (time.perf_counter() - start)
@@ -77,7 +79,8 @@ def run(args) -> int:
 
     from preload_daemon.default_model import default_model_path
     from preload_daemon.plan import LoadSpec
-    from worker.engine import Engine, SamplingParams
+    from worker.engine import Engine
+    from worker.requests import SamplingParams
     from worker.loader import LoadRequest, load_safetensors
     from worker.model import CausalLM
     from worker.tokenizer import Tokenizer
@@ -92,30 +95,63 @@ def run(args) -> int:
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=model.dtype).eval()
     prompt = torch.tensor([ids])  # transformers runs the unquantized checkpoint
 
-    def ours() -> float:
-        return n / engine.generate(ids, params).seconds
+    def ours(with_params=params) -> tuple[float, float]:
+        """(decode tokens/s: the tokens after the first over the time from the first to the last;
+        seconds to the first token, the prefill)."""
+        stamps, done = [], threading.Event()
+        start = time.perf_counter()
+        engine.submit(ids, with_params, lambda t: stamps.append(time.perf_counter()), lambda r: done.set())
+        done.wait()
+        assert len(stamps) == n
+        return (n - 1) / (stamps[-1] - stamps[0]), stamps[0] - start
 
-    def theirs() -> float:
+    logprobs = SamplingParams(max_tokens=n, ignore_eos=True, logprobs=5)
+
+    class Stamps(transformers.generation.streamers.BaseStreamer):
+        """When generate hands out the prompt, then each new token."""
+
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def theirs() -> tuple[float, float]:
+        stamps = Stamps()
         start = time.perf_counter()
         with torch.no_grad():
-            out = reference.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        assert out.shape[1] == len(ids) + n
-        return n / (time.perf_counter() - start)
+            out = reference.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=stamps)
+        assert out.shape[1] == len(ids) + n and len(stamps.times) == n + 1
+        return (n - 1) / (stamps.times[-1] - stamps.times[1]), stamps.times[1] - start
 
-    def ours_batched() -> float:
+    def ours_batched() -> tuple[float, float]:
+        """Aggregate decode tokens/s once every request has its first token, and the time to that."""
+        stamps = [[] for _ in range(args.batch)]
         finished = threading.Semaphore(0)
         start = time.perf_counter()
-        for _ in range(args.batch):
-            engine.submit(ids, params, lambda t: None, lambda r: finished.release())
+        for i in range(args.batch):
+            engine.submit(ids, params, lambda t, i=i: stamps[i].append(time.perf_counter()),
+                          lambda r: finished.release())
         for _ in range(args.batch):
             finished.acquire()
-        return args.batch * n / (time.perf_counter() - start)
+        first, last = max(s[0] for s in stamps), max(s[-1] for s in stamps)
+        return args.batch * (n - 1) / (last - first), first - start
 
     ours(), theirs(), ours_batched()  # warm-up
     single, batched = "preload engine, 1 request", f"preload engine, {args.batch} requests"
-    rows = {single: [ours() for _ in range(args.repeats)],
-            "transformers generate, 1 request": [theirs() for _ in range(args.repeats)],
-            batched: [ours_batched() for _ in range(args.repeats)]}
+    with_logprobs = "preload engine, 1 request, logprobs=5"
+    rows = {single: [], with_logprobs: [], "transformers generate, 1 request": [], batched: []}
+    first_token = {name: [] for name in rows}
+    runs = {single: ours, with_logprobs: lambda: ours(logprobs), "transformers generate, 1 request": theirs,
+            batched: ours_batched}
+    for _ in range(args.repeats):  # alternated: drift hits every row alike
+        for name, measure in runs.items():
+            rate, ttft = measure()
+            rows[name].append(rate)
+            first_token[name].append(ttft)
     engine.stop()
     threads = torch.get_num_threads()
     try:
@@ -124,23 +160,27 @@ def run(args) -> int:
         llama, llama_note = None, f"failed: {type(e).__name__}: {e}"
     bandwidth = measure_bandwidth()
     medians = {k: statistics.median(v) for k, v in rows.items()}
+    ttft = {k: statistics.median(v) for k, v in first_token.items()}
     weight_bytes = model.weight_bytes_per_token()
     ratios = {"bandwidth_share": medians[single] * weight_bytes / bandwidth,
               "ours_over_transformers": medians[single] / medians["transformers generate, 1 request"],
-              "batch_over_single": medians[batched] / medians[single]}
+              "batch_over_single": medians[batched] / medians[single],
+              "logprobs_on_over_off": medians[with_logprobs] / medians[single]}
     if llama is not None:
         medians[llama_note] = llama
         ratios["ours_over_llama_cpp"] = medians[single] / llama
     if args.json:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
-                          "tokens_per_s": rows, "medians": medians, "ratios": ratios, "targets": TARGETS,
+                          "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
+                          "targets": TARGETS,
                           "weight_bytes_per_token": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
                           "llama_cpp": llama_note, "threads": threads}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
-          f"{args.repeats}, {threads} threads")
+          f"{args.repeats}, {threads} threads; decode tokens/s after the first token, and the time to it")
     for name, value in medians.items():
-        print(f"{name:<40} {value:>8.1f} tokens/s")
+        extra = f"   first token {ttft[name] * 1e3:6.0f} ms" if name in ttft else ""
+        print(f"{name:<40} {value:>8.1f} tokens/s{extra}")
     if llama is None:
         print(f"{'llama.cpp':<40} {llama_note}")
     print(f"{'memory bandwidth (sum of 512 MiB)':<40} {bandwidth / 1e9:>8.1f} GB/s")
@@ -153,6 +193,7 @@ def run(args) -> int:
         print(f"{'ours / llama.cpp (1 request)':<40} {ratios['ours_over_llama_cpp']:>8.2f}x  target >= 1x")
     print(f"{f'{args.batch} requests / 1 request (aggregate)':<40} {ratios['batch_over_single']:>8.2f}x  "
           f"target >= {TARGETS['batch_over_single']:.0f}x")
+    print(f"{'logprobs on / off (1 request)':<40} {ratios['logprobs_on_over_off']:>8.2f}x")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 Quality, per scheme, on the default model: slab bytes, cosine of the logits against bf16 over a
 fixed public-domain passage (tests/assets/passage.txt), greedy agreement with bf16 on a few prompts,
-and perplexity on the passage. Speed: the quantized linear layer against a bf16 matmul on this CPU,
+and perplexity on the passage. Speed: the quantized linear layer against the engine's own bf16 one
+(kernels/dense.py: the native GEMV at decode sizes where it is built, else torch's) on this CPU,
 at decode (M = 1..16) and prefill (M = 512) sizes, for 2048x2048 and 4096x4096 weights, on the
 kernel variant in use (kernels.native; PRELOAD_KERNELS forces one). At decode sizes each scheme
 should take at most its bytes / bf16's bytes + 20% (the target row); "!" marks a miss.
@@ -27,7 +28,8 @@ def quality(model_path: pathlib.Path) -> list[dict]:
     import torch
 
     from preload_daemon.plan import LoadSpec, SCHEMES
-    from worker.engine import Engine, SamplingParams
+    from worker.engine import Engine
+    from worker.requests import SamplingParams
     from worker.loader import LoadRequest, load_safetensors
     from worker.model import CausalLM
     from worker.tokenizer import Tokenizer
@@ -69,6 +71,7 @@ MIN_SECONDS = 0.2    # per timing: small calls repeat until they add up to this
 def speed(repeats: int) -> dict:
     import torch
 
+    from kernels.dense import Dense
     from kernels.linear import quantized_linear
     from kernels.quant import SCHEMES, quantize
 
@@ -83,7 +86,7 @@ def speed(repeats: int) -> dict:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    rows, targets = [], {}
+    rows, targets, dense = [], {}, Dense()
     for n in (2048, 4096):
         w = torch.randn(n, n)
         base_w = w.bfloat16()
@@ -91,7 +94,7 @@ def speed(repeats: int) -> dict:
         targets[f"{n}x{n}"] = {s: q.nbytes / (2 * n * n) * TARGET_MARGIN for s, q in quantized.items()}
         for m in DECODE_M + (512,):
             x = torch.randn(m, n).bfloat16()
-            base = timed(lambda: torch.nn.functional.linear(x, base_w))
+            base = timed(lambda: dense(x, base_w))
             row = {"shape": f"{n}x{n}", "m": m, "bf16_ms": base * 1e3}
             for scheme, q in quantized.items():
                 row[scheme] = timed(lambda: quantized_linear(x, q)) / base
@@ -127,7 +130,7 @@ def run(args) -> int:
     if "speed" in result:
         rows, targets = result["speed"]["rows"], result["speed"]["targets"]
         schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms")]
-        print(f"\nquantized linear time / bf16 matmul time on CPU ({result['threads']} threads, kernels: "
+        print(f"\nquantized linear time / the engine's bf16 linear time on CPU ({result['threads']} threads, kernels: "
               f"{result['kernels']}, median of at least {args.repeats}); target at M <= {DECODE_M[-1]}: the "
               f"bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
         print(f"{'weight':<10} {'M':>4} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))

@@ -61,9 +61,11 @@ def decode(model: pathlib.Path, k: int, max_tokens: int, repeats: int) -> dict:
 
     from preload_daemon.arch import ArchSpec
     from preload_daemon.plan import LoadSpec
-    from worker.engine import Engine, SamplingParams
+    from worker.engine import Engine
+    from worker.requests import SamplingParams
     from worker.loader import LoadRequest, load_safetensors
-    from worker.model import CausalLM, MTPDraft
+    from worker.model import CausalLM
+    from worker.mtp import MTPDraft
     from worker.speculative import Speculator
     from worker.tokenizer import Tokenizer
 

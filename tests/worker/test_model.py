@@ -87,10 +87,11 @@ def test_missing_weights_are_refused(tiny_llama):
 
 @pytest.mark.parametrize("variant", ["torch", native.available()[0]])
 def test_one_sequence_is_bit_for_bit_transformers_in_bfloat16(checkpoints, variant):
-    """Prefill and every decode step of one sequence run torch's own products, as transformers
-    does. With the pure torch kernels (PRELOAD_KERNELS=torch) the logits are equal bit for bit, not
-    merely close; the native norm sums in another order, so there they are close, with the same
-    greedy tokens (the engine's warm = cold either way: both run the same kernels)."""
+    """With the pure torch kernels (PRELOAD_KERNELS=torch) prefill and every decode step run
+    torch's own products, as transformers does: the logits are equal bit for bit, not merely close.
+    The native variants' decode steps (the fused layer: their GEMV, norm and attention) sum in
+    another order, so there they are close, with the same greedy tokens (the engine's warm = cold
+    either way: both run the same kernels)."""
     path = tiny_model("llama", checkpoints / "ref-bf16", dtype=torch.bfloat16, seed=2)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = load(path)
@@ -138,9 +139,10 @@ def test_rows_at_scattered_slots_with_several_tokens_equal_one_by_one(tiny_llama
         torch.testing.assert_close(together[row], single[0], rtol=1e-5, atol=1e-5)
 
 
-def test_batched_bfloat16_decode_takes_the_widened_product_and_stays_close(checkpoints):
-    """Several bfloat16 rows multiply float32-widened weight tiles (kernels/dense.py): equal to each
-    row alone up to bfloat16 rounding, and the same greedy tokens."""
+def test_batched_bfloat16_decode_stays_close_to_each_row_alone(checkpoints):
+    """Several bfloat16 rows decode together (the fused layer's GEMV over all the rows, or, without
+    native kernels, float32-widened weight tiles: kernels/dense.py): equal to each row alone up to
+    bfloat16 rounding, and the same greedy tokens."""
     model = load(tiny_model("llama", checkpoints / "batched-bf16", dtype=torch.bfloat16, seed=3))
     prompts = [[1, 2, 3, 4, 5, 6], [9, 8], [100, 101, 102]]
     cache = model.new_cache(3, 32)

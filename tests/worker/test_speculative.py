@@ -17,9 +17,11 @@ from preload_cli.models import tiny_model
 from preload_daemon.arch import ArchSpec
 from preload_daemon.plan import LoadSpec
 from tests.conftest import run_preload
-from worker.engine import Engine, SamplingParams
+from worker.engine import Engine
+from worker.requests import SamplingParams
 from worker.loader import LoadRequest, load_safetensors
-from worker.model import CausalLM, MTPDraft
+from worker.model import CausalLM
+from worker.mtp import MTPDraft
 from worker.speculative import Speculator
 
 PROMPTS = [[5, 17, 99, 3, 200, 41], [7, 7, 7], [250, 1, 30, 31, 32, 33, 34, 35, 36]]

@@ -1,0 +1,345 @@
+// A whole decoder layer of a decode step in one call (torch class preload.DecodeLayer): the input
+// norm, the q/k/v projections and their biases, the q/k norms (Qwen3), rope, the cache write,
+// attention over each sequence's cache, o, the residual, the post-attention norm, gate and up,
+// SwiGLU, down and the residual, for B sequences of one new token each.
+//
+// Each step computes what the per-op path of worker/model.py computes at decode sizes, rounded where
+// it rounds (to the model's dtype after every operation): the products run the fused GEMV of
+// qgemv_kernels.cpp (the bfloat16 element format, or the weight's quantized one), the norms and
+// attention the rows of decode_ops.h, rope and SwiGLU as torch's arithmetic does them. With bfloat16
+// activations that is the same bits wherever the per-op path picks the same GEMV; with float32 ones
+// SwiGLU's exp may differ from torch's in the last bit. What the call saves is
+// everything between the products: no Python, no torch dispatch, no output tensors and no thread
+// pool woken per operation (a layer of the default model runs about 25 of them). One OpenMP region
+// runs the layer; its threads split each product's rows (blocks taken from a shared counter) and
+// attention's heads, meet at a barrier after each step, and the one-thread steps run on thread 0.
+//
+// Built once per layer by kernels/decode_layer.py over the layer's weight tensors (which it keeps
+// alive); the kernel variant is chosen per call.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <optional>
+#include <vector>
+
+#include "decode_ops.h"
+#include "qgemv_kernels.h"
+#include "weights.h"
+
+namespace {
+
+using preload::Kernels;
+using preload::Weight;
+using preload::widen;
+
+constexpr int64_t kGemvWork = int64_t(1) << 16;  // multiply-adds per block of rows a thread takes
+constexpr int64_t kUnit = 4;                     // rows; a multiple of every step of the kernels
+
+enum Phase : int64_t { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3, kPhases = 4 };
+
+struct Projection {
+  at::Tensor weight, scale;
+  std::optional<at::Tensor> global;  // kept alive: `w` points into them
+  Weight w;
+  int64_t column;  // its first output column within the phase
+};
+
+// The work of one product step: blocks of rows of the phase's projections, taken in turn.
+struct Blocks {
+  std::vector<int64_t> first;  // per projection: its first block; then the total
+  int64_t rows = 0;            // rows per block
+};
+
+template <typename T>
+struct Scratch {  // one set per thread that calls forward (the engine's one), sized before the region
+  std::vector<T> h, qkv, q, attn, out, gate_up, act, down, normed;
+  std::vector<float> x;                         // a product's input, in the kernels' order, zero-padded
+  std::vector<preload::AttendScratch> attend;  // one per thread of the region
+};
+
+template <typename T>
+struct Vectors {  // the norms' and biases' data, read before the region (nothing in it may throw)
+  const T *input_norm, *post_norm, *q_norm, *k_norm, *qkv_bias, *o_bias;
+};
+
+class DecodeLayer : public torch::CustomClassHolder {
+ public:
+  DecodeLayer(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+              double scale)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), d_(head_dim), inter_(intermediate),
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(hidden > 0 && heads > 0 && kv_heads > 0 && heads % kv_heads == 0 && head_dim > 0 &&
+                head_dim % 2 == 0 && intermediate > 0, "DecodeLayer: bad dimensions");
+  }
+
+  // A projection of `phase` (0 q/k/v, 1 o, 2 gate/up, 3 down), its columns after those added before.
+  void add(int64_t phase, at::Tensor weight, at::Tensor scale, std::optional<at::Tensor> global, int64_t kind,
+           int64_t block, int64_t element) {
+    TORCH_CHECK(phase >= 0 && phase < kPhases, "DecodeLayer: unknown phase ", phase);
+    Weight w = preload::check_weight(weight, scale, global, kind, block, element);
+    auto& list = phases_[phase];
+    TORCH_CHECK(list.empty() || (list[0].w.element == w.element && list[0].w.k == w.k),
+                "DecodeLayer: the projections of one step must share an element format and width");
+    TORCH_CHECK(w.k >= inputs(phase) && w.k - inputs(phase) < 32, "DecodeLayer: a phase ", phase, " weight of width ",
+                w.k, " does not take ", inputs(phase), " inputs");
+    const std::vector<int64_t> rows = phase == kQkv ? std::vector<int64_t>{heads_ * d_, kv_heads_ * d_, kv_heads_ * d_}
+                                      : phase == kGateUp ? std::vector<int64_t>{inter_, inter_}
+                                                         : std::vector<int64_t>{hidden_};
+    TORCH_CHECK(list.size() < rows.size() && w.n == rows[list.size()], "DecodeLayer: phase ", phase, " takes ",
+                rows.size(), " projection(s), in order (q, k, v; gate, up), of ",
+                rows[std::min(list.size(), rows.size() - 1)], " rows; this one has ", w.n);
+    int64_t column = list.empty() ? 0 : list.back().column + list.back().w.n;
+    list.push_back({std::move(weight), std::move(scale), std::move(global), w, column});
+  }
+
+  void norms(at::Tensor input, at::Tensor post, std::optional<at::Tensor> q, std::optional<at::Tensor> k) {
+    check_vector(input, hidden_, "input norm");
+    check_vector(post, hidden_, "post-attention norm");
+    TORCH_CHECK(q.has_value() == k.has_value(), "DecodeLayer: q and k norms come together");
+    if (q) check_vector(*q, d_, "q norm"), check_vector(*k, d_, "k norm");
+    input_norm_ = std::move(input), post_norm_ = std::move(post), q_norm_ = std::move(q), k_norm_ = std::move(k);
+  }
+
+  void biases(std::optional<at::Tensor> qkv, std::optional<at::Tensor> out) {
+    if (qkv) check_vector(*qkv, outputs(kQkv), "q/k/v bias");
+    if (out) check_vector(*out, hidden_, "o bias");
+    qkv_bias_ = std::move(qkv), o_bias_ = std::move(out);
+  }
+
+  // x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots, lengths int64 [B] (the new
+  // token sits at lengths - 1); rope [B, 1, 2, D]: cos and sign-folded sin rows (kernels/rope.py).
+  // variant: 0 avx2, 1 avx512. Returns the layer's output [B, hidden], x's dtype.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
+                     const at::Tensor& rope, int64_t variant) {
+    TORCH_CHECK(variant == 0 || variant == 1, "DecodeLayer: variant 0 (avx2) or 1 (avx512)");
+    const Kernels* kernels = variant == 0 ? &preload::kAvx2 : &preload::kAvx512;
+    TORCH_CHECK(preload::runs_here(kernels), "the ", preload::name_of(kernels), " kernels need instructions this CPU "
+                "lacks; choose another variant");
+    for (int64_t p = 0; p < kPhases; ++p)
+      TORCH_CHECK(!phases_[p].empty() && width(p) == outputs(p), "DecodeLayer: phase ", p, " has ", width(p),
+                  " output columns, not ", outputs(p));
+    TORCH_CHECK(input_norm_.defined(), "DecodeLayer: norms() first");
+    const at::ScalarType dtype = x.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "DecodeLayer: float32 or bfloat16 x");
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == hidden_,
+                "DecodeLayer: x must be contiguous [B, ", hidden_, "]");
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&input_norm_, &post_norm_, &cache, &rope})
+      TORCH_CHECK(t->scalar_type() == dtype, "DecodeLayer: the norms, cache and rope rows must be in x's dtype");
+    if (q_norm_) TORCH_CHECK(q_norm_->scalar_type() == dtype && k_norm_->scalar_type() == dtype, "q/k norm dtype");
+    if (qkv_bias_) TORCH_CHECK(qkv_bias_->scalar_type() == dtype, "DecodeLayer: q/k/v bias in x's dtype");
+    if (o_bias_) TORCH_CHECK(o_bias_->scalar_type() == dtype, "DecodeLayer: o bias in x's dtype");
+    const int64_t batch = x.size(0);
+    TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 5 && cache.is_contiguous() && cache.size(2) == 2 &&
+                cache.size(3) == kv_heads_ && cache.size(4) == d_,
+                "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_, "]");
+    TORCH_CHECK(rope.device().is_cpu() && rope.is_contiguous() && rope.numel() == batch * 2 * d_,
+                "DecodeLayer: rope must be [B, 1, 2, ", d_, "] contiguous on the CPU");
+    TORCH_CHECK(slots.device().is_cpu() && lengths.device().is_cpu() && slots.scalar_type() == at::kLong &&
+                lengths.scalar_type() == at::kLong && slots.is_contiguous() &&
+                lengths.is_contiguous() && slots.numel() == batch && lengths.numel() == batch,
+                "DecodeLayer: slots and lengths must be contiguous int64 [B]");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* length = lengths.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b)
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && length[b] >= 1 && length[b] <= cache.size(1), "row ", b,
+                  ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(0),
+                  " slots of ", cache.size(1), " positions");
+    at::Tensor out = x.clone();
+    if (batch == 0) return out;
+    if (dtype == at::kFloat)
+      run<float>(kernels, out.data_ptr<float>(), cache.data_ptr<float>(), slot, length, rope.data_ptr<float>(),
+                 cache.size(1), batch);
+    else
+      run<at::BFloat16>(kernels, out.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), slot, length,
+                        rope.data_ptr<at::BFloat16>(), cache.size(1), batch);
+    return out;
+  }
+
+ private:
+  int64_t inputs(int64_t phase) const {
+    return phase == kOut ? heads_ * d_ : phase == kDown ? inter_ : hidden_;
+  }
+  int64_t outputs(int64_t phase) const {
+    return phase == kQkv ? (heads_ + 2 * kv_heads_) * d_ : phase == kGateUp ? 2 * inter_ : hidden_;
+  }
+  int64_t width(int64_t phase) const {
+    const auto& list = phases_[phase];
+    return list.empty() ? 0 : list.back().column + list.back().w.n;
+  }
+  static void check_vector(const at::Tensor& t, int64_t n, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() && t.size(0) == n, "DecodeLayer: the ", what,
+                " must be contiguous [", n, "]");
+  }
+
+  Blocks blocks(int64_t phase, int64_t batch) const {
+    Blocks out;
+    const auto& list = phases_[phase];
+    out.rows = std::max<int64_t>(kUnit, kGemvWork / (list[0].w.k * batch) / kUnit * kUnit);
+    int64_t total = 0;
+    for (const auto& p : list) {
+      out.first.push_back(total);
+      total += (p.w.n + out.rows - 1) / out.rows;
+    }
+    out.first.push_back(total);
+    return out;
+  }
+
+  // rows of src ([rows, width] in T) into x as the phase's kernels read it: float32 [rows, k],
+  // zero-padded, each group of 16 in the kernels' order.
+  template <typename T>
+  void prepare(const Kernels* kernels, int64_t phase, const T* src, int64_t rows, std::vector<float>& x) const {
+    const Weight& w = phases_[phase][0].w;
+    const int64_t width = inputs(phase);
+    const uint8_t* order = preload::x_order(kernels, w);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = x.data() + r * w.k;
+      for (int64_t j = 0; j < width; ++j) dst[j] = widen(src[r * width + j]);
+      std::fill(dst + width, dst + w.k, 0.0f);
+      if (order) preload::order_groups(dst, w.k, order);
+    }
+  }
+
+  // This thread's share of a product step: y [rows, width(phase)] in T.
+  template <typename T>
+  void product(const Kernels* kernels, int64_t phase, const Blocks& work, std::atomic<int64_t>& next, const float* x,
+               int64_t rows, T* y) const {
+    const auto& list = phases_[phase];
+    const int64_t total = work.first.back(), stride = width(phase);
+    size_t p = 0;
+    for (int64_t b = next++; b < total; b = next++) {
+      while (work.first[p + 1] <= b) ++p;
+      const Projection& proj = list[p];
+      const int64_t begin = (b - work.first[p]) * work.rows, end = std::min(begin + work.rows, proj.w.n);
+      kernels->gemv(proj.w, x, rows, begin, end, y + proj.column, stride, std::is_same_v<T, at::BFloat16>);
+    }
+  }
+
+  // q/k/v of every row: biases, q/k norms, rope (as kernels/rope.py's rotate rounds: x * cos and the
+  // rolled x * sin each, then their sum), k and v into the cache, q into s.q.
+  template <typename T>
+  void heads(Scratch<T>& s, const Vectors<T>& v, T* cache, const int64_t* slot, const int64_t* length, const T* rope,
+             int64_t max_len, int64_t batch) const {
+    const int64_t all = heads_ + 2 * kv_heads_, width = all * d_, half = d_ / 2;
+    std::vector<T>& normed = s.normed;
+    for (int64_t b = 0; b < batch; ++b) {
+      T* row = s.qkv.data() + b * width;
+      if (v.qkv_bias)
+        for (int64_t c = 0; c < width; ++c) row[c] = static_cast<T>(widen(row[c]) + widen(v.qkv_bias[c]));
+      const T* cos = rope + b * 2 * d_;
+      const T* sin = cos + d_;
+      for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
+        T* head = row + h * d_;
+        if (v.q_norm) {
+          preload::norm_rows(head, h < heads_ ? v.q_norm : v.k_norm, normed.data(), 0, 1, d_, d_, eps_);
+          std::copy(normed.begin(), normed.end(), head);
+        }
+        for (int64_t i = 0; i < d_; ++i) normed[i] = head[i];
+        for (int64_t i = 0; i < d_; ++i) {
+          const T a = static_cast<T>(widen(normed[i]) * widen(cos[i]));
+          const T r = static_cast<T>(widen(normed[(i + half) % d_]) * widen(sin[i]));
+          head[i] = static_cast<T>(widen(a) + widen(r));
+        }
+      }
+      T* position = cache + (slot[b] * max_len + length[b] - 1) * 2 * kv_heads_ * d_;
+      std::copy(row + heads_ * d_, row + width, position);  // [2, KV, D]: the keys, then the values
+      std::copy(row, row + heads_ * d_, s.q.data() + b * heads_ * d_);
+    }
+  }
+
+  template <typename T>
+  void run(const Kernels* kernels, T* out, T* cache, const int64_t* slot, const int64_t* length, const T* rope,
+           int64_t max_len, int64_t batch) const {
+    thread_local Scratch<T> mine;
+    Scratch<T>& s = mine;  // the region's threads share the caller's (each has a thread_local of its own)
+    const int64_t qkv_width = outputs(kQkv), k_max = std::max({phases_[kQkv][0].w.k, phases_[kOut][0].w.k,
+                                                                  phases_[kGateUp][0].w.k, phases_[kDown][0].w.k});
+    s.h.resize(batch * hidden_), s.qkv.resize(batch * qkv_width), s.q.resize(batch * heads_ * d_);
+    s.attn.resize(batch * heads_ * d_), s.out.resize(batch * hidden_), s.gate_up.resize(batch * 2 * inter_);
+    s.act.resize(batch * inter_), s.down.resize(batch * hidden_), s.x.resize(batch * k_max), s.normed.resize(d_);
+    const int threads = std::max(1, at::get_num_threads());
+    s.attend.resize(threads);
+    for (auto& a : s.attend) a.reserve(heads_ / kv_heads_, max_len, d_);
+    auto data = [](const std::optional<at::Tensor>& t) -> const T* { return t ? t->data_ptr<T>() : nullptr; };
+    const Vectors<T> v{input_norm_.data_ptr<T>(), post_norm_.data_ptr<T>(), data(q_norm_), data(k_norm_),
+                       data(qkv_bias_), data(o_bias_)};
+    const Blocks work[kPhases] = {blocks(kQkv, batch), blocks(kOut, batch), blocks(kGateUp, batch),
+                                  blocks(kDown, batch)};
+    std::atomic<int64_t> next[kPhases + 1];
+    for (auto& n : next) n = 0;
+    const int64_t group = heads_ / kv_heads_, position_stride = 2 * kv_heads_ * d_;
+#pragma omp parallel num_threads(threads)
+    {
+      const bool first = omp_get_thread_num() == 0;
+      if (first) {
+        preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
+        prepare(kernels, kQkv, s.h.data(), batch, s.x);
+      }
+#pragma omp barrier
+      product(kernels, kQkv, work[kQkv], next[kQkv], s.x.data(), batch, s.qkv.data());
+#pragma omp barrier
+      if (first) heads(s, v, cache, slot, length, rope, max_len, batch);
+#pragma omp barrier
+      for (int64_t i = next[kPhases]++; i < batch * kv_heads_; i = next[kPhases]++) {
+        const int64_t b = i / kv_heads_, j = i % kv_heads_;
+        preload::attend(s.q.data(), cache, s.attn.data(), b, j, group, slot[b], length[b], heads_, kv_heads_, d_,
+                        position_stride, max_len * position_stride, scale_, s.attend[omp_get_thread_num()]);
+      }
+#pragma omp barrier
+      if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);
+#pragma omp barrier
+      product(kernels, kOut, work[kOut], next[kOut], s.x.data(), batch, s.out.data());
+#pragma omp barrier
+      if (first) {
+        for (int64_t i = 0; i < batch * hidden_; ++i) {
+          const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[i % hidden_])) : s.out[i];
+          out[i] = static_cast<T>(widen(out[i]) + widen(o));
+        }
+        preload::norm_rows(out, v.post_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
+        prepare(kernels, kGateUp, s.h.data(), batch, s.x);
+      }
+#pragma omp barrier
+      product(kernels, kGateUp, work[kGateUp], next[kGateUp], s.x.data(), batch, s.gate_up.data());
+#pragma omp barrier
+      {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
+        const int64_t share = (inter_ + omp_get_num_threads() - 1) / omp_get_num_threads();
+        const int64_t c0 = omp_get_thread_num() * share, c1 = std::min(inter_, c0 + share);
+        for (int64_t b = 0; b < batch; ++b)
+          for (int64_t c = c0; c < c1; ++c) {
+            const float g = widen(s.gate_up[b * 2 * inter_ + c]);
+            const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
+            s.act[b * inter_ + c] = static_cast<T>(widen(silu) * widen(s.gate_up[b * 2 * inter_ + inter_ + c]));
+          }
+      }
+#pragma omp barrier
+      if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);
+#pragma omp barrier
+      product(kernels, kDown, work[kDown], next[kDown], s.x.data(), batch, s.down.data());
+#pragma omp barrier
+      if (first)
+        for (int64_t i = 0; i < batch * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
+    }
+  }
+
+  int64_t hidden_, heads_, kv_heads_, d_, inter_;
+  float eps_, scale_;
+  std::vector<Projection> phases_[kPhases];
+  at::Tensor input_norm_, post_norm_;
+  std::optional<at::Tensor> q_norm_, k_norm_, qkv_bias_, o_bias_;
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(preload, m) {
+  m.class_<DecodeLayer>("DecodeLayer")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double>())
+      .def("add", &DecodeLayer::add)
+      .def("norms", &DecodeLayer::norms)
+      .def("biases", &DecodeLayer::biases)
+      .def("forward", &DecodeLayer::forward);
+}

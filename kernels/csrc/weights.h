@@ -1,0 +1,100 @@
+// What the torch-facing translation units (qgemv.cpp, layer.cpp) share about weights: which kernel
+// variants this CPU runs, a weight and its scales checked into the kernels' Weight, and x laid out
+// in the order the kernels read it. Torch headers are fine here: these units are compiled for plain
+// x86-64 (see qgemv_kernels.h for the ones that must not see them).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <optional>
+
+#include "qgemv_kernels.h"
+
+namespace preload {
+
+inline bool runs_here(const Kernels* kernels) {
+  __builtin_cpu_init();
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (kernels == &kAvx2) return avx2;
+  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+inline const char* name_of(const Kernels* kernels) { return kernels == &kAvx2 ? "avx2" : "avx512"; }
+
+template <const Kernels* K>
+void check_cpu() {
+  static const bool ok = runs_here(K);
+  TORCH_CHECK(ok, "the ", name_of(K), " kernels need instructions this CPU lacks; choose another variant "
+              "(kernels.native.available() lists those it can run)");
+}
+
+// Everything the kernels index is checked here: a bad shape is an error, never a stray read.
+inline Weight check_weight(const at::Tensor& weight, const at::Tensor& scale,
+                           const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block,
+                           int64_t element) {
+  TORCH_CHECK(element >= kE4M3 && element <= kBF16, "unknown element format ", element);
+  TORCH_CHECK(weight.device().is_cpu() && scale.device().is_cpu(), "the native kernels run on CPU tensors");
+  bool bf16 = element == kBF16;
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+              (bf16 ? weight.scalar_type() == at::kBFloat16 : weight.element_size() == 1),
+              bf16 ? "weight must be contiguous bfloat16 [N, K]" : "weight must be contiguous bytes [N, K]");
+  int64_t n = weight.size(0), k = weight.size(1) * (element == kE2M1 ? 2 : 1);
+  bool per_block = scale_kind >= kBlock128;
+  if (!per_block) block = k;
+  TORCH_CHECK(k % 16 == 0 && k > 0 && block % 16 == 0 && block > 0, "K and the block size must be multiples of 16");
+  TORCH_CHECK(scale.is_contiguous(), "scale must be contiguous");
+  float global = 1.0f;
+  switch (scale_kind) {
+    case kPerTensor:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == 1, "per-tensor scale: one float32");
+      break;
+    case kPerRow:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n, "per-row scale: N float32");
+      break;
+    case kBlock128:
+      TORCH_CHECK(scale.scalar_type() == at::kFloat && block == 128 && scale.dim() == 2 &&
+                  scale.size(0) == (n + 127) / 128 && scale.size(1) == (k + 127) / 128,
+                  "block scale: float32 [ceil(N/128), ceil(K/128)]");
+      break;
+    case kE8M0Per32:
+    case kE4M3Per16:
+      TORCH_CHECK(scale.element_size() == 1 && scale.dim() == 2 && scale.size(0) == n &&
+                  block == (scale_kind == kE8M0Per32 ? 32 : 16) && k % block == 0 &&
+                  scale.size(1) == k / block,
+                  "MX/NVFP4 scale: bytes [N, K / block]");
+      if (scale_kind == kE4M3Per16) {
+        TORCH_CHECK(global_scale && global_scale->device().is_cpu() && global_scale->scalar_type() == at::kFloat &&
+                    global_scale->numel() == 1, "NVFP4 needs its float32 global scale");
+        global = *global_scale->data_ptr<float>();
+      }
+      break;
+    default:
+      TORCH_CHECK(false, "unknown scale kind ", scale_kind);
+  }
+  bool scheme = element == kE2M1 ? scale_kind >= kE8M0Per32
+                : element == kInt8 ? scale_kind <= kPerRow
+                : bf16                      ? scale_kind == kPerTensor
+                                            : scale_kind <= kE8M0Per32;
+  TORCH_CHECK(scheme, "no scheme has element format ", element, " with scale kind ", scale_kind);
+  return Weight{static_cast<const uint8_t*>(weight.data_ptr()), n, k, weight.size(1) * weight.element_size(),
+                static_cast<Element>(element), static_cast<ScaleKind>(scale_kind),
+                scale.data_ptr(), scale.dim() == 2 ? scale.size(1) : 0, block, global};
+}
+
+// Each group of 16 elements of a row of x in the kernels' `order` (k a multiple of 16).
+inline void order_groups(float* row, int64_t k, const uint8_t* order) {
+  float group[16];
+  for (int64_t g = 0; g < k; g += 16) {
+    for (int p = 0; p < 16; ++p) group[p] = row[g + order[p]];
+    std::copy(group, group + 16, row + g);
+  }
+}
+
+// The order x comes in for a weight's element format on variant K, or null: in order.
+inline const uint8_t* x_order(const Kernels* kernels, const Weight& w) {
+  return w.element == kE2M1 ? kernels->e2m1_order : w.element == kBF16 ? kernels->bf16_order : nullptr;
+}
+
+}  // namespace preload

@@ -1,0 +1,87 @@
+"""A whole decoder layer of a decode step in one native call (kernels/csrc/layer.cpp): norm, q/k/v,
+rope, the cache write, attention, o, residual, norm, gate/up, SwiGLU, down and residual, for every
+sequence of the batch at once, without the Python, dispatch and thread wake-ups between the ~25
+operations of a layer. It runs the fused GEMV of kernels/csrc for every product and rounds where
+torch rounds; where the per-op path picks the same GEMV (one row; a few rows of bfloat16 on CPUs
+without bfloat16 matrix units; quantized weights up to kernels/linear.py's GEMV limit, but int8 on
+AVX-512, which takes torch's kernel there) a bfloat16 model gets the same bits, elsewhere values
+equal up to rounding. Batches of more than MAX_ROWS rows run op by op (the GEMM paths win there).
+
+`fused_layer(...)` builds one over a layer's weights, or says why it cannot (a weight the native
+GEMV does not take, no native kernels); `FusedLayer.__call__` runs it on the variant in use."""
+
+import torch
+
+from kernels import native
+from kernels.dense import UNIT_SCALE
+from kernels.linear import NATIVE_FORMATS
+from kernels.native import BF16_ELEMENTS, E2M1_ELEMENTS
+from kernels.quant import QuantizedWeight
+
+PHASES = ("qkv", "o", "gate_up", "down")
+MAX_ROWS = 16
+"""Most sequences a fused step takes: the fused GEMV reads the weight once per pass of up to 8 rows
+(4 on AVX-512); past kernels/linear.py's GEMV limit the per-op path's GEMM paths are faster."""
+
+
+class FusedLayer:
+    """One decoder layer's native decode step (see the module docstring)."""
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 rope: torch.Tensor) -> torch.Tensor:
+        """x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots and lengths int64 [B]
+        (each row's new token sits at lengths - 1 of its slot); rope [B, 1, 2, D]: rope_table rows
+        of the new positions. Writes the new keys and values and returns the layer's output."""
+        return self._layer.forward(x, cache, slots, lengths, rope, native.variant_index())
+
+
+def _parts(w) -> tuple | str:
+    """(weight, scale, global scale, scale kind, block, element) as the native GEMV takes `w`, or why not."""
+    if isinstance(w, QuantizedWeight):
+        kind, block, element = NATIVE_FORMATS[w.scheme]
+        width = w.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)
+        if width % 16:
+            return f"a {w.scheme} weight stored {width} wide (not a multiple of 16)"
+        return w.weight, w.scale, w.global_scale, kind, block, element
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() \
+            or w.shape[1] % 16:
+        return "a plain weight that is not a contiguous bfloat16 [N, K] with K a multiple of 16"
+    return w, UNIT_SCALE, None, 0, 0, BF16_ELEMENTS
+
+
+def fused_layer(*, projections: dict, norms: tuple, biases: dict, heads: int, kv_heads: int, head_dim: int,
+                eps: float) -> FusedLayer | str:
+    """The fused layer over `projections` ({"q", "k", "v", "o", "gate", "up", "down": weight}),
+    `norms` (input, post-attention, q or None, k or None) and `biases` ({"q", "k", "v", "o": tensor or
+    None}); or a string saying why it cannot run here."""
+    if native.variant_index() < 0:
+        return "no native kernels are chosen here"
+    dtype = norms[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16) or norms[0].device.type != "cpu":
+        return f"a {dtype} model (the fused layer runs float32 and bfloat16 on CPU)"
+    hidden, intermediate = norms[0].shape[0], projections["gate"].shape[0]
+    layer = torch.classes.preload.DecodeLayer(hidden, heads, kv_heads, head_dim, intermediate, eps, head_dim ** -0.5)
+    for phase, names in enumerate((("q", "k", "v"), ("o",), ("gate", "up"), ("down",))):
+        for name in names:
+            parts = _parts(projections[name])
+            if isinstance(parts, str):
+                return parts
+            try:
+                layer.add(phase, *parts)
+            except RuntimeError as e:  # shapes or formats the op refuses: the per-op path runs them
+                return f"the {name} projection: {e}"
+    qkv = [biases.get(n) for n in ("q", "k", "v")]
+    if any(b is not None for b in qkv):
+        widths = [projections[n].shape[0] for n in ("q", "k", "v")]
+        qkv_bias = torch.cat([b if b is not None else torch.zeros(n, dtype=dtype) for b, n in zip(qkv, widths)])
+    else:
+        qkv_bias = None
+    try:
+        layer.norms(*norms)
+        layer.biases(qkv_bias, biases.get("o"))
+    except RuntimeError as e:
+        return f"the norms or biases: {e}"
+    return FusedLayer(layer)

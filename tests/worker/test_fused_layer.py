@@ -1,0 +1,193 @@
+"""The fused decoder layer (kernels/decode_layer.py, kernels/csrc/layer.cpp) against the per-op path
+it replaces in a decode step: the same logits and the same cache, for every architecture case,
+quantization scheme and native variant, one row and several at scattered slots; and its refusals."""
+
+import pytest
+import torch
+
+from kernels import native
+from kernels.decode_layer import fused_layer
+from kernels.dense import Dense, native_rows
+from kernels.linear import _POLICY
+from kernels.rope import rope_table
+from preload_cli.models import tiny_model
+from preload_daemon.plan import LoadSpec
+from tests.worker.test_model import CASES
+from worker.loader import LoadRequest, load_safetensors
+from worker.model import CausalLM
+
+VARIANTS = [v for v in native.available() if v != "torch"]
+needs_native = pytest.mark.skipif(not VARIANTS, reason="the native kernels are not built here")
+SCHEMES = ["int8", "fp8_per_tensor", "fp8_per_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4"]
+PROMPTS = {2: [1, 2, 3, 4, 5, 6], 0: [9, 8], 3: [100, 101, 102, 7, 7, 7, 7, 7, 7],
+           **{slot: [slot, 3 * slot % 256, 40 + slot][:1 + slot % 3] for slot in range(4, 12)}}
+SLOTS = 12
+
+
+def load(path, quantization: str = "none") -> CausalLM:
+    """The model as the engine's cold path builds it (the daemon's load plan, quantized weights)."""
+    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(path), quantization=quantization)))
+    return CausalLM.from_config(weights.config, weights.tensors)
+
+
+def decode(model, slots: list[int], steps: int, fused: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of `steps` greedy decode steps of the PROMPTS at `slots`, batched, and the cache."""
+    saved = model.fused
+    model.fused = saved if fused else None
+    try:
+        cache = model.new_cache(SLOTS, 32)
+        tokens = []
+        for slot in slots:
+            p = PROMPTS[slot]
+            logits = model.forward(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
+            tokens.append(int(logits.argmax()))
+        out = []
+        for step in range(steps):
+            positions = torch.tensor([[len(PROMPTS[s]) + step] for s in slots])
+            logits = model.forward(torch.tensor(tokens)[:, None], positions, cache, torch.tensor(slots))
+            out.append(logits)
+            tokens = logits.argmax(-1).tolist()
+        return out, cache.all.clone()
+    finally:
+        model.fused = saved
+
+
+def exact(model, rows: int, scheme: str, variant: str) -> bool:
+    """Whether the per-op path runs the very kernels the fused layer runs, so that the two must give
+    the same bits: bfloat16 activations, and the same GEMV for every product (kernels/dense.py and
+    kernels/linear.py's choices at this many rows on this variant)."""
+    if model.dtype != torch.bfloat16:
+        return False  # float32 activations: torch's silu rounds its exp apart from ours in the last bit
+    with native.using(variant):
+        if scheme == "none":
+            return rows == 1 or (Dense().widen and rows <= native_rows())
+        gemv_rows, int8_in_torch = _POLICY[variant]
+        return rows <= gemv_rows and not (scheme == "int8" and int8_in_torch)
+
+
+def same(fused, ops, bits: bool):
+    """The same bits where both paths run the same kernels (`bits`); elsewhere equal up to one
+    bfloat16 step, with the same greedy tokens."""
+    (fused, fused_cache), (ops, ops_cache) = fused, ops
+    for a, b in zip(fused, ops):
+        if bits:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2 * b.abs().max().item())
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    if bits:
+        assert torch.equal(fused_cache, ops_cache)
+    else:
+        torch.testing.assert_close(fused_cache.float(), ops_cache.float(), rtol=1e-2, atol=1e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", ["llama-gqa", "llama-attention-bias", "qwen2", "qwen3"])
+def test_decode_steps_equal_the_per_op_path(checkpoints, case, variant):
+    arch, overrides = CASES[case]
+    model = load(tiny_model(arch, checkpoints / f"fused-{case}", dtype=torch.bfloat16, seed=4, **overrides))
+    assert model.fused is not None and len(model.fused) == len(model.layers)
+    with native.using(variant):
+        for slots in ([2], [2, 0, 3], list(range(SLOTS))[::-1][:9]):  # 9 rows: more than one pass
+            fused, ops = decode(model, slots, 5, fused=True), decode(model, slots, 5, fused=False)
+            same(fused, ops, exact(model, len(slots), "none", variant))
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_decode_steps_equal_the_per_op_path(checkpoints, scheme, variant):
+    path = checkpoints / "fused-quant"
+    if not path.exists():
+        tiny_model("llama", path, dtype=torch.bfloat16, seed=5)
+    model = load(path, quantization=scheme)
+    assert model.fused is not None
+    with native.using(variant):
+        fused, ops = decode(model, [2, 0, 3], 4, fused=True), decode(model, [2, 0, 3], 4, fused=False)
+    same(fused, ops, exact(model, 3, scheme, variant))
+
+
+@needs_native
+def test_float32_models_and_quantized_float32_ones(checkpoints, tiny_llama):
+    """Plain float32 weights have no native element format: such a model decodes op by op; its
+    quantized projections do run fused, on float32 activations."""
+    assert load(tiny_llama).fused is None
+    model = load(tiny_llama, quantization="fp8_per_channel")
+    assert model.fused is not None
+    same(decode(model, [2, 0], 3, fused=True), decode(model, [2, 0], 3, fused=False), bits=False)
+
+
+@needs_native
+def test_more_rows_than_a_fused_step_takes_run_op_by_op(checkpoints, monkeypatch):
+    """Past MAX_ROWS sequences the GEMM paths win: the step runs op by op (the fused layers are
+    not called)."""
+    import worker.model
+    model = load(tiny_model("llama", checkpoints / "fused-rows", dtype=torch.bfloat16, seed=8))
+    monkeypatch.setattr(worker.model, "MAX_ROWS", 2)
+    calls = []
+    for layer in model.fused:
+        monkeypatch.setattr(layer, "_layer", _Counting(layer._layer, calls))
+    decode(model, [2, 0, 3], 2, fused=True)
+    assert calls == []
+    decode(model, [2, 0], 2, fused=True)
+    assert len(calls) == 2 * len(model.layers)
+
+
+class _Counting:
+    def __init__(self, layer, calls):
+        self._inner, self._calls = layer, calls
+
+    def forward(self, *args):
+        self._calls.append(1)
+        return self._inner.forward(*args)
+
+
+def test_what_cannot_run_fused_says_why(checkpoints):
+    layer = load(tiny_model("llama", checkpoints / "fused-fp16", dtype=torch.float16, seed=6)).layers[0]
+    kwargs = dict(projections={n: getattr(layer, n) for n in ("q", "k", "v", "o", "gate", "up", "down")},
+                  norms=(layer.input_norm, layer.post_norm, None, None), biases={}, heads=4, kv_heads=2,
+                  head_dim=16, eps=1e-5)
+    with native.using("torch"):
+        assert "no native kernels" in fused_layer(**kwargs)
+    if VARIANTS:
+        assert "float16" in fused_layer(**kwargs)
+
+
+@needs_native
+def test_bad_calls_are_refused_not_run(checkpoints):
+    model = load(tiny_model("llama", checkpoints / "fused-bad", dtype=torch.bfloat16, seed=7))
+    fused = model.fused[0]
+    cache = model.new_cache(2, 8)
+    x = torch.randn(1, 64).bfloat16()
+    rope = rope_table(model.inv_freq, 8, torch.bfloat16)[torch.tensor([3])].unsqueeze(1)
+    ok = dict(cache=cache.layers[0], slots=torch.tensor([1]), lengths=torch.tensor([4]), rope=rope)
+    assert fused(x, **ok).shape == (1, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused(x, **{**ok, "slots": torch.tensor([2])})
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        fused(x, **{**ok, "lengths": torch.tensor([9])})
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        fused(torch.randn(1, 32).bfloat16(), **ok)
+    with pytest.raises(RuntimeError, match="dtype"):
+        fused(x.float(), **ok)
+    with pytest.raises(RuntimeError, match="rope"):
+        fused(x, **{**ok, "rope": rope[:, :, :1]})
+
+
+@needs_native
+def test_a_layer_of_the_wrong_shape_is_refused_as_it_is_built(checkpoints):
+    """Each projection must have its rows (q, k, v; gate, up in order) and a bias the whole q/k/v
+    width, whenever it is given: nothing is read past a tensor's end."""
+    model = load(tiny_model("llama", checkpoints / "fused-shapes", dtype=torch.bfloat16, seed=9))
+    layer = model.layers[0]
+    one = torch.ones(())
+    built = torch.classes.preload.DecodeLayer(64, 4, 2, 16, 128, 1e-5, 0.25)
+    with pytest.raises(RuntimeError, match="in order"):
+        built.add(0, layer.k.contiguous(), one, None, 0, 0, 3)  # k where q belongs
+    with pytest.raises(RuntimeError, match="in order"):
+        built.add(3, torch.zeros(128, 128, dtype=torch.bfloat16), one, None, 0, 0, 3)  # down has 64 rows
+    with pytest.raises(RuntimeError, match="q/k/v bias"):
+        built.biases(torch.zeros(0, dtype=torch.bfloat16), None)  # before any projection, and too short
+    with pytest.raises(RuntimeError, match="q/k/v bias"):
+        built.biases(torch.zeros(64, dtype=torch.bfloat16), None)
