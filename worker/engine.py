@@ -2,7 +2,6 @@
 all running ones over a static per-slot KV cache. Requests arrive from any thread; their tokens go
 back through a callback as they are produced."""
 
-import dataclasses
 import heapq
 import itertools
 import logging
@@ -15,52 +14,17 @@ import torch
 
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
+from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
+from worker.sampling import Pick, describe, needs_work, pick, prompt_logprobs
 from worker.speculative import Speculator, accept, probabilities
 
 log = logging.getLogger(__name__)
+_WAKE = object()
+"""Queued by pause() so that a scheduler waiting for requests looks at its pause flag."""
 
 
-@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 0.0
-    """0 is greedy."""
-    top_p: float = 1.0
-    seed: int | None = None
-    """With temperature > 0, the same seed gives the same tokens."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Added to the model's end-of-sequence tokens."""
-    ignore_eos: bool = False
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclasses.dataclass(slots=True)
-class Request:
-    prompt: list[int]
-    params: SamplingParams
-    on_token: Callable[[int], None]
-    on_done: Callable[[str], None]
-    """Called once with the finish reason: "stop", "length" or "error: ..."."""
-    generator: torch.Generator | None = None
-    output: list[int] = dataclasses.field(default_factory=list)
-    slot: int = -1
-    stop_ids: frozenset = frozenset()
-    cancelled: bool = False
-    """Set from any thread (a stop string matched, the client went away): ends with "stop"."""
-
-
-@dataclasses.dataclass(slots=True)
-class Result:
-    tokens: list[int]
-    finish_reason: str
-    seconds: float
+def _prefill_key(request: Request) -> tuple[int, bool]:
+    return len(request.prompt), request.params.prompt_logprobs is not None
 
 
 class Engine:
@@ -79,7 +43,10 @@ class Engine:
         """A heap: a new request takes the lowest free slot, so running requests tend to hold
         consecutive slots, whose caches a batched step reads as one view (worker/model.py)."""
         self._running: list[Request] = []
+        self._held: list[Request] = []
+        """Taken from the queue, waiting for enough free slots for all its choices (n > 1)."""
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._pause, self._parked, self._resume = threading.Event(), threading.Event(), threading.Event()
         self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
         if speculator is not None:
             self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0)
@@ -103,78 +70,178 @@ class Engine:
 
     def stop(self) -> None:
         self._pending.put(None)
+        self.resume()
         self._thread.join()
 
+    def pause(self, timeout: float) -> bool:
+        """Parks the scheduler thread once the requests it runs have finished. Requests still queued
+        then end with an error (their callers are gone: the HTTP server has closed first); new ones
+        wait in the queue until resume(). True once parked; False if they did not finish in `timeout`."""
+        self._resume.clear()
+        self._pause.set()
+        self._pending.put(_WAKE)
+        return self._parked.wait(timeout)
+
+    @property
+    def parked(self) -> bool:
+        return self._parked.is_set()
+
+    def resume(self) -> None:
+        self._pause.clear()
+        self._parked.clear()
+        self._resume.set()
+
+    def caches(self) -> list:
+        """The KV caches this engine owns (the main model's, and its draft's)."""
+        return [self.cache] + ([self.draft.cache] if self.draft is not None else [])
+
+    def generate_parked(self, prompt: list[int], params: SamplingParams) -> Result:
+        """One request run to its end in the calling thread, alone, on the scheduler's own path
+        (prefill, then batch-of-one steps), while the scheduler is parked (pause())."""
+        if not self._parked.is_set():
+            raise RuntimeError("generate_parked needs the scheduler parked (Engine.pause)")
+        tokens, reason = [], []
+        start = time.perf_counter()
+        request = self.submit(prompt, params, tokens.append, reason.append, enqueue=False)
+        self._prefill([request])
+        while request in self._running:
+            self._decode()
+        if reason[0].startswith("error"):
+            raise RuntimeError(reason[0])
+        return Result(tokens, reason[0], time.perf_counter() - start, request.picks)
+
     def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[int], None],
-               on_done: Callable[[str], None]) -> Request:
+               on_done: Callable[[str], None], enqueue: bool = True) -> Request:
+        self.check(prompt, params)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
+        if enqueue:
+            self._pending.put(request)
+        return request
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raises InvalidRequestError (what is wrong and what to change) for a request this engine
+        cannot run; submit() checks too, this lets a caller check every prompt before the first runs."""
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
         if len(prompt) + params.max_tokens > self.max_len:
             raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                       f"engine's max length {self.max_len}; shorten one of them")
         vocab = self.model.spec.vocab_size
+        if self.speculator is not None and (params.presence_penalty or params.frequency_penalty
+                                            or params.repetition_penalty != 1):
+            raise InvalidRequestError("presence, frequency and repetition penalties are not supported with "
+                                      "speculative decoding (its verification samples the model's own distribution)")
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
-        self._pending.put(request)
-        return request
+        if params.prompt_logprobs is not None and len(prompt) * vocab * 4 > ECHO_LOGITS_BYTES:
+            raise InvalidRequestError(
+                f"the prompt's log-probabilities (echo with logprobs) are limited to {ECHO_LOGITS_BYTES // (vocab * 4)} "
+                f"prompt tokens with this model's vocabulary of {vocab}; this prompt has {len(prompt)}: shorten it")
+
+    def submit_choices(self, prompt: list[int], params: list[SamplingParams], on_token: list[Callable[[int], None]],
+                       on_done: list[Callable[[str], None]]) -> list[Request]:
+        """n choices for one prompt, one request each (params[i] may carry its own seed). Without
+        speculation they share one prefill: the first request's cache is copied for the others."""
+        if len(params) > self.cache.num_slots:
+            raise InvalidRequestError(f"n={len(params)} choices need as many cache slots; this engine has "
+                                      f"{self.cache.num_slots} (--max-batch)")
+        requests = [self.submit(prompt, p, t, d, enqueue=False) for p, t, d in zip(params, on_token, on_done)]
+        if self.speculator is not None:  # each choice keeps its own draft state: prefill each
+            for request in requests:
+                self._pending.put(request)
+        else:
+            requests[0].siblings = requests[1:]
+            self._pending.put(requests[0])
+        return requests
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Result:
         """Blocking convenience: all tokens of one request."""
         tokens, done = [], threading.Event()
         reason = []
         start = time.perf_counter()
-        self.submit(prompt, params, tokens.append, lambda r: (reason.append(r), done.set()))
+        request = self.submit(prompt, params, tokens.append, lambda r: (reason.append(r), done.set()))
         done.wait()
         if reason[0].startswith("error"):
             raise RuntimeError(reason[0])
-        return Result(tokens, reason[0], time.perf_counter() - start)
+        return Result(tokens, reason[0], time.perf_counter() - start, request.picks)
 
     def _loop(self) -> None:
         while True:
+            if self._pause.is_set() and not self._running:
+                if not self._orphans():
+                    return
+                self._parked.set()
+                self._resume.wait()
+                continue
             block = not self._running
-            arrived = []
-            while len(arrived) < len(self._free):
+            arrived, slots = [], len(self._free)
+            while self._held and 1 + len(self._held[0].siblings) <= slots:
+                arrived.append(self._held.pop(0))
+                slots -= 1 + len(arrived[-1].siblings)
+            while slots and not self._held and not self._pause.is_set():
                 try:
                     request = self._pending.get(block=block)
                 except queue.Empty:
                     break
+                if request is _WAKE:
+                    continue
                 if request is None:  # stopping: what arrived with it, and what runs, ends here
-                    self._abandon(arrived + self._running)
+                    self._abandon(self._held + arrived + self._running)
                     return
                 block = False
+                if 1 + len(request.siblings) > slots:  # n > 1: waits for as many free slots
+                    self._held.append(request)
+                    break
                 arrived.append(request)
+                slots -= 1 + len(request.siblings)
             # Prompts of one length prefill together: one forward reads the weights once for all.
-            for _, group in itertools.groupby(sorted(arrived, key=lambda r: len(r.prompt)), lambda r: len(r.prompt)):
-                self._prefill(list(group))
+            # Echoed ones (every position's logits: [T, V] floats) go one at a time.
+            for (_, echo), group in itertools.groupby(sorted(arrived, key=_prefill_key), _prefill_key):
+                for part in ([r] for r in group) if echo else [list(group)]:
+                    self._prefill(part)
             if self._running:
                 self._decode()
 
     def _prefill(self, requests: list[Request]) -> None:
         for request in requests:
-            request.slot = heapq.heappop(self._free)
-            self.stats["requests"] += 1
+            for r in (request, *request.siblings):
+                r.slot = heapq.heappop(self._free)
+                self.stats["requests"] += 1
             self.stats["prompt_tokens"] += len(request.prompt)
+        echo = any(r.params.prompt_logprobs is not None for r in requests)
         try:
             ids = torch.tensor([r.prompt for r in requests])
             positions = torch.arange(ids.shape[1]).expand(len(requests), -1)
             slots = torch.tensor([r.slot for r in requests])
-            if self.speculator is None:
-                logits = self.model.forward(ids, positions, self.cache, slots)
-            else:
-                logits, states = self.model.forward(ids, positions, self.cache, slots, hidden=True)
+            # echo: every position's logits (the prompt's log-probabilities); a draft: the states
+            out = self.model.forward(ids, positions, self.cache, slots, all_logits=echo,
+                                     hidden=self.speculator is not None)
+            logits, states = out if self.speculator is not None else (out, None)
+            if echo:
+                for row, r in enumerate(requests):
+                    if r.params.prompt_logprobs is not None:
+                        r.prompt_picks = prompt_logprobs(logits[row], r.prompt, r.params.prompt_logprobs)
+                logits = logits[:, -1]
+            if states is not None:
                 for row, request in enumerate(requests):
                     self.draft.prefilled(request.slot, request.prompt, states[row])
+            for request in requests:
+                if request.siblings:  # n > 1: one prefill, its keys and values copied
+                    self.model.copy_cache(self.cache, request.slot, [s.slot for s in request.siblings],
+                                          len(request.prompt))
         except Exception as e:
             log.exception("prefill failed")
             for request in requests:
-                self._finish(request, f"error: {e}")
+                for r in (request, *request.siblings):
+                    self._finish(r, f"error: {e}")
             return
         for row, request in enumerate(requests):
-            self._running.append(request)
-            self._emit(request, self._sample(logits[row], request))
+            for r in (request, *request.siblings):
+                r.prompt_picks = request.prompt_picks
+                self._running.append(r)
+                self._emit(r, self._pick(logits[row], r))
 
     def _decode(self) -> None:
         if self.speculator is not None:
@@ -192,10 +259,10 @@ class Engine:
                 self._finish(r, f"error: {e}")
             return
         self.stats["decode_steps"] += 1
-        greedy = logits.argmax(-1).tolist()  # one call for the batch's greedy rows
+        greedy = logits.argmax(-1).tolist()  # one call for the batch's plain greedy rows
         for row, request in enumerate(batch):
-            token = greedy[row] if request.params.temperature == 0 else self._sample(logits[row], request)
-            self._emit(request, token)
+            plain = not needs_work(request.params)
+            self._emit(request, Pick(greedy[row]) if plain else self._pick(logits[row], request))
 
     def _speculate(self) -> None:
         """One speculative step for every running request: propose, verify in one forward, keep the
@@ -226,9 +293,9 @@ class Engine:
             self.stats["spec_proposed"] += k
             self.stats["spec_accepted"] += accepted
             self.stats["spec_verified"] += 1
-            for t in [*proposal.tokens[:accepted], token]:
-                self.stats["spec_emitted"] += 1
-                self._emit(request, t)
+            for i, t in enumerate([*proposal.tokens[:accepted], token]):
+                self.stats["spec_emitted"] += 1  # log-probabilities: the main model's
+                self._emit(request, describe(t, logits[row][i], params, request.prompt, request.output))
                 if request not in self._running:
                     break
 
@@ -240,36 +307,63 @@ class Engine:
         probs = probabilities(logits, params.temperature, params.top_p)
         return int(torch.multinomial(probs, 1, generator=request.generator)), probs
 
-    def _emit(self, request: Request, token: int) -> None:
+    def _emit(self, request: Request, picked: Pick) -> None:
+        token = picked.token
         request.output.append(token)
+        if request.params.logprobs is not None:
+            request.picks.append(picked)
         self.stats["generated_tokens"] += 1
         if token in request.stop_ids or request.cancelled:
             self._finish(request, "stop")
             return
-        request.on_token(token)
+        self._call(request, request.on_token, token)
         if len(request.output) >= request.params.max_tokens:
             self._finish(request, "length")
 
-    def _abandon(self, requests: list[Request]) -> None:
-        """The engine is stopping: every request still open ends with an error, so that no caller
-        waits forever (a caller already gone, e.g. a closed event loop, is only logged)."""
-        self._running.clear()
-        for request in requests:
+    def _orphans(self) -> bool:
+        """Parking: the HTTP server has closed, so requests still queued or held have nobody
+        waiting; they end with an error rather than outlive the quiet point. False if the engine
+        is stopping (stop() came while it parked)."""
+        waiting, stopping = self._held, False
+        self._held = []
+        while True:
             try:
-                request.on_done("error: the engine stopped")
-            except Exception:
-                log.debug("a stopped request's caller is gone", exc_info=True)
+                request = self._pending.get_nowait()
+            except queue.Empty:
+                break
+            if request is None:
+                stopping = True
+            elif request is not _WAKE:
+                waiting.append(request)
+        self._abandon(waiting, "error: the engine paused for a snapshot")
+        return not stopping
+
+    def _abandon(self, requests: list[Request], reason: str = "error: the engine stopped") -> None:
+        """Every request given, and every choice of theirs, ends with `reason`, so that no caller
+        waits forever. Running ones are dropped too: the engine is stopping or parking."""
+        ended = {id(r): r for r in self._running}
+        self._running.clear()
+        for request in requests:  # a running request's siblings run too: each is notified once
+            ended.update((id(s), s) for s in (request, *request.siblings))
+        for request in ended.values():
+            self._call(request, request.on_done, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self._running:
             self._running.remove(request)
         heapq.heappush(self._free, request.slot)
-        request.on_done(reason)
+        self._call(request, request.on_done, reason)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, request: Request) -> int:
-        params = request.params
-        if params.temperature == 0:
-            return int(logits.argmax())
-        return int(torch.multinomial(probabilities(logits, params.temperature, params.top_p), 1,
-                                     generator=request.generator))
+    def _call(request: Request, callback: Callable, value) -> None:
+        """A caller's callback. One that raises (its event loop is gone) cancels its own request,
+        never the scheduler that runs everyone else's."""
+        try:
+            callback(value)
+        except Exception as e:
+            request.cancelled = True
+            log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, request: Request) -> Pick:
+        return pick(logits, request.params, request.prompt, request.output, request.generator)

@@ -19,7 +19,9 @@ from preload_daemon.errors import PreloadError
 
 log = logging.getLogger(__name__)
 
-STOP, FORWARD, DRAFT, MTP = 0, 1, 2, 3  # what the followers run: nothing more, the model, the draft, the MTP step
+# What the followers run: nothing more, the model, the draft, the MTP step, a copy of one slot's cache
+# into others (slots: [source, *targets]; input_ids[0, 0]: how many positions).
+STOP, FORWARD, DRAFT, MTP, COPY = 0, 1, 2, 3, 4
 HEADER = 4  # op, batch, tokens per row, flags (1: all logits, 2: hidden states too)
 JSON_BYTES = 1 << 16
 # Followers wait in a broadcast while the engine is idle, which may last days; a dead peer ends the
@@ -151,6 +153,17 @@ class Leader:
     def forward(self, input_ids, positions, cache, slots, all_logits: bool = False, hidden: bool = False):
         return self._run(FORWARD, self.model.forward, input_ids, positions, cache, slots, all_logits, hidden)
 
+    def copy_cache(self, cache, source: int, targets: list[int], length: int) -> None:
+        slots = torch.tensor([source, *targets])
+        ids = torch.full((len(slots), 1), length)
+        try:
+            self.group.send_step(COPY, ids, torch.zeros_like(ids), slots)
+        except RuntimeError as e:
+            reason = f"the tensor-parallel group broke: {e}"
+            self.on_broken(reason)
+            raise ParallelError(reason) from e
+        self.model.copy_cache(cache, source, targets, length)
+
     def draft(self, model) -> "LeaderDraft":
         """Rank 0's view of the draft model (whose shards the followers hold too)."""
         return LeaderDraft(self, model)
@@ -209,6 +222,8 @@ def follow(model, group: TPGroup, num_slots: int, max_len: int, draft=None) -> N
             return
         if op == FORWARD:
             model.forward(input_ids, positions, cache, slots, all_logits, hidden)
+        elif op == COPY:
+            model.copy_cache(cache, int(slots[0]), slots[1:].tolist(), int(input_ids[0, 0]))
         elif op == DRAFT:
             draft.forward(input_ids, positions, draft_cache, slots, all_logits, hidden)
         else:

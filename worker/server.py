@@ -1,7 +1,8 @@
-"""The engine's HTTP server (Starlette on uvicorn): /health, /ready, /metrics, /v1/models and
-OpenAI-style /v1/completions, streaming or not."""
+"""The engine's HTTP server (Starlette on uvicorn): /health, /ready, /metrics, /v1/models and the
+OpenAI-style /v1/completions and /v1/chat/completions, streaming or not (fields: openai_api.py)."""
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -12,7 +13,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from preload_daemon.errors import InvalidRequestError
-from worker.engine import SamplingParams
+from worker.openai_api import Options, parse_messages, parse_options
+from worker.sampling import Pick
 from worker.state import WorkerState
 
 
@@ -36,7 +38,7 @@ def build_app(state: WorkerState) -> Starlette:
             {"id": state.name, "object": "model", "created": int(state.process_start), "owned_by": "preload",
              "weights_version": state.weights.version if state.weights else None}]})
 
-    async def completions(request: Request):
+    async def generate(request: Request, chat: bool):
         if not state.is_ready():
             return error(503, f"the engine is not ready: {state.not_ready_reason()}", "unavailable")
         try:
@@ -49,116 +51,229 @@ def build_app(state: WorkerState) -> Starlette:
             return error(404, f"model {body.get('model')!r} is not served here; this engine serves {state.name!r}",
                          "not_found_error")
         try:
-            prompts = parse_prompts(body.get("prompt"), state)
-            params = SamplingParams(max_tokens=int(body.get("max_tokens") or 16),
-                                    temperature=float(body.get("temperature", 1.0)),
-                                    top_p=float(body.get("top_p", 1.0)), seed=body.get("seed"),
-                                    ignore_eos=bool(body.get("ignore_eos", False)))
-            if int(body.get("n") or 1) != 1:
-                raise InvalidRequestError("only n=1 is supported")
-            stops = body.get("stop") or []
-            stops = [stops] if isinstance(stops, str) else list(stops)
-            run = Completion(state, prompts, params, stops)
+            options = parse_options(body, chat=chat)
+            if chat:
+                prompts = [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))]
+                texts = [None]
+            else:
+                prompts, texts = parse_prompts(body.get("prompt"), state)
+            run = Generation(state, prompts, texts, options, chat)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
-        if body.get("stream"):
+        if options.stream:
             return StreamingResponse(run.stream(), media_type="text/event-stream")
         return JSONResponse(await run.collect())
 
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
     return Starlette(routes=[
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
-        Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+        Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"])])
 
 
-def parse_prompts(prompt, state: WorkerState) -> list[list[int]]:
-    """OpenAI accepts a string, a list of strings, a list of token ids or a list of such lists."""
+def parse_prompts(prompt, state: WorkerState) -> tuple[list[list[int]], list[str | None]]:
+    """OpenAI accepts a string, a list of strings, a list of token ids or a list of such lists.
+    Returns the token ids of each prompt and its text where it came as text (for echo)."""
     if isinstance(prompt, str):
-        return [state.encode(prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return [prompt]
+        return [state.encode(prompt)], [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt], [None]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [state.encode(p) for p in prompt]
+        return [state.encode(p) for p in prompt], list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, list) and p for p in prompt) \
-            and all(isinstance(t, int) for p in prompt for t in p):
-        return prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for p in prompt for t in p):
+        return prompt, [None] * len(prompt)
     raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists "
                               "of token ids")
 
 
-class Completion:
-    """One /v1/completions call: its prompts run as concurrent engine requests, and their tokens
-    come back to the event loop through a queue."""
+class Choice:
+    """One choice of one prompt: its engine request, the tokens and text it has produced so far."""
 
-    def __init__(self, state: WorkerState, prompts: list[list[int]], params: SamplingParams, stops: list[str]):
-        self.state = state
-        self.prompts = prompts
-        self.stops = stops
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+    def __init__(self, index: int, prompt: list[int], prefix: str):
+        self.index, self.prompt, self.prefix = index, prompt, prefix
+        self.request = None
+        self.tokens: list[int] = []
+        self.sent = ""
+        self.logged = 0
+        """Tokens whose log-probabilities went out already (streaming)."""
+        self.offset = 0
+        """Characters of text the log-probabilities' text_offset has covered."""
+        self.ids_sent = 0
+        """Tokens whose ids went out already (streaming with return_token_ids)."""
+        self.reason = None
+        self.stopped = False
+        """A stop string matched: later tokens are not part of the answer."""
+
+
+class Generation:
+    """One /v1/completions or /v1/chat/completions call: every prompt's n choices run as engine
+    requests (the choices of a prompt share its prefill), and their tokens come back to the event
+    loop through a queue."""
+
+    def __init__(self, state: WorkerState, prompts: list[list[int]], texts: list[str | None], options: Options,
+                 chat: bool):
+        self.state, self.prompts, self.options, self.chat = state, prompts, options, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
-        self.tokens = [[] for _ in prompts]
-        self.sent = [""] * len(prompts)
-        self.requests = [state.engine.submit(
-            p, params, lambda t, i=i: self._put(i, "token", t), lambda r, i=i: self._put(i, "done", r))
-            for i, p in enumerate(prompts)]
+        n = len(options.params)
+        self.choices: list[Choice] = []
+        engine = state.engine
+        plans = []
+        for prompt in prompts:  # every prompt is checked before the first one runs
+            params = options.params
+            if options.until_full:
+                params = [dataclasses.replace(q, max_tokens=max(engine.max_len - len(prompt), 1)) for q in params]
+            for q in params:
+                engine.check(prompt, q)
+            plans.append(params)
+        for p, (prompt, text, params) in enumerate(zip(prompts, texts, plans)):
+            prefix = (text if text is not None else state.decode(prompt)) if options.echo else ""
+            group = [Choice(p * n + j, prompt, prefix) for j in range(n)]
+            requests = engine.submit_choices(
+                prompt, params, [lambda t, c=c: self._put(c, "token", t) for c in group],
+                [lambda r, c=c: self._put(c, "done", r) for c in group])
+            for choice, request in zip(group, requests):
+                choice.request = request
+            self.choices += group
 
-    def _put(self, index: int, kind: str, value) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (index, kind, value))
+    def _put(self, choice: Choice, kind: str, value) -> None:
+        """Called on the engine's thread. Once the event loop is gone (the server shut down) nobody
+        reads the tokens: the choice stops."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (choice, kind, value))
+        except RuntimeError:
+            choice.request.cancelled = True
 
-    def _delta(self, index: int, final: bool) -> str:
+    def cancel(self) -> None:
+        """Stops generating every choice (the client went away, or the answer is complete)."""
+        for choice in self.choices:
+            choice.request.cancelled = True
+
+    def _delta(self, choice: Choice, final: bool) -> str:
         """New text of one choice since the last call. A trailing partial UTF-8 character waits for
         its next token; a stop string ends the choice there."""
-        text = self.state.decode(self.tokens[index])
-        for stop in self.stops:
+        text = self.state.decode(choice.tokens)
+        for stop in self.options.stops:
             cut = text.find(stop)
             if cut >= 0:
                 text = text[:cut]
-                self.requests[index].cancelled = True
+                choice.request.cancelled = choice.stopped = True
         if text.endswith("\ufffd") and not final:
             return ""
-        delta, self.sent[index] = text[len(self.sent[index]):], text
+        delta, choice.sent = text[len(choice.sent):], text
         return delta
 
     async def _events(self):
-        remaining = len(self.prompts)
+        remaining = len(self.choices)
         while remaining:
-            index, kind, value = await self.events.get()
+            choice, kind, value = await self.events.get()
             if kind == "token":
-                self.tokens[index].append(value)
-                if not self.requests[index].cancelled:
-                    yield index, self._delta(index, False), None
+                if choice.stopped:  # generated before the engine saw the stop: not part of the answer
+                    continue
+                choice.tokens.append(value)
+                if not choice.request.cancelled:
+                    yield choice, self._delta(choice, False), None
             else:
                 remaining -= 1
-                reason = "stop" if self.requests[index].cancelled else value
-                yield index, self._delta(index, True), reason
+                choice.reason = "stop" if choice.request.cancelled else value
+                yield choice, self._delta(choice, True), choice.reason
+
+    def _logprobs(self, choice: Choice, upto: int, first: bool) -> dict | None:
+        """The log-probabilities of choice's tokens from the last ones sent up to `upto` (with the
+        prompt's first, when echoing), in the endpoint's format; None when not asked for."""
+        if self.options.logprobs is None:
+            return None
+        picks: list[tuple[int, Pick | None]] = []
+        if first and self.options.echo:
+            picks += [(t, p) for t, p in zip(choice.prompt, choice.request.prompt_picks or [None] * len(choice.prompt))]
+        picks += [(p.token, p) for p in choice.request.picks[choice.logged:upto]]
+        choice.logged = max(choice.logged, upto)
+        text = self.state.token_text
+        if self.chat:
+            return {"content": [{
+                "token": text(t), "logprob": p.raw, "bytes": list(text(t).encode()), "sampling_logprob": p.sampled,
+                "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())} for i, lp in p.top]}
+                for t, p in picks]}
+        offsets = []
+        for t, _ in picks:
+            offsets.append(choice.offset)
+            choice.offset += len(text(t))
+        return {"tokens": [text(t) for t, _ in picks],
+                "token_logprobs": [p.raw if p else None for _, p in picks],
+                "top_logprobs": [{text(i): lp for i, lp in p.top} if p else None for _, p in picks],
+                "text_offset": offsets,
+                "sampling_logprobs": [p.sampled if p else None for _, p in picks]}
+
+    def _choice(self, choice: Choice, text: str, reason, logprobs, token_ids: list[int], first: bool) -> dict:
+        if self.chat:
+            out = {"index": choice.index, "message": {"role": "assistant", "content": text}}
+        else:
+            out = {"index": choice.index, "text": text}
+        out.update(logprobs=logprobs, finish_reason=reason)
+        if self.options.return_token_ids:
+            out["token_ids"] = token_ids
+            if first:
+                out["prompt_token_ids"] = choice.prompt
+        return out
 
     async def collect(self) -> dict:
-        texts, reasons = [""] * len(self.prompts), [None] * len(self.prompts)
-        async for index, delta, reason in self._events():
-            texts[index] += delta
-            reasons[index] = reason or reasons[index]
-        return {**self._envelope(), "choices": [
-            {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]} for i in range(len(texts))],
-            "usage": self._usage()}
+        try:
+            async for _ in self._events():
+                pass
+        finally:  # the client went away (the task is cancelled): stop generating for it
+            self.cancel()
+        choices = []
+        for c in self.choices:
+            logprobs = self._logprobs(c, len(c.tokens), True)
+            choices.append(self._choice(c, c.prefix + c.sent, c.reason, logprobs, c.tokens, True))
+        return {**self._envelope(), "choices": choices, "usage": self._usage()}
 
     async def stream(self):
+        started: set[int] = set()
         try:
-            async for index, delta, reason in self._events():
-                if delta or reason:
-                    chunk = {**self._envelope(), "choices": [
-                        {"index": index, "text": delta, "logprobs": None, "finish_reason": reason}]}
-                    yield f"data: {json.dumps(chunk)}\n\n"
-            yield f"data: {json.dumps({**self._envelope(), 'choices': [], 'usage': self._usage()})}\n\n"
+            async for choice, delta, reason in self._events():
+                first = choice.index not in started
+                if not (delta or reason or first):
+                    continue
+                started.add(choice.index)
+                logprobs = self._logprobs(choice, len(choice.tokens), first)
+                ids, choice.ids_sent = choice.tokens[choice.ids_sent:], len(choice.tokens)
+                text = (choice.prefix if first else "") + delta
+                if self.chat:
+                    part = {"index": choice.index, "delta": ({"role": "assistant", "content": text} if first
+                                                             else {"content": text} if text or not reason else {}),
+                            "logprobs": logprobs, "finish_reason": reason}
+                    if self.options.return_token_ids:
+                        part["token_ids"] = ids
+                        if first:
+                            part["prompt_token_ids"] = choice.prompt
+                else:
+                    part = self._choice(choice, text, reason, logprobs, ids, first)
+                yield f"data: {json.dumps({**self._envelope(), 'choices': [part]})}\n\n"
+            if self.options.include_usage:
+                yield f"data: {json.dumps({**self._envelope(), 'choices': [], 'usage': self._usage()})}\n\n"
             yield "data: [DONE]\n\n"
-        finally:
-            for request in self.requests:  # the client went away: stop generating for it
-                request.cancelled = True
+        finally:  # the client went away: stop generating for it
+            self.cancel()
 
     def _envelope(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.state.name}
+        """What every response and stream chunk carries: the model and the weights that answer."""
+        kind = ("chat.completion.chunk" if self.options.stream else "chat.completion") if self.chat else \
+            "text_completion"
+        weights = self.state.weights
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.state.name,
+                "weights_version": weights.version if weights else None,
+                "content_digest": weights.content_digest if weights else None}
 
     def _usage(self) -> dict:
         prompt = sum(map(len, self.prompts))
-        completion = sum(map(len, self.tokens))
+        completion = sum(len(c.tokens) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -13,6 +13,7 @@ from worker.chat_template import compile_template, read_template, render_templat
 class Tokenizer:
     def __init__(self, path: pathlib.Path):
         self._tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+        self._texts: dict[int, str] = {}
         config_path = path / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.exists() else {}
         self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
@@ -37,6 +38,13 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text, special tokens included (what log-probabilities name)."""
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self._tok.decode([token], skip_special_tokens=False)
+        return text
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self._template is None:

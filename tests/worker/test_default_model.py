@@ -7,9 +7,10 @@ import torch
 import transformers
 
 from preload_daemon.plan import LoadSpec
-from worker.engine import Engine, SamplingParams
+from worker.engine import Engine
 from worker.loader import LoadRequest, load_safetensors
 from worker.model import CausalLM
+from worker.requests import SamplingParams
 from worker.tokenizer import Tokenizer
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]

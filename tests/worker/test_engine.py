@@ -5,9 +5,10 @@ import threading
 import pytest
 
 from preload_daemon.errors import InvalidRequestError
-from worker.engine import Engine, SamplingParams
+from worker.engine import Engine
 from worker.loader import LoadRequest, load_safetensors
 from worker.model import CausalLM
+from worker.requests import SamplingParams
 from preload_daemon.plan import LoadSpec
 
 
@@ -96,3 +97,66 @@ def test_stopping_ends_every_open_request_with_an_error(tiny_llama):
     stop_queued.set()
     stopper.join(60)
     assert not stopper.is_alive() and reasons == ["error: the engine stopped"]
+
+
+def test_a_caller_that_fails_cancels_only_its_own_request(engine):
+    """A callback that raises (a server's event loop closed under it) ends that request with "stop";
+    the scheduler goes on serving the others."""
+    def gone(token):
+        raise RuntimeError("Event loop is closed")
+
+    reasons, done = [], threading.Event()
+    engine.submit(PROMPT, SamplingParams(max_tokens=20, ignore_eos=True), gone, lambda r: (reasons.append(r), done.set()))
+    assert done.wait(60) and reasons == ["stop"]
+    assert engine.generate(PROMPT, SamplingParams(max_tokens=3, ignore_eos=True)).finish_reason == "length"
+
+
+def test_parking_ends_the_requests_still_queued(engine):
+    """A request queued behind running ones when the engine parks has nobody waiting for it (the
+    HTTP server closed first): it ends with an error instead of outliving the quiet point."""
+    release, started = threading.Event(), threading.Event()
+
+    def hold(token):  # the engine's thread waits here once every slot is busy
+        if len(engine._running) == 4:
+            started.set()
+            release.wait(60)
+
+    running, queued = [], []
+    for _ in range(4):  # every slot busy, so the next request queues
+        engine.submit(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True), hold, running.append)
+    assert started.wait(60)
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=2), lambda t: None, queued.append)
+    parked = []
+    pauser = threading.Thread(target=lambda: parked.append(engine.pause(60)))
+    pauser.start()
+    release.set()
+    pauser.join(60)
+    try:
+        assert parked == [True]
+        assert running == ["length"] * 4 and queued == ["error: the engine paused for a snapshot"]
+    finally:
+        engine.resume()
+    assert engine.generate(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True)).finish_reason == "length"
+
+
+def test_pause_parks_the_scheduler_and_generate_parked_runs_its_path(engine):
+    """A snapshot's quiet point: pause waits for running requests, new ones wait; generate_parked
+    gives what the scheduler gives, with log-probabilities that are the model's log-softmax."""
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    scheduled = engine.generate(PROMPT, params)
+    with pytest.raises(RuntimeError, match="parked"):
+        engine.generate_parked(PROMPT, params)
+    assert engine.pause(30)
+    done = threading.Event()
+    engine.submit([1, 2, 3], SamplingParams(max_tokens=2), lambda t: None, lambda r: done.set())
+    parked = engine.generate_parked(PROMPT, params)
+    assert not done.wait(0.3), "a request ran while the scheduler was parked"
+    engine.resume()
+    assert done.wait(30)
+    assert parked.tokens == scheduled.tokens and parked.logprobs == pytest.approx(scheduled.logprobs, abs=1e-5)
+    assert len(parked.logprobs) == 6 and all(lp <= 0 for lp in parked.logprobs)
+    import torch
+    logits = engine.model.forward(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], engine.cache,
+                                  torch.tensor([0]))
+    first = torch.log_softmax(logits[0].float(), -1)[scheduled.tokens[0]]
+    assert scheduled.logprobs[0] == pytest.approx(float(first), abs=1e-5)

@@ -1,0 +1,268 @@
+"""The OpenAI API as chat clients and RL rollouts use it, through the official `openai` client,
+against real engines warm and cold, at TP 1 and TP 2: chat and completions, streaming or not,
+log-probabilities against transformers' log-softmax, n choices, seeds, penalties, strict fields."""
+
+import json
+import math
+import shutil
+import urllib.error
+import urllib.request
+from collections import Counter
+
+import pytest
+import torch
+
+from preload_cli.models import tiny_model
+from preload_daemon.config import DaemonConfig
+from tests.conftest import run_preload
+from tests.worker.conftest import EngineProcess
+from tests.worker.test_engine_parallel import stop_daemons
+from worker.tokenizer import Tokenizer
+
+openai = pytest.importorskip("openai")
+MODES = [("safetensors", 1), ("ipc_cache", 1), ("safetensors", 2), ("ipc_cache", 2)]
+PROMPT = [504, 3575, 282, 4649, 314, 17, 256]
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def chat_model(checkpoints, default_model):
+    """A tiny random Llama (fp32, 4 heads: TP 2 fits) that speaks the default model's tokenizer and
+    chat template."""
+    path = checkpoints / "tiny-chat"
+    if not path.exists():
+        tiny_model("llama", path, vocab_size=49152, bos_token_id=1, eos_token_id=2)
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (default_model / name).exists():
+                shutil.copy(default_model / name, path / name)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(chat_model):
+    """transformers' log-softmax over the same checkpoint: [T, V] for a sequence of token ids."""
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_model, torch_dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        return logits
+
+    return logprobs
+
+
+@pytest.fixture(scope="module", params=MODES, ids=[f"{f}-tp{t}" for f, t in MODES])
+def engine(request, chat_model, tmp_path_factory):
+    load_format, tp = request.param
+    runtime = tmp_path_factory.mktemp("api")
+    runtime.chmod(0o700)
+    if load_format == "ipc_cache":
+        served = run_preload("serve", chat_model, "--tp-size", tp, "--no-supervise", runtime_dir=runtime)
+        assert served.returncode == 0, served.stderr
+    extra = ("--no-fallback",) if load_format == "ipc_cache" else ()
+    process = EngineProcess(chat_model, load_format, runtime, "--tp-size", str(tp), *extra)
+    assert process.ready.get("load_format") == load_format, process.ready
+    yield process
+    process.stop()
+    if load_format == "ipc_cache":
+        stop_daemons(runtime)
+        shutil.rmtree(DaemonConfig(runtime_dir=runtime).shm_dir, ignore_errors=True)
+
+
+def client(engine) -> "openai.OpenAI":
+    return openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_logprobs_are_transformers_log_softmax_greedy_sampled_and_echoed(engine, reference, chat_model):
+    api = client(engine)
+    greedy = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                    echo=True, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = greedy.choices[0]
+    ids = choice.model_extra["token_ids"]
+    assert choice.model_extra["prompt_token_ids"] == PROMPT and len(ids) == 6
+    logits = reference(PROMPT + ids)
+    expected = torch.log_softmax(logits, -1)
+    got = choice.logprobs.token_logprobs
+    assert got[0] is None and len(got) == len(PROMPT) + 6  # echo: the prompt's first, from the second token on
+    for position, token in enumerate((PROMPT + ids)[1:]):
+        assert got[position + 1] == pytest.approx(float(expected[position, token]), rel=1e-4, abs=1e-4)
+    # the top 3 at each generated position are transformers' top 3
+    top = choice.logprobs.top_logprobs[len(PROMPT)]
+    values, indices = expected[len(PROMPT) - 1].topk(3)
+    assert sorted(top.values(), reverse=True) == pytest.approx(values.tolist(), rel=1e-4, abs=1e-4)
+    tokenizer = Tokenizer.load(chat_model)
+    assert set(top) == {tokenizer.token_text(i) for i in indices.tolist()}
+    assert ids[0] == int(expected[len(PROMPT) - 1].argmax())
+    assert choice.logprobs.model_extra["sampling_logprobs"][len(PROMPT):] == [0.0] * 6  # greedy: certain
+
+    sampled = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=6, temperature=0.7, seed=3,
+                                     logprobs=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = sampled.choices[0].model_extra["token_ids"]
+    logits = reference(PROMPT + ids)
+    raw, tempered = torch.log_softmax(logits, -1), torch.log_softmax(logits / 0.7, -1)
+    lp = sampled.choices[0].logprobs
+    for i, token in enumerate(ids):
+        position = len(PROMPT) - 1 + i
+        assert lp.token_logprobs[i] == pytest.approx(float(raw[position, token]), rel=1e-4, abs=1e-4)
+        assert lp.model_extra["sampling_logprobs"][i] == pytest.approx(float(tempered[position, token]),
+                                                                        rel=1e-4, abs=1e-4)
+
+
+def test_choices_share_a_prefill_and_each_replays_from_its_seed(engine):
+    api = client(engine)
+    many = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=8, temperature=1.0, n=4, seed=11,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    outputs = [c.model_extra["token_ids"] for c in many.choices]
+    assert len({tuple(o) for o in outputs}) > 1, "n choices must be drawn independently"
+    assert many.usage.prompt_tokens == len(PROMPT) and many.usage.completion_tokens == 32
+    for i in (0, 2):
+        alone = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=11 + i,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert alone.choices[0].model_extra["token_ids"] == outputs[i]
+    assert many.model_extra["weights_version"] == engine.ready["weights_version"]
+
+
+def test_sampled_frequencies_match_the_returned_probabilities_in_every_mode(engine):
+    """Seeded draws of one token (at a low temperature, where this random model's distribution has
+    a few likely tokens): each token's frequency is the probability the engine says it drew with."""
+    draws = sample_first_tokens(client(engine), "tiny-chat", PROMPT, temperature=0.03, n=4, requests=80)
+    assert_frequencies(draws, threshold=0.1)
+
+
+def sample_first_tokens(api, model: str, prompt, temperature: float, n: int, requests: int) -> list:
+    """(token, its sampling log-probability) for n * requests seeded draws of the first token."""
+    draws = []
+    for seed in range(0, n * requests, n):
+        answer = api.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=temperature, n=n,
+                                        seed=seed, logprobs=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+        draws += [(c.model_extra["token_ids"][0], c.logprobs.model_extra["sampling_logprobs"][0]) for c in answer.choices]
+    return draws
+
+
+def assert_frequencies(draws: list, threshold: float) -> None:
+    """Every token drawn with probability >= threshold turns up that often, within 4 sigma."""
+    counts, probability = Counter(t for t, _ in draws), {t: math.exp(lp) for t, lp in draws}
+    checked = 0
+    for token, p in probability.items():
+        if p < threshold:
+            continue
+        sigma = math.sqrt(p * (1 - p) / len(draws))
+        assert abs(counts[token] / len(draws) - p) < 4 * sigma, (token, counts[token], len(draws), p)
+        checked += 1
+    assert checked >= 2, probability
+
+
+def test_chat_streaming_and_not_with_usage_only_when_asked(engine):
+    api = client(engine)
+    whole = api.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=10, temperature=0,
+                                        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    message = whole.choices[0].message
+    assert whole.object == "chat.completion" and message.role == "assistant" and message.content
+    assert len(whole.choices[0].logprobs.content) == 10 and whole.usage.completion_tokens == 10
+    assert all(len(t.top_logprobs) == 2 for t in whole.choices[0].logprobs.content)
+    chunks = list(api.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=10, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True}))
+    assert all(c.choices for c in chunks), "no usage chunk unless stream_options.include_usage"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.model_extra["weights_version"] == engine.ready["weights_version"] for c in chunks)
+    with_usage = list(api.chat.completions.create(model="tiny-chat", messages=MESSAGES, max_tokens=4, stream=True,
+                                                  stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True}))
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 4
+    for text in (c.choices[0].text for c in api.completions.create(
+            model="tiny-chat", prompt=PROMPT, max_tokens=4, stream=True, extra_body={"ignore_eos": True})):
+        assert isinstance(text, str)  # every chunk has a choice: `chunk.choices[0].text` never raises
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": PROMPT, "bogus": 1}, "unknown field 'bogus'"),
+    ({"prompt": PROMPT, "best_of": 2}, "best_of"),
+    ({"prompt": PROMPT, "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": PROMPT, "n": 0}, "n must be"),
+    ({"prompt": PROMPT, "logprobs": 99}, "logprobs must be"),
+    ({"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty"),
+    ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "needs stream"),
+    ({"prompt": PROMPT, "stop": [""]}, "stop must be"),
+    ({"messages": MESSAGES, "tools": []}, "tool calling"),
+])
+def test_fields_not_supported_are_refused_by_name(tiny_engine, body, message):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    request = urllib.request.Request(tiny_engine.url + path, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=30)
+    answer = json.load(err.value)
+    assert err.value.code == 400 and message in answer["error"]["message"], answer
+
+
+def test_a_checkpoint_without_a_chat_template_gets_a_clear_400(tiny_engine):
+    with pytest.raises(openai.BadRequestError, match="no tokenizer.json and so no chat template"):
+        client(tiny_engine).chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_llama, tmp_path_factory):
+    runtime = tmp_path_factory.mktemp("api-tiny")
+    runtime.chmod(0o700)
+    process = EngineProcess(tiny_llama, "safetensors", runtime)
+    yield process
+    process.stop()
+
+
+def test_sampled_tokens_follow_the_returned_probabilities(default_engine):
+    """Many seeded draws of one token: each token's frequency is the probability the engine says it
+    was drawn with (within four standard deviations)."""
+    draws = sample_first_tokens(client(default_engine), "smollm2-135m-instruct", "My favourite colour is",
+                                temperature=1.0, n=16, requests=20)
+    assert_frequencies(draws, threshold=0.05)
+
+
+def test_chat_answers_with_the_default_model_and_penalties_change_it(default_engine):
+    api = client(default_engine)
+    answer = api.chat.completions.create(model="smollm2-135m-instruct", messages=MESSAGES, temperature=0)
+    assert "Paris" in answer.choices[0].message.content  # no max_tokens: to the end of the answer, not 16 tokens
+    assert answer.choices[0].finish_reason == "stop"
+    plain = api.completions.create(model="smollm2-135m-instruct", prompt="one two one two one two", max_tokens=12,
+                                   temperature=0)
+    penalized = api.completions.create(model="smollm2-135m-instruct", prompt="one two one two one two", max_tokens=12,
+                                       temperature=0, frequency_penalty=2.0,
+                                       extra_body={"repetition_penalty": 1.5})
+    assert penalized.choices[0].text != plain.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def default_engine(default_model, tmp_path_factory):
+    runtime = tmp_path_factory.mktemp("api-default")
+    runtime.chmod(0o700)
+    process = EngineProcess(default_model, "safetensors", runtime, "--max-batch", "16")
+    yield process
+    process.stop()
+
+
+def test_with_speculation_the_logprobs_are_the_main_models(chat_model, reference, tmp_path_factory):
+    """A draft proposes, the main model verifies: the log-probabilities returned are the main
+    model's (transformers' log-softmax over the same checkpoint), and stop token ids end a choice."""
+    runtime = tmp_path_factory.mktemp("api-spec")
+    runtime.chmod(0o700)
+    process = EngineProcess(chat_model, "safetensors", runtime, "--speculative", "draft", "--draft-model",
+                            str(chat_model), "--num-speculative-tokens", "2")
+    try:
+        api = client(process)
+        answer = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids = answer.choices[0].model_extra["token_ids"]
+        expected = torch.log_softmax(reference(PROMPT + ids), -1)
+        for i, token in enumerate(ids):
+            assert answer.choices[0].logprobs.token_logprobs[i] == pytest.approx(
+                float(expected[len(PROMPT) - 1 + i, token]), rel=1e-4, abs=1e-4)
+        stopped = api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True, "stop_token_ids": [ids[2]],
+                                                     "return_token_ids": True})
+        assert stopped.choices[0].model_extra["token_ids"] == ids[:2] and stopped.choices[0].finish_reason == "stop"
+        with pytest.raises(openai.BadRequestError, match="not supported with speculative decoding"):
+            api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=2, presence_penalty=1.0)
+    finally:
+        process.stop()

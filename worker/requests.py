@@ -1,0 +1,92 @@
+"""What a caller asks the engine for and gets back: the sampling parameters of a request (checked
+as they are made), the request as the scheduler tracks it, and the result of a blocking generate."""
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from preload_daemon.errors import InvalidRequestError
+from worker.sampling import MAX_TOP_LOGPROBS, Pick
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    seed: int | None = None
+    """With temperature > 0, the same seed gives the same tokens."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Added to the model's end-of-sequence tokens."""
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Also record each generated token's log-probabilities (worker/sampling.Pick), with this many
+    most likely alternatives (0: none); None records nothing."""
+    prompt_logprobs: int | None = None
+    """Also record each prompt token's log-probability given the ones before it (echo)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+
+
+ECHO_LOGITS_BYTES = 1 << 30
+"""The prompt's log-probabilities need the logits of every prompt position: at most this many bytes."""
+
+
+@dataclasses.dataclass(slots=True)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[int], None]
+    on_done: Callable[[str], None]
+    """Called once with the finish reason: "stop", "length" or "error: ..."."""
+    generator: torch.Generator | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1
+    stop_ids: frozenset = frozenset()
+    cancelled: bool = False
+    """Set from any thread (a stop string matched, the client went away): ends with "stop"."""
+    picks: list[Pick] = dataclasses.field(default_factory=list)
+    """With params.logprobs: each generated token's log-probabilities (worker/sampling.Pick)."""
+    prompt_picks: list[Pick | None] = dataclasses.field(default_factory=list)
+    """With params.prompt_logprobs: each prompt token's (None for the first)."""
+    siblings: list["Request"] = dataclasses.field(default_factory=list)
+    """More choices of the same prompt (n > 1): prefilled once, by this request, then their caches
+    are copies of this one's and each samples on its own."""
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Each generated token's raw log-probability (with params.logprobs)."""
+        return [p.raw for p in self.picks]
+
+
+@dataclasses.dataclass(slots=True)
+class Result:
+    tokens: list[int]
+    finish_reason: str
+    seconds: float
+    picks: list[Pick] = dataclasses.field(default_factory=list)
+    """With params.logprobs: each token's log-probabilities (worker/sampling.Pick)."""
+
+    @property
+    def logprobs(self) -> list[float]:
+        return [p.raw for p in self.picks]
