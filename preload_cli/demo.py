@@ -1,6 +1,6 @@
 """`preload demo`: the whole story on the embedded default model. Start a daemon and load the model
-into it, start an engine cold and then warm (three times each), print the restart table, ask the
-warm engine a real question, and clean up.
+into it, start an engine cold and then warm, and restore one from a CRIU snapshot where this host
+can (three times each), print the restart table, ask the warm engine a real question, and clean up.
 
     preload demo [--repeats 3] [--question TEXT]
 """
@@ -9,7 +9,7 @@ import argparse
 import json
 import pathlib
 
-from preload_cli.bench.restart import Engine, measure, summarise, table, with_daemon
+from preload_cli.bench.restart import Engine, measure, snapshot_lines, summarise, table, take_snapshot, with_daemon
 
 
 def ask(engine: Engine, model: pathlib.Path, question: str) -> str:
@@ -32,8 +32,13 @@ def run(args) -> int:
     with with_daemon(model) as daemon:
         print(f"   {daemon.info.name} v{daemon.info.version}: {daemon.info.num_tensors} tensors, "
               f"{daemon.info.slab_bytes / 2**20:.1f} MiB, loaded in {daemon.info.load_seconds:.2f}s")
-        print(f"3. engine restarts, cold (reads the checkpoint) and warm (attaches to the slab), x{args.repeats}")
-        print("   " + table(summarise(measure(model, daemon.runtime_dir, args.repeats))).replace("\n", "\n   "))
+        print(f"3. engine restarts, cold (reads the checkpoint), warm (attaches to the slab) and restored from a "
+              f"snapshot (weights re-attached), x{args.repeats}")
+        snapshot = take_snapshot(model, daemon.runtime_dir)
+        lines = table(summarise(measure(model, daemon.runtime_dir, args.repeats, snapshot=snapshot)))
+        if snapshot is not None:
+            lines += "\n" + snapshot_lines(snapshot)
+        print("   " + lines.replace("\n", "\n   "))
         print("4. a warm engine answers")
         engine = Engine(model, "ipc_cache", daemon.runtime_dir, "--no-fallback")
         try:

@@ -9,6 +9,7 @@ process (worker/router.py) this one execs into."""
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -168,6 +169,7 @@ def cmd_engine(args) -> int:
         become_router(args, config)
     if config.tp_rank == 0:
         config, followers = start_followers(args, config)
+    gc.disable()  # until start-up is over (worker.main.started)
     from worker import main as worker_main  # the engine's imports, paid only by engine commands
     if config.tp_rank > 0:
         return worker_main.run_follower(config)
@@ -179,7 +181,7 @@ def cmd_generate(args) -> int:
     if config.tp_rank == 0:
         config, followers = start_followers(args, config)
     from worker import main as worker_main
-    from worker.engine import SamplingParams
+    from worker.requests import SamplingParams
     if config.tp_rank > 0:
         return worker_main.run_follower(config)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)

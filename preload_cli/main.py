@@ -1,20 +1,20 @@
 """The `preload` console script: one parser with every command, and main(). The commands live in
-daemon_commands (daemon, serve, status, wait-ready, evict, default-model), engine_commands (engine,
-generate), version_commands (publish, rollback, pin, unpin), demo and bench/ (attach, restart,
-decode, quant, replicas, rollback, spec)."""
+daemon_commands (daemon, serve, status, wait-ready, evict, verify, default-model), engine_commands
+(engine, generate), version_commands (publish, rollback, pin, unpin), snapshot_commands (snapshot
+check, create, inspect, restore), demo and bench/ (attach, restart, decode, quant, replicas,
+rollback, spec).
+
+Only the command being run has its parser built and its modules imported (the others are listed
+with their one-line help): `preload snapshot restore`, on every restore's path to ready, starts
+without the daemon's, the engine's or the benchmarks' imports."""
 
 import argparse
 import pathlib
 import sys
 from types import ModuleType
 
-from preload_cli import daemon_commands as dc
-from preload_cli import demo, engine_commands, version_commands
-from preload_cli.bench import attach, decode, quant, replicas, restart, rollback, spec
-from preload_cli.engine_commands import add_engine_args, add_model_args, device_arg
 from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
-from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 
 RAW = argparse.RawDescriptionHelpFormatter
 EPILOG_SERVE = """examples:
@@ -65,12 +65,10 @@ def add_external_links(p: argparse.ArgumentParser) -> None:
                         "snapshot links into ../../blobs); refused by default")
 
 
-def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Weight-cache daemons and engine workers that attach "
-                                     "to them zero-copy.", formatter_class=RAW)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    p = sub.add_parser("daemon", help="run one bare per-device daemon in the foreground",
+def _daemon(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    from preload_cli.engine_commands import device_arg
+    p = sub.add_parser("daemon", help=HELP["daemon"],
                        epilog="examples:\n  preload daemon --device cpu:0\n  preload daemon --device cpu:1 "
                               "--http-port 8101", formatter_class=RAW)
     p.add_argument("--device", default="cpu:0", type=device_arg, help="cpu:N or cuda:N (default cpu:0)")
@@ -82,9 +80,14 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
                    help="a load or publish still running after S seconds fails and frees what it made (default 3600)")
     add_external_links(p)
     p.set_defaults(func=dc.cmd_daemon)
+    return [p]
 
-    p = sub.add_parser("serve", help="start (or reuse) daemons, load a model on every rank, supervise",
-                       epilog=EPILOG_SERVE, formatter_class=RAW)
+
+def _serve(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    from preload_cli import version_commands
+    from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
+    p = sub.add_parser("serve", help=HELP["serve"], epilog=EPILOG_SERVE, formatter_class=RAW)
     p.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     p.add_argument("--name", default="", help="model name in the daemon (default: the directory's name)")
     p.add_argument("--tp-size", type=int, default=1)
@@ -99,48 +102,78 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     add_external_links(p)
     version_commands.add_retention(p)
     p.set_defaults(func=dc.cmd_serve)
+    return [p]
 
-    p = sub.add_parser("status", help="daemons, models, versions, leases",
+
+def _status(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    p = sub.add_parser("status", help=HELP["status"],
                        epilog="examples:\n  preload status\n  preload status --json | jq .daemons[0].models",
                        formatter_class=RAW)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=dc.cmd_status)
+    return [p]
 
-    p = sub.add_parser("wait-ready", help="exit 0 once daemons are serving (and MODEL, VERSION ready)",
-                       epilog=EPILOG_WAIT_READY, formatter_class=RAW)
+
+def _wait_ready(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    p = sub.add_parser("wait-ready", help=HELP["wait-ready"], epilog=EPILOG_WAIT_READY, formatter_class=RAW)
     p.add_argument("--model", default="", help="also require this model's active version to be ready")
     p.add_argument("--version", type=int, default=None, help="require this version of --model instead")
     p.add_argument("--device", default="", help="only this daemon (default: every daemon found)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
     p.set_defaults(func=dc.cmd_wait_ready)
+    return [p]
 
-    version_commands.add_arguments(sub)
 
-    p = sub.add_parser("evict", help="free a model (all versions, or MODEL@VERSION)",
+def _versions(sub) -> list:
+    from preload_cli import version_commands
+    version_commands.add_arguments(sub, HELP)
+    return [sub.choices[name] for name in ("publish", "rollback", "pin", "unpin")]
+
+
+def _evict(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    p = sub.add_parser("evict", help=HELP["evict"],
                        epilog="examples:\n  preload evict llama\n  preload evict llama@3 --force",
                        formatter_class=RAW)
     p.add_argument("target", metavar="MODEL[@VERSION]")
     p.add_argument("--device", default="", help="only on this daemon (default: every daemon holding it)")
     p.add_argument("--force", action="store_true", help="evict even if leased (mapped workers keep their pages)")
     p.set_defaults(func=dc.cmd_evict)
+    return [p]
 
-    p = sub.add_parser("verify", help="re-hash slabs against the digests they were sealed with",
+
+def _verify(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    p = sub.add_parser("verify", help=HELP["verify"],
                        epilog="examples:\n  preload verify\n  preload verify llama@3 --json", formatter_class=RAW)
     p.add_argument("target", nargs="?", default="", metavar="MODEL[@VERSION]", help="default: every slab")
     p.add_argument("--device", default="", help="only on this daemon (default: every daemon)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=dc.cmd_verify)
+    return [p]
 
-    p = sub.add_parser("default-model", help="print the embedded default model's path (converting it once)",
+
+def _default_model(sub) -> list:
+    from preload_cli import daemon_commands as dc
+    p = sub.add_parser("default-model", help=HELP["default-model"],
                        epilog="examples:\n  preload default-model\n  preload serve \"$(preload default-model)\"",
                        formatter_class=RAW)
     p.set_defaults(func=dc.cmd_default_model)
+    return [p]
 
-    p = sub.add_parser("demo", help="the whole story on the default model: daemon, cold and warm engines, an answer")
+
+def _demo(sub) -> list:
+    from preload_cli import demo
+    p = sub.add_parser("demo", help=HELP["demo"])
     add_module_command(p, demo)
+    return [p]
 
-    p = sub.add_parser("bench", help="benchmarks: attach time, engine restarts, decode speed, quantization, "
-                                     "replicas, rollback, speculative decoding")
+
+def _bench(sub) -> list:
+    from preload_cli.bench import attach, decode, quant, replicas, restart, rollback, spec
+    p = sub.add_parser("bench", help=HELP["bench"])
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     add_module_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), attach)
     add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
@@ -152,16 +185,27 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
                                         "restart; publish throughput"), rollback)
     add_module_command(bench.add_parser("spec", help="speculative decoding: tokens/s and tokens per main forward, "
                                         "draft warm vs cold"), spec)
+    return [p, *bench.choices.values()]
 
-    p = sub.add_parser("engine", help="the engine worker: HTTP /health /ready /metrics /v1/completions",
-                       epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)
-    add_model_args(p)
-    add_engine_args(p)
+
+def _snapshot(sub) -> list:
+    from preload_cli import snapshot_commands
+    return snapshot_commands.add_arguments(sub, HELP["snapshot"])[1:]  # the group's actions take the common flags, not the group
+
+
+def _engine(sub) -> list:
+    from preload_cli import engine_commands
+    p = sub.add_parser("engine", help=HELP["engine"], epilog=engine_commands.EPILOG_ENGINE, formatter_class=RAW)
+    engine_commands.add_model_args(p)
+    engine_commands.add_engine_args(p)
     p.set_defaults(func=engine_commands.cmd_engine)
+    return [p]
 
-    p = sub.add_parser("generate", help="one-shot generation, JSON on stdout", epilog=engine_commands.EPILOG_GENERATE,
-                       formatter_class=RAW)
-    add_model_args(p)
+
+def _generate(sub) -> list:
+    from preload_cli import engine_commands
+    p = sub.add_parser("generate", help=HELP["generate"], epilog=engine_commands.EPILOG_GENERATE, formatter_class=RAW)
+    engine_commands.add_model_args(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--prompt-ids", type=token_ids, metavar="ID,ID,...",
@@ -172,15 +216,56 @@ def build_parser(prog: str = "preload") -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.set_defaults(func=engine_commands.cmd_generate)
+    return [p]
 
-    for p in [*sub.choices.values(), *bench.choices.values()]:
-        add_common(p)
+
+HELP = {
+    "daemon": "run one bare per-device daemon in the foreground",
+    "serve": "start (or reuse) daemons, load a model on every rank, supervise",
+    "status": "daemons, models, versions, leases",
+    "wait-ready": "exit 0 once daemons are serving (and MODEL, VERSION ready)",
+    "publish": "load a checkpoint as the next version of a model, then make it active",
+    "rollback": "make an older version the active one on every rank",
+    "pin": "pin a version: a pinned one is never freed by retention",
+    "unpin": "unpin a version: retention may free it again",
+    "evict": "free a model (all versions, or MODEL@VERSION)",
+    "verify": "re-hash slabs against the digests they were sealed with",
+    "default-model": "print the embedded default model's path (converting it once)",
+    "demo": "the whole story on the default model: daemon, cold and warm engines, an answer",
+    "bench": "benchmarks: attach time, engine restarts, decode speed, quantization, replicas, rollback, "
+             "speculative decoding",
+    "snapshot": "CRIU snapshots of TP 1 engines, weights re-attached from the daemon",
+    "engine": "the engine worker: HTTP /health /ready /metrics /v1/completions",
+    "generate": "one-shot generation, JSON on stdout",
+}
+"""Each command's one-line help, as `preload --help` lists it (the parsers built use the same)."""
+
+COMMANDS = [(("daemon",), _daemon), (("serve",), _serve), (("status",), _status), (("wait-ready",), _wait_ready),
+            (("publish", "rollback", "pin", "unpin"), _versions), (("evict",), _evict), (("verify",), _verify),
+            (("default-model",), _default_model), (("demo",), _demo), (("bench",), _bench),
+            (("snapshot",), _snapshot), (("engine",), _engine), (("generate",), _generate)]
+"""The top-level commands in `preload --help`'s order, and what builds each one's parser."""
+
+
+def build_parser(prog: str = "preload", argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command (argv None), or of the one `argv` runs, the others listed only."""
+    parser = argparse.ArgumentParser(prog=prog, description="Weight-cache daemons and engine workers that attach "
+                                     "to them zero-copy.", formatter_class=RAW)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = None if argv is None else (argv[0] if argv and not argv[0].startswith("-") else "")
+    for names, build in COMMANDS:
+        if chosen is None or chosen in names:
+            for p in build(sub):
+                add_common(p)
+        else:
+            for name in names:
+                sub.add_parser(name, help=HELP[name])
     return parser
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv=argv).parse_args(argv)
     args.argv = argv  # engines start their other ranks and replicas as the same command
     configure_logging(args.log_level)
     args.runtime_dir = args.runtime_dir or default_runtime_dir()

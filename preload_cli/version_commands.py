@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Mapping
 
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 from preload_daemon.config import resolve_devices
@@ -36,10 +37,11 @@ def model_at_version(text: str) -> tuple[str, int]:
     return name, int(version)
 
 
-def add_arguments(sub) -> None:
-    """The version commands' parsers, under the top-level subparsers `sub`."""
+def add_arguments(sub, helps: Mapping[str, str]) -> None:
+    """The version commands' parsers, under the top-level subparsers `sub`; `helps`: each command's
+    one-line help (preload_cli.main.HELP)."""
     raw = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("publish", help="load a checkpoint as the next version of a model, then make it active",
+    p = sub.add_parser("publish", help=helps["publish"],
                        epilog=EPILOG_PUBLISH, formatter_class=raw)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--from", dest="source", required=True, metavar="DIR", help="checkpoint directory")
@@ -52,14 +54,14 @@ def add_arguments(sub) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_publish)
 
-    p = sub.add_parser("rollback", help="make an older version the active one on every rank",
+    p = sub.add_parser("rollback", help=helps["rollback"],
                        epilog="examples:\n  preload rollback llama --to 3", formatter_class=raw)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--to", dest="version", type=int, required=True, metavar="V")
     p.set_defaults(func=cmd_rollback)
 
     for command, pinned in (("pin", True), ("unpin", False)):
-        p = sub.add_parser(command, help=f"{command} a version: a pinned one is never freed by retention",
+        p = sub.add_parser(command, help=helps[command],
                            epilog=f"examples:\n  preload {command} llama@3", formatter_class=raw)
         p.add_argument("target", type=model_at_version, metavar="NAME@V")
         p.set_defaults(func=cmd_pin, pinned=pinned)

@@ -6,13 +6,14 @@ never imports grpc), only the manifest's messages and the slab mappings.
 
 import collections.abc
 import json
+import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from preload_daemon.buffers import SlabViews, dtype_from_name
+from preload_daemon.buffers import SlabViews, descriptors_of, dtype_from_name, park_mapping, remap_readonly
 from preload_daemon.cachekey import CacheKey
-from preload_daemon.errors import InvalidRequestError
+from preload_daemon.errors import InvalidRequestError, StaleError
 from preload_daemon.plan import Layout
 from preload_daemon.slab import map_slab
 from protos import preload_pb2 as pb
@@ -43,6 +44,8 @@ class AttachedModel(collections.abc.Mapping):
         entries = self.manifest.tensors
         self._index = dict(zip([t.name for t in entries], range(len(entries))))
         self._made: dict[str, torch.Tensor] = {}
+        self._parked: dict[str, list[int]] = {}
+        """While suspended: per slab, the descriptor numbers its mapping kept (now on /dev/null)."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         tensor = self._made.get(name)
@@ -101,6 +104,55 @@ class AttachedModel(collections.abc.Mapping):
     def close(self) -> None:
         """Closes the client this lease came from (its session: the daemon ends the lease)."""
         self._client.close()
+
+    @property
+    def suspended(self) -> bool:
+        return bool(self._parked)
+
+    def suspend(self) -> None:
+        """Lets go of the daemon and of its memory without dropping a single view: the session
+        closes (the daemon ends the lease), and each slab's mapping becomes an empty reservation of
+        the same addresses (buffers.park_mapping), its file descriptor pointed at /dev/null. Nothing
+        may read a view until resume(). What a process snapshot needs: no weights, no daemon files."""
+        if self._parked:
+            return
+        self._client.close()
+        self.lease_id = ""
+        devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for slab in self.manifest.slabs:  # recorded first: a failure half way still resumes
+                self._parked[slab.id] = fds = descriptors_of(slab.path)
+                for fd in fds:
+                    os.dup2(devnull, fd, inheritable=False)
+                raw = self.slabs[slab.id]
+                park_mapping(raw.data_ptr(), raw.numel())
+        finally:
+            os.close(devnull)
+
+    def resume(self, client: "DaemonClient") -> None:
+        """Leases the same weights again through `client` and maps them back at the same addresses,
+        so every view made before reads them again. Refused (StaleError, still suspended) unless
+        the daemon answers with the same cache key, content digest and tensor table."""
+        response = client.attach_response(self.manifest.model, self.version, self.layout)
+        manifest = response.manifest
+        key = CacheKey.from_proto(manifest.key)
+        if key != self.key or manifest.version != self.version:
+            client.close()
+            raise StaleError(f"the daemon now holds other weights for {self.manifest.model} v{self.version} "
+                             f"({key.content_digest}, not {self.key.content_digest}); take a new snapshot")
+        same_layout = [(s.id, s.size) for s in manifest.slabs] == [(s.id, s.size) for s in self.manifest.slabs]
+        if not same_layout or list(manifest.tensors) != list(self.manifest.tensors):
+            client.close()
+            raise StaleError(f"the daemon lays out {self.manifest.model} v{self.version} differently now; take a new "
+                             "snapshot")
+        for slab in manifest.slabs:
+            raw = self.slabs[slab.id]
+            fd = remap_readonly(slab.path, raw.data_ptr(), raw.numel())
+            for parked in self._parked.get(slab.id, ()):
+                os.dup2(fd, parked, inheritable=False)
+            os.close(fd)
+        self._parked = {}
+        self._client, self.manifest, self.lease_id = client, manifest, response.lease.id
 
     def release(self) -> None:
         """Gives the lease back. The views stay readable until this object is garbage-collected."""

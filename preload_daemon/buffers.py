@@ -2,6 +2,7 @@
 and the client that maps slabs."""
 
 import contextlib
+import ctypes
 import gc
 import mmap
 import os
@@ -69,6 +70,56 @@ def map_readonly(path: pathlib.Path) -> mmap.mmap | None:
         return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
     finally:
         os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_PROT_NONE, _MAP_FIXED, _MAP_NORESERVE, _MAP_POPULATE = 0, 0x10, 0x4000, 0x8000
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _mmap_fixed(address: int, size: int, prot: int, flags: int, fd: int) -> None:
+    if _libc.mmap(address, size, prot, flags | _MAP_FIXED, fd, 0) in (_MAP_FAILED, None):
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap at {address:#x} ({size} bytes): {os.strerror(err)}")
+
+
+def park_mapping(address: int, size: int) -> None:
+    """Replaces the mapping at [address, address + size) with an inaccessible, unbacked reservation
+    of the same range: the file it mapped is let go, nothing else can be placed there, and every
+    view into it stays a valid object (reading one would fault, so nothing may until it is
+    remapped). What a process snapshot needs: the range holds no pages and names no file."""
+    _mmap_fixed(address, size, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1)
+
+
+def remap_readonly(path: pathlib.Path, address: int, size: int) -> int:
+    """Maps `path` (exactly `size` bytes) read-only at `address`, in place of a parked range; views
+    made before read the file from now on. The page tables are filled now (MAP_POPULATE): the first
+    forward after a restore runs without faulting its way through the weights. Returns the open
+    descriptor (the caller closes it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, not the {size} mapped before")
+        _mmap_fixed(address, size, mmap.PROT_READ, mmap.MAP_SHARED | _MAP_POPULATE, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def descriptors_of(path: str) -> list[int]:
+    """This process's open descriptors of the file at `path` (also once it was unlinked)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target in (path, f"{path} (deleted)"):
+            found.append(int(name))
+    return found
 
 
 def bytes_tensor(buffer) -> torch.Tensor:

@@ -34,6 +34,11 @@ class CacheKey:
                 diffs.append(f"{field.name} ({mine!r} here, {theirs!r} expected)")
         return diffs
 
+    def to_dict(self) -> dict:
+        """The key as plain JSON values (a snapshot's manifest records it)."""
+        return {**dataclasses.asdict(self), "files": [dataclasses.asdict(f) for f in self.files],
+                "quant_params": [list(p) for p in self.quant_params]}
+
     def to_proto(self) -> pb.CacheKey:
         return pb.CacheKey(
             files=[pb.FileIdentity(**dataclasses.asdict(f)) for f in self.files],

@@ -239,12 +239,16 @@ class DaemonClient:
         """Leases the variant `layout` (default: the version's first main variant) of `version`, else
         of the version loaded from `files` (checkpoint.stat_identity of the caller's checkpoint),
         else of the active version."""
+        return AttachedModel(self, self.attach_response(model, version, layout, files))
+
+    def attach_response(self, model: str, version: int = 0, layout: Layout | None = None,
+                        files: tuple[FileIdentity, ...] = ()) -> pb.AttachResponse:
+        """attach's lease and manifest, with nothing mapped (the lease lasts as long as this client)."""
         message = pb.AttachRequest(model=model, version=version,
                                    files=[pb.FileIdentity(**dataclasses.asdict(f)) for f in files])
         if layout is not None:
             message.layout.CopyFrom(_layout(layout))
-        answer = self._session_request(ATTACH, message.SerializeToString())
-        return AttachedModel(self, pb.AttachResponse.FromString(answer))
+        return pb.AttachResponse.FromString(self._session_request(ATTACH, message.SerializeToString()))
 
     def renew(self, lease_id: str) -> pb.Lease:
         return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id)).lease

@@ -9,6 +9,13 @@ from tests.conftest import REPO
 LOWER = ("preload_daemon", "kernels")
 
 
+def run_python(code: str, timeout: float = 120) -> str:
+    """The stdout of `code` run in a fresh interpreter (which must succeed)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def forbidden_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:
     """'path:line: what' for every import under `package` of a module in `forbidden`, and every
     load of code by path or by computed name."""
@@ -42,9 +49,7 @@ def test_lower_layers_import_without_upper_layers():
         "            importlib.import_module(info.name)\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'worker', 'scripts', 'preload_cli'}))\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert run_python(code, timeout=300).splitlines()[-1] == "[]"
 
 
 def test_daemon_and_kernels_do_not_import_upper_layers():
@@ -74,6 +79,21 @@ def test_the_command_line_starts_without_torch():
             "build_parser().parse_args(['engine', '--tp-size', '2'])\n"
             "from worker.config import EngineConfig\nfrom preload_daemon.config import resolve_devices\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]", f"torch imported: {out.stdout}"
+    imported = run_python(code)
+    assert imported == "[]", f"torch imported: {imported}"
+
+
+def test_a_command_imports_only_its_own_modules():
+    """Only the command being run has its parser built: `preload snapshot restore` (on every
+    restore's path to ready) imports none of the other commands' modules, and `preload --help`
+    still lists every command."""
+    code = ("import sys\nfrom preload_cli.main import build_parser\n"
+            "build_parser(argv=['snapshot', 'restore', 'D']).parse_args(['snapshot', 'restore', 'D'])\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('preload_cli.', 'preload_daemon.arch', 'grpc', "
+            "'torch'))))")
+    imported = run_python(code)
+    assert imported == "['preload_cli.main', 'preload_cli.snapshot_commands']", imported
+    listed = subprocess.run([sys.executable, "-m", "preload_cli", "--help"], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    from preload_cli.main import HELP
+    assert listed.returncode == 0 and all(f"    {name}" in listed.stdout for name in HELP), listed.stdout

@@ -13,6 +13,9 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, run_preload
+from worker.criu import check_host
+
+CAN_SNAPSHOT = all(c.ok for c in check_host())
 
 
 @pytest.mark.slow
@@ -20,6 +23,8 @@ def test_demo_runs_the_whole_story(default_model):
     out = run_preload("demo", "--repeats", "1", timeout=600)
     assert out.returncode == 0, out.stderr
     assert "warm (ipc_cache)" in out.stdout and "Paris" in out.stdout
+    if CAN_SNAPSHOT:
+        assert "snapshot restore" in out.stdout and "snapshot image" in out.stdout
 
 
 @pytest.mark.slow
@@ -30,6 +35,10 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     summary = result["summary"]
     assert summary["warm (ipc_cache)"]["n"] == 1 and summary["ratios"]["weights_cold_over_warm"] > 0
     assert result["imports"]["engine_over_torch"] > 0
+    if CAN_SNAPSHOT:  # the snapshot column: restores of a snapshot of a warm engine
+        assert summary["snapshot restore"]["n"] == 1 and summary["ratios"]["start_to_ready_warm_over_restore"] > 0
+        image = result["snapshot"]["manifest"]["image"]
+        assert 0 < image["bytes"] < image["unpacked_bytes"]
     # The TP=2 row is left out here (CI time): test_plan checks that a rank reads half the bytes.
     out = run_preload("bench", "attach", "--sizes-gb", "0.01", "--tensors", "300", "--tp-gb", "0", "--repeats",
                       "1", "--json", timeout=600, env_extra={"PRELOAD_BENCH_DIR": str(tmp_path)})
@@ -139,6 +148,14 @@ def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tin
         assert "starting the engine warm" in err
     finally:
         stop_daemons(runtime_dir)
+
+
+@pytest.mark.slow
+def test_bench_decode_produces_json(default_model):
+    out = run_preload("bench", "decode", "--new-tokens", "4", "--repeats", "1", "--batch", "2", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["ratios"]["logprobs_on_over_off"] > 0 and doc["medians"]["preload engine, 1 request"] > 0
 
 
 @pytest.mark.slow

@@ -154,13 +154,18 @@ class LeaseKeeper:
         """Why the lease is gone, while it is; "" while attached."""
         self.reattached = 0
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> "LeaseKeeper":
-        threading.Thread(target=self._run, name="lease-keeper", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="lease-keeper", daemon=True)
+        self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, join: bool = False) -> None:
+        """Stops watching; with `join`, returns once the watcher thread has ended (within ~1 s)."""
         self._stop.set()
+        if join and self._thread is not None:
+            self._thread.join()
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -3,6 +3,7 @@
 rank's weights, tell the group how it went, build the model on them, start the engine."""
 
 import dataclasses
+import gc
 import hashlib
 import json
 import logging
@@ -22,10 +23,13 @@ from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
 from worker.config import EngineConfig
-from worker.engine import Engine, SamplingParams
+from worker.engine import Engine
+from worker.requests import SamplingParams
 from worker.loader import LeaseKeeper, LoadedWeights, LoadRequest, load_weights
-from worker.model import CausalLM, MTPDraft
+from worker.model import CausalLM
+from worker.mtp import MTPDraft
 from worker.parallel import Leader, ParallelError, Rendezvous, TPGroup, follow
+from worker.quiesce import Quiescer
 from worker.speculative import Speculator
 from worker.server import build_app
 from worker.state import WorkerState, process_start_time
@@ -141,12 +145,22 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
     return engine
 
 
+def started() -> None:
+    """Start-up is over (ready, or failed). `preload engine` holds the cyclic garbage collector off
+    from its first heavy import (torch's alone makes millions of objects that live as long as the
+    process, and each collection pass walks them all: ~0.2 s of every start). What start-up made is
+    moved out of the collector's sight for good, and collection resumes."""
+    gc.freeze()
+    gc.enable()
+
+
 def run_follower(config: EngineConfig) -> int:
     """TP rank > 0: load, report, then run the forwards rank 0 announces until it says stop."""
     group = open_group(config)
     try:
         built = build(config, process_start_time(), group)
     except RankFailedError as e:
+        started()
         # Rank 0 saw the same and reports it; exiting first would race its report with the news of
         # a dead rank, so wait until it ends this process (or the group).
         log.error("rank %d: %s", config.tp_rank, e)
@@ -158,6 +172,7 @@ def run_follower(config: EngineConfig) -> int:
     for weights in (built.weights, built.draft):  # this rank's leases survive a restart of its daemon
         if weights is not None and weights.attached is not None:
             LeaseKeeper(weights, config.device, config.runtime_dir).start()
+    started()
     try:
         ahead = config.num_speculative_tokens if config.speculative else 0  # as Engine sizes rank 0's caches
         follow(built.model, built.group, config.max_batch,
@@ -209,7 +224,13 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     config.check_fits()
     state = WorkerState(config.name, config.load_format, config.replica)
     listen = {"uds": uds} if uds else {"host": host, "port": port}
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning", lifespan="off", **listen))
+    app = build_app(state)
+    server = new_server(app, listen)
+    servers = [server]
+    # A TP 1 engine on a TCP port can be snapshotted (worker/quiesce.py): it serves again, on the
+    # socket the snapshot's resume gives, after each quiet point.
+    quiet = Quiescer(state, config, listen) if config.tp_size == 1 and not uds else None
+    state.snapshot_agent = quiet
     outcome = {"code": 0}
     stopping = threading.Event()
     leaders: list[Leader] = []
@@ -217,7 +238,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     def fail(reason: str) -> None:
         state.failure = reason
         outcome["code"] = 1
-        server.should_exit = True
+        servers[-1].should_exit = True
 
     def start() -> None:
         try:
@@ -231,21 +252,34 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                     return
                 time.sleep(0.005)
             where = uds or server.servers[0].sockets[0].getsockname()[1]
+            if quiet is not None:  # a snapshot's resume listens where this engine does (--port 0 included)
+                quiet.listen["port"] = where
             body = state.set_ready(built.weights, engine, Tokenizer.load(config.model), built.ranks)
             print(json.dumps({"event": "ready", "port": where if not uds else 0, "uds": uds, **body}), flush=True)
             log.info("engine for %s ready on %s (%s%s)", state.name, where, built.weights.load_format,
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
-            state.keep_leases([built.weights, built.draft], config.device, config.runtime_dir)
+            state.draft = built.draft
+            state.keep_leases(state.attachments(), config.device, config.runtime_dir)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             log.error("engine for %s failed to start: %s", state.name, reason)
             print(json.dumps({"event": "failed", "model": state.name, "error": reason}), flush=True)
             fail(reason)
+        finally:
+            started()
 
     watch_followers(followers, stopping)
     threading.Thread(target=start, name="engine-start", daemon=True).start()
     try:
-        server.run()
+        sockets = None
+        while True:
+            if quiet is not None:
+                quiet.server = servers[-1]
+            servers[-1].run(sockets=sockets)
+            sockets = quiet.server_returned() if quiet is not None and not state.failure else None
+            if sockets is None:
+                break
+            servers.append(new_server(app, listen))
     finally:
         stopping.set()
         if state.engine is not None:
@@ -255,6 +289,12 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             leader.group.close()
         stop_followers(followers)
     return outcome["code"]
+
+
+def new_server(app, listen: dict) -> uvicorn.Server:
+    """The engine's HTTP server; a snapshot's quiet point gives it 30 s to finish open requests."""
+    return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=30,
+                                         **listen))
 
 
 def run_generate(config: EngineConfig, prompt: str | list[int], params: SamplingParams, chat: bool = False,

@@ -10,19 +10,10 @@ from preload_daemon.errors import InvalidRequestError
 from worker import metrics
 from worker.engine import Engine
 from worker.loader import LeaseKeeper, LoadedWeights
+from worker.clock import process_start_time
 from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-
-def process_start_time() -> float:
-    """When this process started, as a wall-clock timestamp, to the kernel's 10 ms tick.
-    (psutil's create_time adds the boot time, which /proc/stat rounds to whole seconds.)"""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/uptime") as f:
-        uptime = float(f.read().split()[0])
-    return time.time() - (uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class WorkerState:
@@ -38,6 +29,11 @@ class WorkerState:
         self.weights: LoadedWeights | None = None
         self.failure = ""
         self.keepers: list[LeaseKeeper] = []
+        self.draft: LoadedWeights | None = None
+        self.restored: dict = {}
+        """After a snapshot restore (worker/quiesce.py): the snapshot and the restore's timestamps."""
+        self.snapshot_agent = None
+        """worker/quiesce.Quiescer where this engine can be snapshotted."""
         self._ready = threading.Event()
 
     def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None,
@@ -59,6 +55,10 @@ class WorkerState:
         status = "ready" if self.is_ready() else "failed" if self.failure else "loading"
         body = {"status": status, "model": self.name, **self.timings, "requested_load_format": self.requested_format,
                 "replica": self.replica, "pid": os.getpid()}
+        if self.snapshot_agent is not None:  # what `preload snapshot create` needs to reach it
+            body["pid"] = self.snapshot_agent.host_pid
+            body["snapshot"] = {"wake_fd": self.snapshot_agent.wake_fd, "listen": self.snapshot_agent.listen,
+                                **({"problem": self.snapshot_agent.problem} if self.snapshot_agent.problem else {})}
         if self.weights is not None:
             formats = {r.get("load_format") for r in self.ranks} or {self.weights.load_format}
             body.update(load_format=formats.pop() if len(formats) == 1 else "mixed",
@@ -72,6 +72,8 @@ class WorkerState:
             body["reason"] = self.not_ready_reason()
         if degraded := self.degraded():
             body["degraded"] = degraded
+        if self.restored:
+            body["restored"] = self.restored
         return body
 
     def health(self) -> dict:
@@ -87,6 +89,20 @@ class WorkerState:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def token_text(self, token: int) -> str:
+        """One token as text, for log-probabilities ("token_id:N" without a tokenizer)."""
+        return self.tokenizer.token_text(token) if self.tokenizer is not None else f"token_id:{token}"
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("this checkpoint ships no tokenizer.json and so no chat template; use "
+                                      "/v1/completions with token ids")
+        return self.tokenizer.chat_prompt(messages)
+
+    def attachments(self) -> list[LoadedWeights]:
+        """The weights (main, draft) that are leased from a daemon."""
+        return [w for w in (self.weights, self.draft) if w is not None and w.attached is not None]
 
     def keep_leases(self, weights: list[LoadedWeights], device: str, runtime_dir) -> None:
         """Keeps the daemon leases of `weights` (main, draft) across daemon restarts (LeaseKeeper):

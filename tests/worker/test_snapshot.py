@@ -1,0 +1,380 @@
+"""`preload snapshot` with real CRIU on the default model: create, kill the original, restore, the
+same canary and completions; two restores side by side; refusals that leave nothing running.
+The pure parts (manifest checks, refusals, canary comparison) are tested without CRIU."""
+
+import ast
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.request
+
+import pytest
+
+from preload_daemon.config import DaemonConfig
+from preload_daemon.plan import LoadSpec
+from tests.conftest import REPO, DaemonHandle, run_preload, wait_until
+from tests.worker.conftest import EngineProcess
+from worker import criu, snapshot
+from worker.quiesce import canary_mismatch
+
+
+def _host_can_snapshot() -> str:
+    try:
+        failed = [f"{c.name}: {c.detail}" for c in criu.check_host() if not c.ok]
+    except Exception as e:  # noqa: BLE001 - any failure to check is a reason to skip
+        return f"{type(e).__name__}: {e}"
+    return "; ".join(failed)
+
+
+WHY_NOT = _host_can_snapshot()
+
+
+def needs_criu(test):
+    return pytest.mark.criu(pytest.mark.skipif(bool(WHY_NOT), reason=f"cannot snapshot here: {WHY_NOT}")(test))
+PROMPT = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+
+
+def complete(url: str, body: dict = PROMPT) -> str:
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)["choices"][0]["text"]
+
+
+def get_ready(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/ready", timeout=10) as response:
+        return json.load(response)
+
+
+class Restore:
+    """`preload snapshot restore DIR --detach` as a process; `ready` is its JSON line."""
+
+    def __init__(self, directory, runtime_dir, *extra):
+        self.run = run_preload("snapshot", "restore", directory, "--detach", *extra, runtime_dir=runtime_dir)
+        lines = [line for line in self.run.stdout.splitlines() if line.startswith("{")]
+        self.ready = json.loads(lines[-1]) if self.run.returncode == 0 and lines else {}
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ready['port']}"
+
+    def stop(self) -> None:
+        if self.ready:
+            try:
+                os.kill(self.ready["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def restore_processes(runtime) -> list[str]:
+    """Restores of this runtime dir's snapshots still running: their namespaces' CRIU (the first
+    process of each), which lives exactly as long as the restored engine in it."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "criu restore" in line and f"{runtime}/snapshots/" in line]
+
+
+@pytest.fixture(scope="module")
+def served(default_model):
+    """A daemon holding the default model and a warm engine on it, in a runtime dir of their own."""
+    if WHY_NOT:
+        pytest.skip(f"cannot snapshot here: {WHY_NOT}")
+    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-snap-", dir="/tmp"))
+    daemon = DaemonHandle(runtime)
+    daemon.client.load(LoadSpec(path=str(default_model)))
+    engine = EngineProcess(default_model, "ipc_cache", runtime)
+    assert engine.ready.get("load_format") == "ipc_cache", engine.ready
+    state = {"runtime": runtime, "daemon": daemon, "engine": engine, "restores": [], "model": default_model}
+    yield state
+    for r in state["restores"]:
+        r.stop()
+    engine.stop()
+    state["daemon"].stop()
+    shutil.rmtree(DaemonConfig(runtime_dir=runtime).shm_dir, ignore_errors=True)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def snap(served):
+    """A snapshot of the served engine, taken while it serves (it goes on serving)."""
+    before = complete(served["engine"].url)
+    directory = served["runtime"] / "snap"
+    run = run_preload("snapshot", "create", "--engine", served["engine"].url, "--dir", directory, "--json",
+                      runtime_dir=served["runtime"], timeout=180)
+    assert run.returncode == 0, run.stderr
+    return {"dir": directory, "manifest": json.loads(run.stdout), "text": before}
+
+
+@needs_criu
+def test_create_keeps_the_original_serving_and_records_the_manifest(served, snap):
+    manifest = snap["manifest"]
+    engine, model = manifest["engine"], manifest["engine"]["model"]
+    assert (model["name"], model["version"]) == (served["model"].name, 1)
+    assert model["content_digest"].startswith("xxh3_128:") and model["cache_key"]["content_digest"]
+    assert engine["tp_size"] == 1 and engine["load_format"] == "ipc_cache" and engine["kernels"]
+    for field in ("kernel", "criu", "python", "torch", "preload", "cpu_flags"):
+        assert manifest["host"][field], field
+    canary = manifest["canary"]
+    assert len(canary["tokens"]) == len(canary["logprobs"]) > 0 and all(lp <= 0 for lp in canary["logprobs"])
+    # Weights stay in the daemon: the image holds engine state only.
+    assert manifest["image"]["bytes"] < 0.25 * manifest["image"]["weight_bytes"], manifest["image"]
+    assert manifest["original"] == "serving"
+    assert complete(served["engine"].url) == snap["text"]
+    assert get_ready(served["engine"].url)["status"] == "ready"
+    inspect = run_preload("snapshot", "inspect", snap["dir"], runtime_dir=served["runtime"])
+    assert inspect.returncode == 0 and "canary" in inspect.stdout and model["content_digest"] in inspect.stdout
+
+
+def _pipe_fds(inode_link: str) -> int:
+    return sum(os.readlink(f"/proc/self/fd/{fd}") == inode_link for fd in os.listdir("/proc/self/fd")
+               if os.path.exists(f"/proc/self/fd/{fd}"))
+
+
+@needs_criu
+def test_a_failed_dump_leaves_the_engine_serving(served, snap, tmp_path, monkeypatch):
+    """CRIU fails (here a wrapper that fails every dump): with --stop too, the engine comes back from
+    its quiet point and serves, the command says why, and keeps none of the engine's streams."""
+    real, _ = criu.find_criu()
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = dump ] && {{ echo "Error (injected): no dump" >&2; '
+                       f'exit 1; }}; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o700)
+    monkeypatch.setenv(criu.CRIU_ENV, str(wrapper))
+    engine = served["engine"]
+    stdout = os.readlink(f"/proc/{engine.proc.pid}/fd/1")
+    held = _pipe_fds(stdout)
+    with pytest.raises(criu.SnapshotError, match="injected"):
+        snapshot.create(engine.url, tmp_path / "failed", stop=True, runtime_dir=served["runtime"], log=lambda _: None)
+    assert not any((tmp_path / "failed").iterdir())
+    assert _pipe_fds(stdout) == held
+    assert get_ready(engine.url)["status"] == "ready" and complete(engine.url) == snap["text"]
+
+
+@needs_criu
+def test_two_restores_serve_beside_the_original(served, snap):
+    running = len(restore_processes(served["runtime"]))
+    unpacked = list((served["runtime"] / "snapshots").glob("unpacked-*"))
+    assert len(unpacked) == 1  # create left this host's unpacked copy; drop it: the first restore unpacks
+    shutil.rmtree(unpacked[0])
+    first = Restore(snap["dir"], served["runtime"], "--port", "0")
+    second = Restore(snap["dir"], served["runtime"], "--port", "0")
+    served["restores"] += [first, second]
+    assert first.run.returncode == 0 and second.run.returncode == 0, (first.run.stderr, second.run.stderr)
+    assert first.ready["pid"] != second.ready["pid"] and first.ready["port"] != second.ready["port"]
+    assert len(restore_processes(served["runtime"])) == running + 2
+    assert complete(first.url) == complete(second.url) == snap["text"]
+    assert complete(served["engine"].url) == snap["text"]  # and the original, which still runs
+
+
+@needs_criu
+def test_restore_after_the_original_is_killed(served, snap):
+    served["engine"].proc.kill()
+    served["engine"].proc.wait()
+    restored = Restore(snap["dir"], served["runtime"], "--port", "0")
+    served["restores"].append(restored)
+    assert restored.run.returncode == 0, restored.run.stderr
+    ready = get_ready(restored.url)
+    assert ready["status"] == "ready" and ready["weights_version"] == 1
+    assert ready["restored"]["snapshot"] == str(snap["dir"])
+    assert ready["restored"]["restore_start"] <= ready["restored"]["reattached"] <= ready["restored"]["ready"]
+    assert complete(restored.url) == snap["text"]
+    # A new lease, held by the restored process as this host knows it.
+    holders = {lease.pid for m in served["daemon"].client.list_models() for lease in m.leases}
+    assert restored.ready["pid"] in holders, holders
+
+
+def _copy(snap_dir: pathlib.Path, target: pathlib.Path, edit) -> pathlib.Path:
+    """A snapshot directory sharing `snap_dir`'s images (hard links), with an edited manifest."""
+    target.mkdir(mode=0o700)
+    (target / "images").mkdir(mode=0o700)
+    for f in (snap_dir / "images").iterdir():
+        os.link(f, target / "images" / f.name)
+    manifest = json.loads((snap_dir / "manifest.json").read_text())
+    edit(manifest)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    os.chmod(target / "manifest.json", 0o600)
+    return target
+
+
+@needs_criu
+def test_restore_refuses_a_host_that_does_not_match(served, snap):
+    def other_host(m):
+        m["host"]["kernel"] = "5.4.0-ancient"
+        m["host"]["cpu_flags"] = [*m["host"]["cpu_flags"], "avx512_made_up"]
+
+    copy = _copy(snap["dir"], served["runtime"] / "other-host", other_host)
+    running = restore_processes(served["runtime"])
+    restored = Restore(copy, served["runtime"], "--port", "0")
+    assert restored.run.returncode == 1
+    assert "kernel" in restored.run.stderr and "avx512_made_up" in restored.run.stderr
+    assert restore_processes(served["runtime"]) == running
+
+
+@needs_criu
+def test_restore_fails_closed_when_the_canary_differs(served, snap):
+    def other_canary(m):
+        m["canary"]["tokens"] = [t + 1 for t in m["canary"]["tokens"]]
+
+    copy = _copy(snap["dir"], served["runtime"] / "other-canary", other_canary)
+    running = restore_processes(served["runtime"])
+    restored = Restore(copy, served["runtime"], "--port", "0")
+    assert restored.run.returncode == 1 and "canary differs" in restored.run.stderr, restored.run.stderr
+    assert restore_processes(served["runtime"]) == running
+
+
+@needs_criu
+def test_restore_refuses_without_the_daemon_or_with_other_weights(served, snap, tiny_llama):
+    for r in served["restores"]:
+        r.stop()
+    served["daemon"].stop()
+    wait_until(lambda: not restore_processes(served["runtime"]), 20, "the restored engines to end")
+    running = []
+    restored = Restore(snap["dir"], served["runtime"], "--port", "0")
+    assert restored.run.returncode == 1 and "no daemon answers" in restored.run.stderr, restored.run.stderr
+    assert restore_processes(served["runtime"]) == running
+    # A new daemon holds other weights under the model's name (a changed model version).
+    served["daemon"] = DaemonHandle(served["runtime"])
+    served["daemon"].client.load(LoadSpec(path=str(tiny_llama), name=served["model"].name, dtype="bfloat16"))
+    restored = Restore(snap["dir"], served["runtime"], "--port", "0")
+    assert restored.run.returncode == 1 and "other weights" in restored.run.stderr, restored.run.stderr
+    assert restore_processes(served["runtime"]) == running
+
+
+# --- without CRIU ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ready, expected", [
+    ({"status": "loading", "reason": "loading weights"}, "not ready"),
+    ({"status": "ready", "tp_size": 2}, "TP 2"),
+    ({"status": "ready", "tp_size": 1, "load_format": "safetensors"}, "--load-format ipc_cache"),
+    ({"status": "ready", "tp_size": 1, "load_format": "ipc_cache"}, "DP replica"),
+    ({"status": "ready", "tp_size": 1, "load_format": "ipc_cache", "pid": 7, "snapshot": {"wake_fd": 4}}, ""),
+])
+def test_refusal_names_the_reason(ready, expected):
+    why = snapshot.refusal(ready, "http://127.0.0.1:1")
+    assert (expected in why) if expected else why == ""
+
+
+def test_canary_comparison():
+    canary = {"prompt_ids": [1, 2], "tokens": [3, 4], "logprobs": [-0.5, -1.0]}
+    assert canary_mismatch(canary, dict(canary)) == ""
+    assert canary_mismatch(canary, {**canary, "logprobs": [-0.5, -1.0005]}) == ""
+    assert "tokens" in canary_mismatch(canary, {**canary, "tokens": [3, 5]})
+    assert "log-probabilities" in canary_mismatch(canary, {**canary, "logprobs": [-0.5, -1.1]})
+
+
+def test_manifest_checks(tmp_path):
+    with pytest.raises(snapshot.SnapshotError, match="not a snapshot"):
+        snapshot.read_manifest(tmp_path)
+    os.chmod(tmp_path, 0o700)
+    (tmp_path / "images").mkdir(mode=0o700)
+    (tmp_path / "manifest.json").write_text("{not json")
+    os.chmod(tmp_path / "manifest.json", 0o600)
+    with pytest.raises(snapshot.SnapshotError, match="not a valid snapshot manifest"):
+        snapshot.read_manifest(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 1, "engine": {}}))
+    with pytest.raises(snapshot.SnapshotError, match="not a valid snapshot manifest"):
+        snapshot.read_manifest(tmp_path)
+    os.chmod(tmp_path / "manifest.json", 0o666)
+    with pytest.raises(snapshot.SnapshotError, match="not writable by group or others"):
+        snapshot.read_manifest(tmp_path)
+
+
+def test_host_mismatches_name_each_field():
+    facts = criu.host_facts()
+    assert snapshot.host_mismatches({"host": facts}, "") == []
+    then = {**facts, "torch": "0.1", "cpu_flags": [*facts["cpu_flags"], "amx_made_up"]}
+    problems = snapshot.host_mismatches({"host": then}, "")
+    assert any(p.startswith("torch") for p in problems) and any("amx_made_up" in p for p in problems)
+
+
+def test_engine_url_is_checked():
+    with pytest.raises(snapshot.SnapshotError, match="base URL"):
+        snapshot.engine_readiness("http://127.0.0.1:1/v1/completions")
+    with pytest.raises(snapshot.SnapshotError, match="no engine answers"):
+        snapshot.engine_readiness("http://127.0.0.1:1")
+
+
+SESSION_PROBE = """
+import os, sys
+from worker.quiesce import own_session
+if sys.argv[1] == "group-leader":
+    os.setpgid(0, 0)
+print(repr((os.getsid(0) == os.getpid(), own_session(), os.getsid(0) == os.getpid())))
+"""
+
+
+@pytest.mark.parametrize("case", ["plain", "group-leader"])
+def test_an_engine_whose_session_leader_is_out_of_sight_starts_its_own(case):
+    """In a PID namespace whose session leader lives outside it (how some job runners, CI among
+    them, start jobs), CRIU cannot dump the engine: it starts a session of its own, or, as a process
+    group leader that cannot, says why /ready refuses snapshots."""
+    try:
+        run = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", SESSION_PROBE, case],
+                             capture_output=True, text=True, cwd=REPO, timeout=120)
+    except FileNotFoundError:
+        pytest.skip("no unshare(1) here")
+    if run.returncode and "unshare" in run.stderr and "Operation not permitted" in run.stderr:
+        pytest.skip(f"cannot make a PID namespace here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    leader_before, problem, leader_after = ast.literal_eval(run.stdout)
+    assert not leader_before
+    if case == "plain":
+        assert (problem, leader_after) == ("", True)
+    else:
+        assert "start the engine under `setsid`" in problem and not leader_after
+
+
+def test_a_visible_session_leader_is_kept():
+    """Where the session leader is in sight (here the probe leads a session of its own, as a shell's
+    job has its shell), the engine keeps its session."""
+    probe = "import os; from worker.quiesce import own_session; s = os.getsid(0); print(own_session() == '' and os.getsid(0) == s)"
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         start_new_session=True)
+    assert run.stdout.strip() == "True", run.stderr
+
+
+def test_check_command_prints_a_table():
+    run = subprocess.run([sys.executable, "-m", "preload_cli", "snapshot", "check", "--json"], capture_output=True,
+                         text=True, cwd=REPO, timeout=120)
+    report = json.loads(run.stdout)
+    assert {c["name"] for c in report["checks"]} >= {"criu", "privileges", "namespaces"}
+    assert run.returncode == (0 if report["ok"] else 1)
+
+
+def test_attached_weights_suspend_and_resume_at_the_same_addresses(daemon, tiny_llama):
+    """What the quiet point does to the weights, without CRIU: the mapping becomes an empty
+    reservation, no descriptor names the slab, and resume maps the same weights at the same place;
+    a daemon holding other weights under the name is refused and the weights stay suspended."""
+    from preload_daemon.buffers import descriptors_of
+    from preload_daemon.client import DaemonClient
+    from preload_daemon.errors import StaleError
+    daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny"))
+    attached = DaemonClient(daemon.config.socket_path).attach("tiny")  # suspend closes its client
+    name = next(iter(attached))
+    view = attached[name]
+    expected, address = view.clone(), view.data_ptr()
+    slab = attached.manifest.slabs[0]
+    assert descriptors_of(slab.path)
+    attached.suspend()
+    assert attached.suspended and not descriptors_of(slab.path)
+    maps = pathlib.Path("/proc/self/maps").read_text()
+    assert slab.path not in maps
+    assert daemon.client.list_models()[0].leases == []  # the session closed: the lease ended
+    attached.resume(DaemonClient(daemon.config.socket_path))
+    assert not attached.suspended and view.data_ptr() == address and torch_equal(view, expected)
+    assert len(daemon.client.list_models()[0].leases) == 1
+    attached.suspend()
+    daemon.client.evict("tiny")
+    daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny", dtype="bfloat16"))
+    with pytest.raises(StaleError):
+        attached.resume(DaemonClient(daemon.config.socket_path))
+    assert attached.suspended
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a, b)

@@ -1,0 +1,112 @@
+"""A snapshot's CRIU images on disk: the page images stored zstd-compressed (a process with torch
+imported is mostly allocator and interpreter structures, which pack about 6x), and the unpacked
+copy a host restores from, made once per host and snapshot (worker/snapshot.py)."""
+
+import hashlib
+import os
+import pathlib
+import secrets
+import shutil
+import time
+
+from worker import control
+
+IMAGES = "images"
+ZST = ".zst"
+TRIM_AFTER_S = 120.0
+STALE_TMP_S = 3600.0
+UNPACKED_KEEP = 4
+
+
+def image_bytes(images: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in images.iterdir() if f.is_file() and ".img" in f.name)
+
+
+def pack(images: pathlib.Path, raw: pathlib.Path) -> list[str]:
+    """Compresses CRIU's page images (zstd): the process's memory, which is mostly the allocator's
+    and the interpreter's structures, packs about 5x. The unpacked files move to `raw` (the seed of
+    this host's unpacked copy). Returns the packed files."""
+    import zstandard
+    raw.mkdir(mode=0o700)
+    packed = []
+    for path in sorted(images.glob("pages-*.img")):
+        target = path.with_name(path.name + ZST)
+        with open(path, "rb") as src, open(target, "wb") as dst:
+            zstandard.ZstdCompressor(level=3, threads=-1).copy_stream(src, dst, size=path.stat().st_size)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.rename(path, raw / path.name)
+        packed.append(target.name)
+    return packed
+
+
+def cache_path(directory: pathlib.Path, images: pathlib.Path, runtime: pathlib.Path) -> pathlib.Path:
+    """Where this host keeps the unpacked copy of these images (named by their path and identity)."""
+    identity = [str(directory)] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}:{f.stat().st_ino}"
+                                   for f in sorted(images.iterdir())]
+    return control.control_dir(runtime) / f"unpacked-{hashlib.sha256(repr(identity).encode()).hexdigest()[:16]}"
+
+
+def seed_unpacked(directory: pathlib.Path, images: pathlib.Path, raw: pathlib.Path, runtime: pathlib.Path) -> None:
+    """The creating host's unpacked copy, from the files just packed (so that its first restore
+    does not unpack); dropped where the runtime directory is on another file system."""
+    try:
+        for f in images.iterdir():
+            if not f.name.endswith(ZST):
+                shutil.copyfile(f, raw / f.name)
+        (raw / ".complete").touch()
+        os.rename(raw, cache_path(directory, images, runtime))
+    except OSError:
+        shutil.rmtree(raw, ignore_errors=True)
+
+
+def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> pathlib.Path:
+    """A directory of the snapshot's images as CRIU reads them: the images themselves when nothing
+    is packed, else an unpacked copy, made by create or this host's first restore of the snapshot
+    and reused by later ones (the newest UNPACKED_KEEP stay; RUNTIME/snapshots/unpacked-* may be
+    removed at any time)."""
+    images = directory / IMAGES
+    if not manifest["image"].get("packed"):
+        return images
+    cache = cache_path(directory, images, runtime)
+    if (cache / ".complete").exists():
+        os.utime(cache)
+        return cache
+    import zstandard
+    tmp = cache.with_name(f"{cache.name}.tmp-{secrets.token_hex(4)}")
+    tmp.mkdir(mode=0o700)
+    try:
+        for f in images.iterdir():
+            if f.name.endswith(ZST):
+                with open(f, "rb") as src, open(tmp / f.name.removesuffix(ZST), "wb") as dst:
+                    zstandard.ZstdDecompressor().copy_stream(src, dst)
+            elif f.is_file() and not f.is_symlink():
+                shutil.copyfile(f, tmp / f.name)
+        (tmp / ".complete").touch()
+        os.rename(tmp, cache)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (cache / ".complete").exists():  # not another restore that unpacked it first
+            raise
+    trim(cache.parent, keep=cache)
+    return cache
+
+
+def trim(parent: pathlib.Path, keep: pathlib.Path) -> None:
+    """Removes all but the newest UNPACKED_KEEP unpacked copies; never `keep`, one still being
+    unpacked (.tmp-), or one used in the last TRIM_AFTER_S (another restore may be reading it)."""
+    now, done = time.time(), []
+    for path in parent.glob("unpacked-*"):
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        if ".tmp-" in path.name:  # a restore that died unpacking (one at work writes within seconds)
+            if now - mtime > STALE_TMP_S:
+                shutil.rmtree(path, ignore_errors=True)
+        elif path != keep:
+            done.append((mtime, path))
+    done.sort(reverse=True)
+    for mtime, old in done[UNPACKED_KEEP - 1:]:
+        if now - mtime > TRIM_AFTER_S:
+            shutil.rmtree(old, ignore_errors=True)
