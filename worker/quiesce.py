@@ -53,6 +53,7 @@ DRAIN_SLACK_S = 10.0
 (`preload snapshot create` waits drain + 120 s for the quiet point, the canary included)."""
 PARKED_LIMIT_S = 600.0
 """A quiet engine nobody resumes (the snapshot command died) resumes itself after this long parked."""
+SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
 
 
 class Quiescer:
@@ -234,6 +235,7 @@ class Quiescer:
     def _resume(self, message: dict, fds: list[int], conn) -> None:
         """Back from the quiet point: streams, weights, canary, then the HTTP server (module docstring)."""
         timings = {"resume_start": time.time()}
+        request_matrix_units()
         for target, fd in zip((0, 1, 2), fds):
             os.dup2(fd, target)
         control._close(fds)
@@ -292,6 +294,17 @@ class Quiescer:
             except OSError:
                 pass
         os._exit(1)
+
+
+def request_matrix_units() -> bool:
+    """Asks the kernel again for the AMX tile registers (arch_prctl ARCH_REQ_XCOMP_PERM), a
+    permission a process holds, not a register CRIU restores: oneDNN asks for it before its first
+    AMX matrix product, and a restored copy of an engine that had it would die of SIGILL on its
+    first bfloat16 GEMM (a prefill of more rows than the GEMV takes). True where it was granted;
+    False on CPUs without AMX (nothing to ask for) and off x86-64."""
+    if os.uname().machine != "x86_64":
+        return False
+    return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
 
 
 def own_session() -> str:

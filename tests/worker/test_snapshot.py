@@ -20,7 +20,7 @@ from preload_daemon.plan import LoadSpec
 from tests.conftest import REPO, DaemonHandle, run_preload, wait_until
 from tests.worker.conftest import EngineProcess
 from worker import criu, snapshot
-from worker.quiesce import canary_mismatch
+from worker.quiesce import canary_mismatch, request_matrix_units
 
 
 def _host_can_snapshot() -> str:
@@ -256,6 +256,15 @@ def test_restore_refuses_without_the_daemon_or_with_other_weights(served, snap, 
 def test_refusal_names_the_reason(ready, expected):
     why = snapshot.refusal(ready, "http://127.0.0.1:1")
     assert (expected in why) if expected else why == ""
+
+
+def test_a_restored_engine_asks_again_for_the_cpus_matrix_units():
+    """A process's permission to use AMX tiles is the kernel's, not a register CRIU restores: the
+    resume asks for it again (granted exactly where the CPU has AMX), or a restored engine's first
+    AMX GEMM would die of SIGILL."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    assert request_matrix_units() == (os.uname().machine == "x86_64" and "amx_tile" in flags)
 
 
 def test_canary_comparison():
