@@ -254,7 +254,7 @@ def test_other_uid_cannot_use_the_socket(daemon, tiny_llama):
         "from preload_daemon.client import DaemonClient\n"
         "from preload_daemon.errors import PreloadError\n"
         "from preload_cli.main import main\n"
-        "import preload_daemon.versions  # status imports it when it runs, as nobody by then\n"
+        "import preload_cli.daemon_commands, preload_daemon.versions  # `status` imports them, as nobody by then\n"
         "client = DaemonClient(%r, timeout=5)\n"
         "os.setgroups([]); os.setgid(65534); os.setuid(65534)\n"
         "try:\n    client.attach('tiny-llama')\n    print('ATTACHED')\n"
