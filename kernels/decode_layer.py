@@ -14,9 +14,8 @@ import torch
 
 from kernels import native
 from kernels.dense import UNIT_SCALE
-from kernels.linear import NATIVE_FORMATS
-from kernels.native import BF16_ELEMENTS, E2M1_ELEMENTS
-from kernels.quant import QuantizedWeight
+from kernels.formats import BF16_ELEMENTS, PER_TENSOR
+from kernels.quant import QuantizedWeight, scheme
 
 PHASES = ("qkv", "o", "gate_up", "down")
 MAX_ROWS = 16
@@ -41,15 +40,16 @@ class FusedLayer:
 def _parts(w) -> tuple | str:
     """(weight, scale, global scale, scale kind, block, element) as the native GEMV takes `w`, or why not."""
     if isinstance(w, QuantizedWeight):
-        kind, block, element = NATIVE_FORMATS[w.scheme]
-        width = w.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)
+        found = scheme(w.scheme)
+        kind, block, element = found.native
+        width = w.weight.shape[1] * found.format.elements_per_byte
         if width % 16:
             return f"a {w.scheme} weight stored {width} wide (not a multiple of 16)"
         return w.weight, w.scale, w.global_scale, kind, block, element
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() \
             or w.shape[1] % 16:
         return "a plain weight that is not a contiguous bfloat16 [N, K] with K a multiple of 16"
-    return w, UNIT_SCALE, None, 0, 0, BF16_ELEMENTS
+    return w, UNIT_SCALE, None, PER_TENSOR, 0, BF16_ELEMENTS
 
 
 def fused_layer(*, projections: dict, norms: tuple, biases: dict, heads: int, kv_heads: int, head_dim: int,

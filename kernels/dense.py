@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
+from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
@@ -52,7 +53,7 @@ class Dense:
         x2 = x.reshape(rows, x.shape[-1])
         if rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and w.is_contiguous() and w.shape[1] % 16 == 0:
-            out = native.qgemv(x2, w, UNIT_SCALE, None, 0, 0, native.BF16_ELEMENTS)
+            out = native.qgemv(x2, w, UNIT_SCALE, None, PER_TENSOR, 0, BF16_ELEMENTS)
         elif rows == 1:
             return F.linear(x, w, bias)
         else:

@@ -15,14 +15,14 @@ _UP_AT = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False)
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     """float -> uint8 codes (0-15). Finite inputs only."""
     a = x.abs()
-    code = torch.zeros(x.shape, dtype=torch.uint8)
+    code = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
     for threshold, inclusive in _UP_AT:
         code += (a >= threshold) if inclusive else (a > threshold)
     return code | (torch.signbit(x).to(torch.uint8) << 3)
 
 
 def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=code.device)
     magnitude = values[(code & 7).long()]
     return torch.where((code & 8).bool(), -magnitude, magnitude)
 
@@ -38,12 +38,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _pairs(dtype: torch.dtype) -> torch.Tensor:
-    """[256, 2]: both values of every packed byte, for decoding a whole byte with one lookup. Built on
-    first use, not at import: importing the kernels runs no tensor code."""
-    return e2m1_decode(unpack(torch.arange(256, dtype=torch.uint8)).view(256, 2)).to(dtype)
+def _pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 2] on `device`: both values of every packed byte, for decoding a whole byte with one
+    lookup. Built on first use, not at import: importing the kernels runs no tensor code."""
+    return e2m1_decode(unpack(torch.arange(256, dtype=torch.uint8)).view(256, 2)).to(dtype=dtype, device=device)
 
 
 def decode_packed(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[..., m] bytes -> [..., 2m] values in `dtype` (one table lookup per byte)."""
-    return _pairs(dtype)[packed.long()].flatten(-2)
+    return _pairs(dtype, packed.device)[packed.long()].flatten(-2)

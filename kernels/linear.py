@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import native
-from kernels.native import E2M1_ELEMENTS, E4M3_ELEMENTS, INT8_ELEMENTS
-from kernels.quant import E4M3, E4M3_MAX, FP8_BLOCK, MX_BLOCK, NV_BLOCK, QuantizedWeight, dequantize
+from kernels.quant import E4M3, E4M3_MAX, QuantizedWeight, Scheme, dequantize, scheme
 
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
 LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
@@ -24,11 +23,6 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # torch's int8 kernel above. On AVX-512 the earlier measurements stand: GEMV up to 4 rows, and
 # torch's int8 kernel.
 _POLICY = {"avx2": (16, False), "avx512": (4, True)}
-# scheme -> (scale kind, block size along K or 0 for the whole row, element format) of kernels/csrc/qgemv.cpp
-NATIVE_FORMATS = {"fp8_per_tensor": (0, 0, E4M3_ELEMENTS), "fp8_per_channel": (1, 0, E4M3_ELEMENTS),
-                  "fp8_block": (2, FP8_BLOCK, E4M3_ELEMENTS), "int8": (1, 0, INT8_ELEMENTS),
-                  "mxfp8": (3, MX_BLOCK, E4M3_ELEMENTS), "mxfp4": (3, MX_BLOCK, E2M1_ELEMENTS),
-                  "nvfp4": (4, NV_BLOCK, E2M1_ELEMENTS)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -42,11 +36,12 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     """x [M, K] (float32/bfloat16/float16) @ dequantize(q).T -> [M, N] in x.dtype."""
     if x.shape[-1] != q.shape[1]:
         raise ValueError(f"activation has K={x.shape[-1]}, weight expects K={q.shape[1]}")
+    found = scheme(q.scheme)
     if x.device.type == "cpu":
-        out = _cpu_kernel(x, q)
+        out = _cpu_kernel(x, q, found)
         if out is not None:
             return out
-    elif x.is_cuda and q.scheme in ("fp8_per_tensor", "fp8_per_channel") and _has_fp8_mma(x.device):
+    elif x.is_cuda and found.cuda_fp8_mm and _has_fp8_mma(x.device):
         return _scaled_mm_fp8(x, q)
     if x.shape[0] >= LARGE_M:
         return F.linear(x, dequantize(q, x.dtype))
@@ -61,23 +56,23 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
     return out
 
 
-def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor | None:
+def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight, found: Scheme) -> torch.Tensor | None:
     """The fastest fused CPU kernel for x and q, or None where the pure torch path is all there is."""
     if native.qgemv is not None:
         gemv_max_m, int8_in_torch = _POLICY[native.VARIANT]
-        if not (q.scheme == "int8" and int8_in_torch and x.shape[0] < LARGE_M):
-            out = _native(x, q, gemv_max_m)
+        if not (found.torch_int8_mm and int8_in_torch and x.shape[0] < LARGE_M):
+            out = _native(x, q, found, gemv_max_m)
             if out is not None:
                 return out
-    if q.scheme == "int8" and (x.shape[0] < LARGE_M or native.qgemm is None):
+    if found.torch_int8_mm and (x.shape[0] < LARGE_M or native.qgemm is None):
         return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
     return None
 
 
-def _native(x: torch.Tensor, q: QuantizedWeight, gemv_max_m: int) -> torch.Tensor | None:
+def _native(x: torch.Tensor, q: QuantizedWeight, found: Scheme, gemv_max_m: int) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
-    kind, block, element = NATIVE_FORMATS[q.scheme]
-    width = q.weight.shape[1] * (2 if element == E2M1_ELEMENTS else 1)  # K as stored (padded for MX/NVFP4)
+    kind, block, element = found.native
+    width = q.weight.shape[1] * found.format.elements_per_byte  # K as stored (padded for MX/NVFP4)
     if x.dtype not in (torch.float32, torch.bfloat16) or width % 16:
         return None
     op = native.qgemv if x.shape[0] <= gemv_max_m else native.qgemm

@@ -14,9 +14,6 @@ import os
 import torch
 
 VARIANTS = ("avx512", "avx2", "torch")  # best first
-E4M3_ELEMENTS, E2M1_ELEMENTS, INT8_ELEMENTS, BF16_ELEMENTS = 0, 1, 2, 3
-"""How the native GEMV reads a weight's elements (kernels/csrc/qgemv_kernels.h, enum Element);
-BF16_ELEMENTS takes a per-tensor scale of 1."""
 ENVIRONMENT = "PRELOAD_KERNELS"
 _LIBRARY = os.path.join(os.path.dirname(__file__), "_native", "libpreload_kernels.so")
 

@@ -1,6 +1,9 @@
-"""Weight quantization schemes (see docs/architecture.md), vectorised, pure torch. Each scheme turns an
-[N, K] weight into named parts (`weight`, `weight_scale`, and for nvfp4 `weight_global_scale`) and
-back. `layout` gives the parts' dtypes and shapes before any data exists, for slab planning.
+"""Weight quantization schemes (see docs/architecture.md), vectorised, pure torch: one object per
+scheme (`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`,
+and for nvfp4 `weight_global_scale`) and back, gives the parts' dtypes and shapes before any data
+exists (`layout`, for slab planning), slices a TP shard on its blocks (`narrow`), and names the
+linear kernels that take it on each device (kernels/linear.py runs them). What a scheme is without
+torch (name, blocks, manifest parameters) is kernels/formats.py.
 
 Conventions: dequantised = element x scale. Block scales run along K (the input dimension); K that
 is not a multiple of the block is zero-padded in the stored weight. Non-finite weights are refused
@@ -12,7 +15,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from kernels.formats import BLOCKS, FP8_BLOCK, MX_BLOCK, NV_BLOCK, SCHEMES
+from kernels.formats import (E2M1_ELEMENTS, E4M3_ELEMENTS, E4M3_PER_BLOCK, E8M0_PER_BLOCK, FP8_BLOCK, INT8_ELEMENTS,
+                             PER_BLOCK_2D, PER_ROW, PER_TENSOR, SCHEMES, Format, format_of)
 from kernels.fp4 import E2M1_MAX, decode_packed, e2m1_encode, pack
 
 E4M3 = torch.float8_e4m3fn
@@ -41,76 +45,183 @@ def _ceil_to(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def layout(scheme: str, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """{part: (dtype, shape)} of a quantized [n, k] weight."""
-    if scheme == "fp8_per_tensor":
-        return {"weight": (E4M3, (n, k)), "weight_scale": (torch.float32, ())}
-    if scheme == "fp8_per_channel":
-        return {"weight": (E4M3, (n, k)), "weight_scale": (torch.float32, (n,))}
-    if scheme == "fp8_block":
-        return {"weight": (E4M3, (n, k)), "weight_scale": (torch.float32, (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)))}
-    if scheme == "int8":
-        return {"weight": (torch.int8, (n, k)), "weight_scale": (torch.float32, (n,))}
-    if scheme == "mxfp8":
-        kp = _ceil_to(k, MX_BLOCK)
-        return {"weight": (E4M3, (n, kp)), "weight_scale": (E8M0, (n, kp // MX_BLOCK))}
-    if scheme == "mxfp4":
-        kp = _ceil_to(k, MX_BLOCK)
-        return {"weight": (torch.uint8, (n, kp // 2)), "weight_scale": (E8M0, (n, kp // MX_BLOCK))}
-    if scheme == "nvfp4":
-        kp = _ceil_to(k, NV_BLOCK)
-        return {"weight": (torch.uint8, (n, kp // 2)), "weight_scale": (E4M3, (n, kp // NV_BLOCK)),
-                "weight_global_scale": (torch.float32, ())}
-    raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+class Scheme:
+    """One quantization format: its parts, quantize and dequantize, and its kernels per device."""
+
+    native: tuple[int, int, int]
+    """(scale kind, block along K or 0 for the whole row, element format) of the native CPU GEMV."""
+    torch_int8_mm = False
+    """torch._weight_int8pack_mm multiplies it on CPU (weight-only int8)."""
+    cuda_fp8_mm = False
+    """torch._scaled_mm multiplies it on CUDA GPUs of SM 8.9 and newer (W8A8 with dynamic activations)."""
+
+    def __init__(self, name: str):
+        self.format: Format = format_of(name)
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<scheme {self.name}>"
+
+    def layout(self, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """{part: (dtype, shape)} of a quantized [n, k] weight."""
+        raise NotImplementedError
+
+    def quantize(self, w: torch.Tensor) -> "QuantizedWeight":
+        """A finite float32 [N, K] weight, quantized."""
+        raise NotImplementedError
+
+    def dequantize(self, q: "QuantizedWeight", start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the weight, float32."""
+        raise NotImplementedError
+
+    def narrow_scale(self, scale: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+        """The scales of rows (dim 0) or columns (dim 1) [start, start + length), on whole blocks."""
+        if scale.dim() >= 1 and dim == 0:
+            return scale[start:start + length]
+        if scale.dim() == 2:  # block scales along K
+            block = self.format.block[1]
+            return scale[:, start // block:(start + length) // block]
+        return scale
 
 
-def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
-    if w.dim() != 2:
-        raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
-    bad = int((~torch.isfinite(w)).sum())
-    if bad:
-        raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
-    n, k = w.shape
-    w = w.float()
-    if scheme in ("fp8_per_tensor", "fp8_per_channel", "int8"):
-        amax = w.abs().amax() if scheme == "fp8_per_tensor" else w.abs().amax(dim=1)
-        limit = INT8_MAX if scheme == "int8" else E4M3_MAX
-        scale = torch.where(amax > 0, amax / limit, torch.ones_like(amax))
-        scaled = w / (scale if scale.dim() == 0 else scale[:, None])
-        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8) if scheme == "int8" \
+class PerRow(Scheme):
+    """FP8 with one scale per tensor or per output row, and INT8 with one per row."""
+
+    def __init__(self, name: str, per_row: bool, integer: bool):
+        super().__init__(name)
+        self.per_row, self.integer = per_row, integer
+        self.element = torch.int8 if integer else E4M3
+        self.limit = INT8_MAX if integer else E4M3_MAX
+        self.native = (PER_ROW if per_row else PER_TENSOR, 0, INT8_ELEMENTS if integer else E4M3_ELEMENTS)
+        self.torch_int8_mm = integer
+        self.cuda_fp8_mm = not integer
+
+    def layout(self, n, k):
+        return {"weight": (self.element, (n, k)), "weight_scale": (torch.float32, (n,) if self.per_row else ())}
+
+    def quantize(self, w):
+        n, k = w.shape
+        amax = w.abs().amax(dim=1) if self.per_row else w.abs().amax()
+        scale = torch.where(amax > 0, amax / self.limit, torch.ones_like(amax))
+        scaled = w / (scale[:, None] if self.per_row else scale)
+        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8) if self.integer \
             else scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        return QuantizedWeight(scheme, q, scale, None, (n, k))
-    if scheme == "fp8_block":
+        return QuantizedWeight(self.name, q, scale, None, (n, k))
+
+    def dequantize(self, q, start, stop):
+        scale = q.scale[start:stop, None] if self.per_row else q.scale
+        return q.weight[start:stop].float() * scale
+
+
+class Fp8Block(Scheme):
+    """FP8 with one scale per 128x128 block (DeepSeek-V3's format)."""
+
+    native = (PER_BLOCK_2D, FP8_BLOCK, E4M3_ELEMENTS)
+
+    def layout(self, n, k):
+        return {"weight": (E4M3, (n, k)), "weight_scale": (torch.float32, (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK)))}
+
+    def quantize(self, w):
+        n, k = w.shape
         nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
         blocks = F.pad(w, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n)).view(nb, FP8_BLOCK, kb, FP8_BLOCK)
         amax = blocks.abs().amax(dim=(1, 3))
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
         q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        return QuantizedWeight(scheme, q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale, None, (n, k))
-    if scheme in ("mxfp8", "mxfp4"):
-        kp = _ceil_to(k, MX_BLOCK)
-        blocks = F.pad(w, (0, kp - k)).view(n, kp // MX_BLOCK, MX_BLOCK)
+        return QuantizedWeight(self.name, q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale, None,
+                               (n, k))
+
+    def dequantize(self, q, start, stop):
+        k = q.shape[1]
+        scale = q.scale.repeat_interleave(FP8_BLOCK, 0)[start:stop].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+        return q.weight[start:stop].float() * scale
+
+    def narrow_scale(self, scale, dim, start, length):
+        blocks = slice(start // FP8_BLOCK, -(-(start + length) // FP8_BLOCK))
+        return scale[blocks] if dim == 0 else scale[:, blocks]
+
+
+class Microscaled(Scheme):
+    """OCP MX (MXFP8, MXFP4: a power-of-two E8M0 scale per 32 elements along K) and NVFP4 (an E4M3
+    scale per 16 elements, times one float32 global scale). K is zero-padded to whole blocks."""
+
+    def __init__(self, name: str, fp4: bool, nvidia: bool):
+        super().__init__(name)
+        self.fp4, self.nvidia = fp4, nvidia
+        self.block_k = self.format.block[1]
+        element = E2M1_ELEMENTS if fp4 else E4M3_ELEMENTS
+        self.native = (E4M3_PER_BLOCK if nvidia else E8M0_PER_BLOCK, self.block_k, element)
+
+    def layout(self, n, k):
+        kp = _ceil_to(k, self.block_k)
+        parts = {"weight": (torch.uint8, (n, kp // 2)) if self.fp4 else (E4M3, (n, kp)),
+                 "weight_scale": (E4M3 if self.nvidia else E8M0, (n, kp // self.block_k))}
+        if self.nvidia:
+            parts["weight_global_scale"] = (torch.float32, ())
+        return parts
+
+    def quantize(self, w):
+        n, k = w.shape
+        kp = _ceil_to(k, self.block_k)
+        blocks = F.pad(w, (0, kp - k)).view(n, kp // self.block_k, self.block_k)
+        if self.nvidia:
+            amax = w.abs().amax()
+            global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.tensor(1.0, device=w.device)
+            block_scale = (blocks.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
+            total = block_scale.float() * global_scale
+            scaled = torch.where(total[..., None] > 0, blocks / total[..., None], torch.zeros_like(blocks))
+            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), block_scale,
+                                   global_scale.float().reshape(()), (n, k))
         # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (e4m3: 8, e2m1: 2).
         _, exponent = torch.frexp(blocks.abs().amax(dim=-1))
-        emax = 8 if scheme == "mxfp8" else 2
+        emax = 2 if self.fp4 else 8
         shared = torch.where(blocks.abs().amax(dim=-1) > 0, exponent - 1 - emax, torch.full_like(exponent, -127))
         shared = shared.clamp(-127, 127)
         scaled = blocks * torch.exp2(-shared.float())[..., None]
         scale = (shared + 127).to(torch.uint8).view(E8M0)
-        if scheme == "mxfp8":
-            return QuantizedWeight(scheme, scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(n, kp), scale, None, (n, k))
-        return QuantizedWeight(scheme, pack(e2m1_encode(scaled.view(n, kp))), scale, None, (n, k))
-    if scheme == "nvfp4":
-        kp = _ceil_to(k, NV_BLOCK)
-        blocks = F.pad(w, (0, kp - k)).view(n, kp // NV_BLOCK, NV_BLOCK)
-        amax = w.abs().amax()
-        global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.tensor(1.0)
-        block_scale = (blocks.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
-        total = block_scale.float() * global_scale
-        scaled = torch.where(total[..., None] > 0, blocks / total[..., None], torch.zeros_like(blocks))
-        return QuantizedWeight(scheme, pack(e2m1_encode(scaled.view(n, kp))), block_scale,
-                               global_scale.float().reshape(()), (n, k))
-    raise ValueError(f"unknown quantization scheme {scheme!r}; known: {', '.join(SCHEMES)}")
+        if self.fp4:
+            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), scale, None, (n, k))
+        return QuantizedWeight(self.name, scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(n, kp), scale, None, (n, k))
+
+    def dequantize(self, q, start, stop):
+        w = q.weight[start:stop]
+        elements = decode_packed(w) if self.fp4 else w.float()
+        scale = q.scale[start:stop].float()
+        if q.global_scale is not None:
+            scale = scale * q.global_scale
+        out = (elements.view(stop - start, -1, self.block_k) * scale[..., None]).view(stop - start, -1)
+        return out[:, :q.shape[1]]
+
+
+_SCHEMES = {s.name: s for s in (
+    PerRow("fp8_per_tensor", per_row=False, integer=False), PerRow("fp8_per_channel", per_row=True, integer=False),
+    Fp8Block("fp8_block"), PerRow("int8", per_row=True, integer=True),
+    Microscaled("mxfp8", fp4=False, nvidia=False), Microscaled("mxfp4", fp4=True, nvidia=False),
+    Microscaled("nvfp4", fp4=True, nvidia=True))}
+assert tuple(_SCHEMES) == SCHEMES
+
+
+def scheme(name: str) -> Scheme:
+    """The scheme object of `name`; ValueError naming the known schemes for any other name."""
+    found = _SCHEMES.get(name) if isinstance(name, str) else None
+    if found is None:
+        format_of(name)  # raises, naming the known schemes
+    return found
+
+
+def layout(name: str, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{part: (dtype, shape)} of an [n, k] weight quantized with scheme `name`."""
+    return scheme(name).layout(n, k)
+
+
+def quantize(w: torch.Tensor, name: str) -> QuantizedWeight:
+    found = scheme(name)
+    if w.dim() != 2:
+        raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
+    bad = int((~torch.isfinite(w)).sum())
+    if bad:
+        raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+    return found.quantize(w.float())
 
 
 def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:
@@ -120,49 +231,21 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     n, k = q.shape
     if dim not in (0, 1) or not (0 <= start and length > 0 and start + length <= q.shape[dim]):
         raise ValueError(f"bad slice [{start}, {start + length}) of dim {dim} of a {list(q.shape)} weight")
-    row_block, col_block = BLOCKS.get(q.scheme, (1, 1))
+    found = scheme(q.scheme)
     if start == 0 and length == q.shape[dim]:
         return q
-    block = row_block if dim == 0 else col_block
+    block = found.format.block[dim]
     if start % block or length % block:
         raise ValueError(f"slice [{start}, {start + length}) of dim {dim} does not fall on {q.scheme}'s "
                          f"{block}-element blocks")
-    packed = 2 if q.scheme in ("mxfp4", "nvfp4") else 1
-    if dim == 0:
-        weight = q.weight[start:start + length]
-    else:
-        weight = q.weight[:, start // packed:(start + length) // packed]
-    scale = q.scale
-    if q.scheme == "fp8_block":
-        blocks = slice(start // FP8_BLOCK, -(-(start + length) // FP8_BLOCK))
-        scale = scale[blocks] if dim == 0 else scale[:, blocks]
-    elif scale.dim() >= 1 and dim == 0:
-        scale = scale[start:start + length]
-    elif scale.dim() == 2:  # MX / NVFP4 block scales along K
-        scale = scale[:, start // block:(start + length) // block]
+    packed = found.format.elements_per_byte
+    weight = q.weight[start:start + length] if dim == 0 else q.weight[:, start // packed:(start + length) // packed]
+    scale = found.narrow_scale(q.scale, dim, start, length)
     shape = (length, k) if dim == 0 else (n, length)
     return QuantizedWeight(q.scheme, weight.contiguous(), scale.contiguous(), q.global_scale, shape)
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
     """The [N, K] weight (or the `rows` slice of it) in `dtype`."""
-    n, k = q.shape
-    start, stop, _ = rows.indices(n)
-    if q.scheme == "fp8_per_tensor":
-        return (q.weight[start:stop].float() * q.scale).to(dtype)
-    if q.scheme in ("fp8_per_channel", "int8"):
-        return (q.weight[start:stop].float() * q.scale[start:stop, None]).to(dtype)
-    if q.scheme == "fp8_block":
-        scale = q.scale.repeat_interleave(FP8_BLOCK, 0)[start:stop].repeat_interleave(FP8_BLOCK, 1)[:, :k]
-        return (q.weight[start:stop].float() * scale).to(dtype)
-    if q.scheme in ("mxfp8", "mxfp4", "nvfp4"):
-        block = NV_BLOCK if q.scheme == "nvfp4" else MX_BLOCK
-        w = q.weight[start:stop]
-        elements = w.float() if q.scheme == "mxfp8" else decode_packed(w)
-        scale = q.scale[start:stop].float()
-        if q.global_scale is not None:
-            scale = scale * q.global_scale
-        out = (elements.view(stop - start, -1, block) * scale[..., None]).view(stop - start, -1)
-        return out[:, :k].to(dtype)
-    raise ValueError(f"unknown quantization scheme {q.scheme!r}")
-
+    start, stop, _ = rows.indices(q.shape[0])
+    return scheme(q.scheme).dequantize(q, start, stop).to(dtype)

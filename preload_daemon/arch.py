@@ -265,7 +265,7 @@ class ArchSpec:
             problems.append(f"num_key_value_heads={self.num_kv_heads} neither divides nor is divisible by {tp}")
         # A TP shard of a quantized projection falls on whole blocks, so every rank's parts are
         # exactly the TP=1 parts sliced (kernels.quant.narrow).
-        rows, cols = formats.BLOCKS.get(quantization, (1, 1))
+        rows, cols = formats.FORMATS[quantization].block if quantization in formats.FORMATS else (1, 1)
         if problems or tp == 1 or (rows, cols) == (1, 1):
             return problems
         heads, kv_heads = self.local_heads(tp)

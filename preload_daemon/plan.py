@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from kernels import quant
+from kernels import formats, quant
 from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
 from preload_daemon.buffers import DTYPES, gc_paused
 from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
@@ -16,14 +16,16 @@ from preload_daemon.safepath import short_repr, short_text
 
 ALIGNMENT = 256
 FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales
-# What the manifest records of each scheme besides its name.
-SCHEME_PARAMS = {"fp8_block": {"block": "128x128"}, "mxfp8": {"block": "32"}, "mxfp4": {"block": "32"},
-                 "nvfp4": {"block": "16"}}
 COMPONENTS = ("main", "draft")
 # Tensor kinds of MTP layers that DeepSeek-V3 checkpoints store as copies of the main model's
 # embedding and lm_head: never loaded; a draft variant borrows the main variant's (see store.py).
 SHARED_WITH_MAIN = ("mtp_embed", "head")
 SHARED_ROLES = ("embedding", "lm_head")
+
+
+def scheme_params(quantization: str) -> tuple[tuple[str, str], ...]:
+    """What the manifest and the cache key record of a scheme besides its name (kernels/formats.py)."""
+    return formats.FORMATS[quantization].params if quantization != "none" else ()
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
@@ -178,7 +180,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
             shape[shard.dim] = shard.length
             shape = tuple(shape)
         if kind.quantizable and spec.quantization != "none":
-            params = tuple(sorted({**SCHEME_PARAMS.get(spec.quantization, {}), "in_features": str(shape[1])}.items()))
+            params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
             common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
             stem = name.removesuffix(".weight")
             if prequantized:

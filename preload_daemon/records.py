@@ -11,8 +11,8 @@ from preload_daemon.cachekey import CacheKey
 from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.errors import BudgetError, InvalidRequestError, NotFoundError, StaleError
 from preload_daemon.leases import Lease
-from preload_daemon.plan import FORMAT_VERSION, SCHEME_PARAMS, Layout, LoadPlan
-from preload_daemon.slab import HostSlab
+from preload_daemon.plan import FORMAT_VERSION, Layout, LoadPlan, scheme_params
+from preload_daemon.slab import Slab
 
 DEFAULT_KEEP = 2
 MAX_FAILURES = 16
@@ -45,7 +45,7 @@ class Variant:
     """With the dtype resolved."""
     plan: LoadPlan
     key: CacheKey
-    slab: HostSlab
+    slab: Slab
     loaded_at: float
     load_seconds: float
     leases: dict[str, Lease] = dataclasses.field(default_factory=dict)
@@ -165,7 +165,7 @@ def key_for(files: tuple[FileIdentity, ...], plan: LoadPlan, content_digest: str
     return CacheKey(files=tuple(files), architecture=plan.architecture, tp_size=spec.tp_size,
                     tp_rank=spec.tp_rank, dtype=str(plan.dtype).removeprefix("torch."),
                     quantization=spec.quantization, component=spec.component, format_version=FORMAT_VERSION,
-                    quant_params=tuple(sorted(SCHEME_PARAMS.get(spec.quantization, {}).items())),
+                    quant_params=scheme_params(spec.quantization),
                     content_digest=content_digest)
 
 

@@ -5,10 +5,10 @@ import functools
 import pytest
 import torch
 
-from kernels import native
+from kernels import formats, native, quant
 from kernels.fp4 import E2M1_VALUES, decode_packed, e2m1_decode, e2m1_encode, pack, unpack
 from kernels.linear import LARGE_M, quantized_linear, reference_linear
-from kernels.quant import SCHEMES, dequantize, layout, quantize
+from kernels.quant import SCHEMES, dequantize, layout, narrow, quantize
 from kernels.quant_reference import quantize_reference, stored
 
 
@@ -59,6 +59,34 @@ def test_layout_matches_what_quantize_produces(scheme):
     parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}
     for part, (dtype, shape) in layout(scheme, 130, 200).items():
         assert (parts[part].dtype, tuple(parts[part].shape)) == (dtype, shape), part
+
+
+def test_each_scheme_is_one_object_and_other_names_are_refused():
+    """Every scheme name has one object, carrying its format (blocks, manifest parameters, packing);
+    any other name is refused with the known ones, wherever it comes in."""
+    for name in SCHEMES:
+        found = quant.scheme(name)
+        assert found is quant.scheme(name) and found.name == name and found.format is formats.FORMATS[name]
+        stored_k = layout(name, 8, 64)["weight"][1][1] * found.format.elements_per_byte
+        assert stored_k == 64, name
+    for bad in ("fp4", "", None, "INT8"):
+        for call in (lambda: quant.scheme(bad), lambda: layout(bad, 8, 64), lambda: quantize(torch.ones(8, 64), bad)):
+            with pytest.raises(ValueError, match="known: fp8_per_tensor, fp8_per_channel"):
+                call()
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_slice_on_whole_blocks_is_that_slice_of_the_weight(scheme):
+    """What a TP shard of a quantized weight holds: rows or columns [128, 256) of the weight, with the
+    whole weight's scales; a slice off the scheme's blocks is refused."""
+    q = quantize(torch.randn(256, 256), scheme)
+    full = dequantize(q)
+    for dim, block in enumerate(formats.FORMATS[scheme].block):
+        part = narrow(q, dim, 128, 128)
+        assert torch.equal(dequantize(part), full[128:] if dim == 0 else full[:, 128:]), dim
+        if block > 1:
+            with pytest.raises(ValueError, match="does not fall on"):
+                narrow(q, dim, block // 2, block)
 
 
 @pytest.mark.parametrize("scheme", ["fp8_per_tensor", "fp8_per_channel", "fp8_block", "mxfp8"])
