@@ -13,9 +13,9 @@ import torch
 
 from preload_daemon.buffers import SlabViews, descriptors_of, dtype_from_name, park_mapping, remap_readonly
 from preload_daemon.cachekey import CacheKey
-from preload_daemon.errors import InvalidRequestError, StaleError
+from preload_daemon.errors import DeviceError, InvalidRequestError, StaleError
 from preload_daemon.plan import Layout
-from preload_daemon.slab import map_slab
+from preload_daemon.slab import open_slab
 from protos import preload_pb2 as pb
 
 if TYPE_CHECKING:
@@ -35,12 +35,16 @@ class AttachedModel(collections.abc.Mapping):
         self.config = json.loads(self.manifest.config_json) if self.manifest.config_json else {}
         self.slabs: dict[str, torch.Tensor] = {}
         self._views: dict[str, SlabViews] = {}
-        for slab in self.manifest.slabs:
-            if slab.backend != "host":
-                raise InvalidRequestError(f"slab {slab.id} uses backend {slab.backend!r}, which this client "
-                                          "cannot map; attach from a process on the daemon's device")
-            self.slabs[slab.id] = map_slab(slab.path, slab.size)
-            self._views[slab.id] = SlabViews(self.slabs[slab.id])
+        self._opened = []
+        """Each slab as opened (slab.open_slab), closed with the attachment (close())."""
+        try:
+            for slab in self.manifest.slabs:
+                self._opened.append(open_slab(slab, client.device))
+                self.slabs[slab.id] = self._opened[-1].data
+                self._views[slab.id] = SlabViews(self.slabs[slab.id])
+        except BaseException:
+            self._close_slabs()
+            raise
         entries = self.manifest.tensors
         self._index = dict(zip([t.name for t in entries], range(len(entries))))
         self._made: dict[str, torch.Tensor] = {}
@@ -102,8 +106,16 @@ class AttachedModel(collections.abc.Mapping):
         self._client.renew(self.lease_id)
 
     def close(self) -> None:
-        """Closes the client this lease came from (its session: the daemon ends the lease)."""
+        """Closes the client this lease came from (its session: the daemon ends the lease). Host
+        views stay readable while referenced; a CUDA slab's handle is closed now."""
         self._client.close()
+        if any(s.backend != "host" for s in self.manifest.slabs):
+            self._close_slabs()
+
+    def _close_slabs(self) -> None:
+        for opened in self._opened:
+            opened.close()
+        self._opened = []
 
     @property
     def suspended(self) -> bool:
@@ -116,6 +128,9 @@ class AttachedModel(collections.abc.Mapping):
         may read a view until resume(). What a process snapshot needs: no weights, no daemon files."""
         if self._parked:
             return
+        if any(s.backend != "host" for s in self.manifest.slabs):
+            raise DeviceError("this engine's weights are CUDA IPC memory, which cannot be parked at the same "
+                              "addresses: snapshots of GPU engines are not supported yet (restart it warm instead)")
         self._client.close()
         self.lease_id = ""
         devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)

@@ -151,7 +151,7 @@ class SlabViews:
             raise ValueError(f"bad tensor placement: {nbytes} bytes of {dtype} {list(shape)} at offset {offset} "
                              f"in a {self.raw.numel()}-byte slab")
         if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype, device=self.raw.device)
         flat = self._flat.get(dtype)
         if flat is None:
             flat = self._flat[dtype] = self.raw[:self.raw.numel() // size * size].view(dtype)

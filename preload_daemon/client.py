@@ -46,6 +46,8 @@ class DaemonClient:
     def __init__(self, path: str | os.PathLike, timeout: float = 30.0):
         self.path = pathlib.Path(path)
         self.timeout = timeout
+        self.device: str | None = None
+        """The daemon's device, where known (for_device): what a CUDA slab's GPU must be."""
         self._channel = None
         self._stub_cache = None
         self._health_cache = None
@@ -82,7 +84,9 @@ class DaemonClient:
     def for_device(cls, device: str = "cpu:0", runtime_dir: str | os.PathLike | None = None,
                    timeout: float = 30.0) -> "DaemonClient":
         runtime = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
-        return cls(socket_path(runtime, parse_device(device)), timeout)
+        client = cls(socket_path(runtime, parse_device(device)), timeout)
+        client.device = parse_device(device)
+        return client
 
     def __enter__(self) -> "DaemonClient":
         return self

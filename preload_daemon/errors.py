@@ -48,6 +48,11 @@ class InvalidRequestError(PreloadError):
     """A request that is malformed or out of bounds."""
 
 
+class DeviceError(PreloadError):
+    """The device cannot do what was asked: no driver or GPU, a device that does not exist, CUDA
+    out of memory, a slab on another GPU than the one named."""
+
+
 STATUS_CODES: dict[type[PreloadError], str] = {  # grpc.StatusCode names
     CheckpointError: "INVALID_ARGUMENT",
     PlanError: "INVALID_ARGUMENT",
@@ -59,6 +64,7 @@ STATUS_CODES: dict[type[PreloadError], str] = {  # grpc.StatusCode names
     LoadingError: "UNAVAILABLE",
     AccessDeniedError: "PERMISSION_DENIED",
     DaemonUnavailableError: "UNAVAILABLE",
+    DeviceError: "FAILED_PRECONDITION",
 }
 
 # The error class travels in the status details' prefix so that two classes sharing a code

@@ -1,7 +1,7 @@
-"""Making the slabs of one load or publish: a new shared-memory slab per variant, filled from its
-load plan (a directory) or from a stream, hashed, sealed and recorded for a daemon that may adopt
-it (adopt.py), with progress and a deadline. The store decides what to make and installs what
-this returns (store.py)."""
+"""Making the slabs of one load or publish: a new slab per variant (from the daemon's backend,
+slab.py), filled from its load plan (a directory) or from a stream, hashed, sealed and, where it can
+outlive the daemon, recorded for a daemon that may adopt it (adopt.py), with progress and a
+deadline. The store decides what to make and installs what this returns (store.py)."""
 
 import dataclasses
 import logging
@@ -11,14 +11,14 @@ from preload_daemon import adopt
 from preload_daemon.errors import LoadingError
 from preload_daemon.plan import LoadPlan
 from preload_daemon.records import LoadProgress, Variant, Version, key_for
-from preload_daemon.slab import DIGEST_ALGORITHM, HostSlab, new_hasher
+from preload_daemon.slab import DIGEST_ALGORITHM, Slab, new_hasher
 
 log = logging.getLogger(__name__)
 
 
 class Filler:
-    def __init__(self, device: str, shm_dir, timeout_s: float, on_progress):
-        self.device, self.shm_dir, self.timeout_s, self.on_progress = device, shm_dir, timeout_s, on_progress
+    def __init__(self, device: str, backend, timeout_s: float, on_progress):
+        self.device, self.backend, self.timeout_s, self.on_progress = device, backend, timeout_s, on_progress
         self.deadline = time.monotonic() + timeout_s
 
     def one(self, version: Version, plan: LoadPlan, execute_one) -> Variant:
@@ -38,7 +38,7 @@ class Filler:
                bytes_total: int) -> list[Variant]:
         """Every plan's variant at once from one stream: `fill_all([(plan, slab)], on_tensor)`."""
         start = time.monotonic()
-        slabs: list[HostSlab] = []
+        slabs: list[Slab] = []
         try:
             for plan in plans:
                 slabs.append(self._new_slab(version, plan))
@@ -69,13 +69,13 @@ class Filler:
             self.on_progress(progress)
         return on_tensor
 
-    def _new_slab(self, version: Version, plan: LoadPlan) -> HostSlab:
+    def _new_slab(self, version: Version, plan: LoadPlan) -> Slab:
         layout = plan.layout
         label = f"{adopt.device_tag(self.device)}-{version.model.name}-v{version.number}-r{layout.tp_rank}-" \
                 f"{layout.component}-{layout.dtype}-{layout.quantization}"
-        return HostSlab.create(self.shm_dir, label, plan.total_bytes)
+        return self.backend.create(label, plan.total_bytes)
 
-    def _seal(self, version: Version, plan: LoadPlan, slab: HostSlab, digest: str, seconds: float,
+    def _seal(self, version: Version, plan: LoadPlan, slab: Slab, digest: str, seconds: float,
               made: tuple[Variant, ...] = ()) -> Variant:
         slab.seal(digest)
         log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
@@ -86,13 +86,14 @@ class Filler:
             main = dataclasses.replace(plan.layout, component="main")
             variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
         try:
-            adopt.write_record(variant)
+            if slab.adoptable:
+                adopt.write_record(variant)
         except OSError as e:
             log.warning("cannot write the record of slab %s: %s (a restarted daemon could not adopt it)", slab.id, e)
         return variant
 
 
-def free_slab(slab: HostSlab) -> None:
+def free_slab(slab: Slab) -> None:
     """Unmaps and deletes a slab (and its record). Processes that mapped it keep their pages."""
     slab.close()
     slab.unlink()

@@ -1,5 +1,10 @@
-"""Host slabs: one shared-memory file per slab in a private directory under /dev/shm. The daemon
-writes a slab once, hashing it as it goes, then seals it read-only; clients map it read-only."""
+"""Slab backends behind one small interface (`Slab`, `backend_for`, `open_slab`): the store, the
+manifest and the loaders never ask which one they hold.
+
+- host (cpu:N): one shared-memory file per slab in a private directory under /dev/shm. The daemon
+  writes a slab once, hashing it as it goes, then seals it read-only; clients map it read-only; a
+  restarted daemon adopts it (adopt.py).
+- cuda (cuda:N): device memory exported as a CUDA IPC handle (preload_daemon/cuda.py)."""
 
 import mmap
 import os
@@ -7,12 +12,14 @@ import pathlib
 import secrets
 import shutil
 import threading
+from typing import Protocol
 
 import torch
 
 from preload_daemon.buffers import bytes_tensor, map_readonly
 from preload_daemon.config import ensure_private_dir
-from preload_daemon.errors import InvalidRequestError, NotFoundError
+from preload_daemon.errors import DeviceError, InvalidRequestError, NotFoundError
+from protos import preload_pb2 as pb
 
 DIGEST_ALGORITHM = "xxh3_128"
 
@@ -22,10 +29,61 @@ def new_hasher():
     return xxhash.xxh3_128()
 
 
+class Slab(Protocol):
+    """One slab the daemon owns, whatever holds it."""
+
+    backend: str
+    """The manifest's name for the backend: "host" or "cuda"."""
+    adoptable: bool
+    """Whether it outlives the daemon, for the next one to adopt (a record is written beside it)."""
+    id: str
+    size: int
+    digest: str
+    data: torch.Tensor | None
+    """Writable host bytes while it is filled (the load plan's destination); None once it cannot be."""
+
+    def seal(self, digest: str) -> None:
+        """Marks it written, with the digest of what was written; readers may attach from now on."""
+
+    def hash(self) -> str:
+        """The digest of its bytes as they are now ("" once freed)."""
+
+    def export(self) -> dict:
+        """What a client needs to open it: the manifest's pb.Slab fields besides id, backend, size, digest."""
+
+    def close(self) -> None:
+        """Lets go of its memory (clients that opened it keep theirs until they close)."""
+
+    def unlink(self) -> None:
+        """Removes what it left on disk."""
+
+
+class HostBackend:
+    """Makes the slabs of a cpu:N daemon."""
+
+    name = "host"
+
+    def __init__(self, directory: pathlib.Path):
+        self.directory = directory
+
+    def create(self, label: str, size: int) -> "HostSlab":
+        return HostSlab.create(self.directory, label, size)
+
+
+def backend_for(device: str, shm_dir: pathlib.Path):
+    """The backend of a daemon for `device` ("cpu:N": host; "cuda:N": cuda, which raises DeviceError
+    with the reason where this host cannot hold GPU slabs, never falling back to host memory)."""
+    if device.startswith("cuda:"):
+        from preload_daemon import cuda
+        return cuda.CudaBackend(int(device.split(":")[1]))
+    return HostBackend(shm_dir)
+
+
 class HostSlab:
     """A shared-memory file the daemon owns. `data` is a writable uint8 view until `seal()`."""
 
     backend = "host"
+    adoptable = True
 
     def __init__(self, path: pathlib.Path, size: int, mapping: mmap.mmap):
         self.path = path
@@ -90,6 +148,9 @@ class HostSlab:
                 if self._close_when_hashed and not self._hashing:
                     self._unmap()
 
+    def export(self) -> dict:
+        return {"path": str(self.path)}
+
     def unlink(self) -> None:
         """Removes the file and its record. Processes that mapped it keep their pages until they unmap."""
         self.path.unlink(missing_ok=True)
@@ -116,3 +177,27 @@ def map_slab(path: str, size: int) -> torch.Tensor:
     if mapping is None or len(mapping) != size:
         raise InvalidRequestError(f"slab {path} has {len(mapping) if mapping else 0} bytes, manifest says {size}")
     return bytes_tensor(mapping)
+
+
+def open_slab(slab: pb.Slab, device: str | None = None):
+    """A client's opening of a manifest's slab: an object whose `data` is the slab's bytes (a uint8
+    tensor, read-only host memory or device memory) and whose close() lets go of them. `device`: the
+    engine's own ("cuda:N"), which a CUDA slab's GPU must be."""
+    if slab.backend == "host":
+        return MappedSlab(map_slab(slab.path, slab.size))
+    if slab.backend == "cuda":
+        from preload_daemon import cuda
+        wanted = int(device.split(":")[1]) if device and device.startswith("cuda:") else None
+        return cuda.OpenedSlab(slab.handle, slab.device_uuid, slab.size, wanted)
+    raise DeviceError(f"slab {slab.id[:80]!r} uses backend {slab.backend[:40]!r}, which this client does not know "
+                      "(host and cuda): upgrade preload on this side")
+
+
+class MappedSlab:
+    """A host slab mapped in a client (the mapping goes when the last view of it does)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def close(self) -> None:
+        self.data = None

@@ -33,7 +33,7 @@ from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
 from preload_daemon.records import (LoadProgress, Model, Retention, Variant, Version, budget_victims, evictable,
                                     pick_variant, unique_plans)
 from preload_daemon.sessions import Session
-from preload_daemon.slab import HostSlab
+from preload_daemon.slab import Slab, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,8 @@ class ModelStore:
         self.allow_external = allow_external
         """Checkpoint files may link outside their directory (checkpoint.Checkpoint)."""
         self.shm_dir = shm_dir
+        self.backend = backend_for(device, shm_dir)
+        """Where its slabs live (slab.py): raises DeviceError here for a device this host lacks."""
         self._notify = on_change
         self._lock = threading.RLock()
         self.lock = self._lock
@@ -129,7 +131,7 @@ class ModelStore:
             spec = LoadSpec(path=table.path, name=model.name)
             plans = unique_plans([build_plan(table, spec.with_layout(layout)) for layout in layouts])
 
-            def fill_all(targets: list[tuple[LoadPlan, HostSlab]], on_tensor) -> None:
+            def fill_all(targets: list[tuple[LoadPlan, Slab]], on_tensor) -> None:
                 stream.fill(table, [(plan, slab.data) for plan, slab in targets], chunks, on_tensor)
 
             return self._fill(model, number, plans, activate, on_progress, None,
@@ -166,7 +168,7 @@ class ModelStore:
                     model.last = max(model.last, number)
                 target.loading += 1
             self._on_change()
-            filler = Filler(self.device, self.shm_dir, self.load_timeout_s, on_progress)
+            filler = Filler(self.device, self.backend, self.load_timeout_s, on_progress)
             if fill_all is not None:
                 made = filler.stream(target, todo, fill_all, tensors_total, bytes_total)
             else:

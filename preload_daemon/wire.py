@@ -92,7 +92,7 @@ def _manifest(variant: Variant) -> pb.Manifest:
         parts.append((variant.base.slab, [e for e in variant.base.plan.entries if e.role in SHARED_ROLES]))
     return pb.Manifest(
         model=variant.name, version=version.number, key=variant.key.to_proto(), config_json=version.config_json,
-        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, path=str(slab.path), digest=slab.digest)
+        slabs=[pb.Slab(id=slab.id, backend=slab.backend, size=slab.size, digest=slab.digest, **slab.export())
                for slab, _ in parts],
         tensors=[pb.TensorEntry(name=e.name, slab=slab.id, offset=e.offset, dtype=str(e.dtype).removeprefix("torch."),
                                 shape=e.shape, role=e.role, quant_scheme=e.quant_scheme, nbytes=e.nbytes,
