@@ -20,7 +20,8 @@ from kernels.quant import QuantizedWeight
 from preload_daemon.arch import ArchSpec
 from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint, stat_identity
-from preload_daemon.errors import DaemonUnavailableError, LoadingError, NotFoundError, PreloadError, StaleError
+from preload_daemon.errors import (DaemonUnavailableError, DeviceError, LoadingError, NotFoundError, PreloadError,
+                                   StaleError)
 from preload_daemon.execute import execute
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec, build_plan
@@ -67,6 +68,21 @@ class LoadRequest:
     """Seconds to keep asking a daemon that is absent or still loading before giving up."""
 
 
+def check_device(device: str) -> torch.device:
+    """The torch device of "cpu:N" or "cuda:N"; DeviceError where this process cannot use that GPU."""
+    if not device.startswith("cuda:"):
+        return torch.device("cpu")
+    ordinal = int(device.split(":")[1])
+    if not torch.cuda.is_available():
+        raise DeviceError(f"{device}: this process has no usable GPU (torch.cuda.is_available() is False: a CPU "
+                          "build of torch, no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them); use cpu:N devices, "
+                          "or install a CUDA build of torch (scripts/setup.sh does where nvidia-smi works)")
+    if ordinal >= torch.cuda.device_count():
+        raise DeviceError(f"{device} does not exist: this process sees {torch.cuda.device_count()} GPU(s) "
+                          "(CUDA_VISIBLE_DEVICES renumbers them from 0)")
+    return torch.device("cuda", ordinal)
+
+
 def load_safetensors(request: LoadRequest) -> LoadedWeights:
     started = time.time()
     checkpoint = Checkpoint(request.spec.path, allow_external=request.allow_external)
@@ -76,6 +92,8 @@ def load_safetensors(request: LoadRequest) -> LoadedWeights:
         execute(plan, checkpoint, slab)
     finally:
         checkpoint.close()
+    if request.device.startswith("cuda:"):  # the same bytes the daemon's cuda slab would hold
+        slab = slab.to(check_device(request.device))
     views = SlabViews(slab)
     tensors = {e.name: views.view(e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
     parts = [(e.name, e.part, e.quant_scheme, dict(e.quant_params)) for e in plan.entries if e.part == "weight"]
@@ -146,12 +164,17 @@ class LeaseKeeper:
     session closes), the mapped host slab stays valid, so the engine goes on serving and reports
     itself degraded; the keeper asks every `retry_s` for the same weights (version and layout) from
     whichever daemon comes back on the device, and once one holds them (a daemon that adopted the
-    slab, or reloaded the same bytes: equal content digest) takes a new lease there."""
+    slab, or reloaded the same bytes: equal content digest) takes a new lease there.
+
+    Device memory (a CUDA slab) dies with its daemon, and nothing re-attaches the model's views to a
+    new allocation: the keeper marks the loss `fatal`, and the engine stops reporting ready."""
 
     def __init__(self, weights: LoadedWeights, device: str, runtime_dir: pathlib.Path | None, retry_s: float = 0.5):
         self.weights, self.device, self.runtime_dir, self.retry_s = weights, device, runtime_dir, retry_s
         self.lost = ""
         """Why the lease is gone, while it is; "" while attached."""
+        self.fatal = False
+        """The lost lease's memory may be gone with its daemon (not host memory): never serve again."""
         self.reattached = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -173,6 +196,12 @@ class LeaseKeeper:
             if not attached.wait_lost(1.0):
                 continue
             what = f"{attached.manifest.model} v{attached.version} ({attached.layout})"
+            if any(slab.backend != "host" for slab in attached.manifest.slabs):
+                self.fatal = True
+                self.lost = f"lost the daemon on {self.device}, which held {what} in device memory that died with " \
+                            "it; restart this engine"
+                log.error("%s", self.lost)
+                return
             self.lost = f"lost the daemon on {self.device}, which leased {what}; serving from the mapped slab " \
                         "and re-attaching when a daemon holds it again"
             log.warning("%s", self.lost)
@@ -234,4 +263,5 @@ def load_weights(load_format: str, request: LoadRequest) -> LoadedWeights:
         loader = LOADERS[load_format]
     except KeyError:
         raise ValueError(f"unknown load format {load_format!r}; choose one of {', '.join(LOADERS)}") from None
+    check_device(request.device)
     return loader(request)

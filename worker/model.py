@@ -65,15 +65,21 @@ class KVCache:
     """Static per-slot cache of every layer's keys and values: [num_layers, slots, max_len, 2,
     kv_heads, head_dim], position-major, so that a step's keys and values for one position are one
     contiguous copy and a forward takes each layer's views with a few indexing calls for all layers.
-    It lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a large
-    cache costs nothing at start-up, and unwritten positions read as zeros, never garbage."""
+    On CPU it lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a
+    large cache costs nothing at start-up, and unwritten positions read as zeros, never garbage. On a
+    GPU it is one zeroed allocation."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, device: torch.device = torch.device("cpu")):
         shape = (num_layers, num_slots, max_len, 2, num_kv_heads, head_dim)
-        # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
-        self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self.all = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
+        self._mapping = None
+        if device.type != "cpu":
+            self.all = torch.zeros(shape, dtype=dtype, device=device)
+        else:
+            # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
+            self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize,
+                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.all = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
         self.layers = self.all.unbind(0)
         self.num_slots = num_slots
         self.max_len = max_len
@@ -81,7 +87,10 @@ class KVCache:
     def drop_pages(self) -> None:
         """Gives the cache's pages back to the kernel: every position reads as zeros again, and a
         process snapshot taken now stores none of them. Only while no forward runs."""
-        self._mapping.madvise(mmap.MADV_DONTNEED)
+        if self._mapping is None:
+            self.all.zero_()
+        else:
+            self._mapping.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,9 +178,11 @@ class CausalLM:
             else weights[spec.name("lm_head")]
         self.vocab_start = self.tp.rank * self.embed.shape[0]
         self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        """Where the weights are, and so every activation and the cache (logits come back on the CPU)."""
         self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
-        self.dense = Dense(self.embed.device)
-        self._rope = rope_table(self.inv_freq, 0, self.dtype)
+        self.dense = Dense(self.device)
+        self._rope = rope_table(self.inv_freq, 0, self.dtype).to(self.device)
 
     @classmethod
     def from_config(cls, config: dict, weights: Mapping[str, Weight], tp=None) -> "CausalLM":
@@ -190,7 +201,8 @@ class CausalLM:
         return layer
 
     def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(len(self.layers), self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype)
+        return KVCache(len(self.layers), self.num_kv_heads, self.spec.head_dim, num_slots, max_len, self.dtype,
+                       self.device)
 
     @staticmethod
     def copy_cache(cache: KVCache, source: int, targets: list[int], length: int) -> None:
@@ -221,7 +233,7 @@ class CausalLM:
         the final norm, [B, T, H]) for an MTP draft."""
         batch, t = input_ids.shape
         step = self._step(positions, slots, cache)
-        x = self._embed(input_ids.reshape(-1))
+        x = self._embed(input_ids.reshape(-1).to(self.device))
         if self.fused is not None and step.rope is not None and batch <= MAX_ROWS and native.variant_index() >= 0:
             for layer, kv in zip(self.fused, cache.layers):
                 x = layer(x, kv, step.slot_ids, step.lengths, step.rope)
@@ -234,14 +246,15 @@ class CausalLM:
         return (logits, states) if hidden else logits
 
     def _logits(self, x: torch.Tensor, exact: bool) -> torch.Tensor:
-        return self.tp.gather_last(self.dense(x, self.lm_head, exact=exact).float())
+        return self.tp.gather_last(self.dense(x, self.lm_head, exact=exact).float()).cpu()  # sampled on the CPU
 
     def _step(self, positions: torch.Tensor, slots: torch.Tensor, cache: KVCache) -> Step:
         batch, t = positions.shape
         rows = positions.tolist()
         length = max(map(max, rows)) + 1
         if length > self._rope.shape[0]:
-            self._rope = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
+            grown = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
+            self._rope = grown.to(self.device)
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
         step = Step(table[:, :, 0], table[:, :, 1], length, exact=batch == 1)
         if t == 1 and has_decode_attention(self.dtype, cache.all.device):  # decode: reads the cache in place
@@ -254,16 +267,18 @@ class CausalLM:
                 live = cache.all[:, slot, None, :length].permute(0, 1, 3, 4, 2, 5)  # [layers, 1, 2, KV, length, D]
                 step.keys, step.values = live[:, :, 0].unbind(0), live[:, :, 1].unbind(0)
                 if t > 1:
-                    step.visible = (torch.arange(length) <= positions[0, :, None]).view(1, 1, t, length)
+                    visible = torch.arange(length) <= positions[0, :, None]
+                    step.visible = visible.view(1, 1, t, length).to(self.device)
             return step
-        step.slots, step.positions = slots[:, None], positions
+        step.slots, step.positions = slots[:, None].to(self.device), positions.to(self.device)
         if step.lengths is not None:
             return step
         first = int(slots[0])
         if slots.tolist() == list(range(first, first + batch)):  # a view, no gather
             step.keys = cache.all[:, first:first + batch, :length].unbind(0)
         if t > 1 or any(r[0] != length - 1 for r in rows):  # not every query sees every key
-            step.hidden = (torch.arange(length) > positions[:, :, None]).view(batch, 1, 1, t, length)
+            hidden = torch.arange(length) > positions[:, :, None]
+            step.hidden = hidden.view(batch, 1, 1, t, length).to(self.device)
         return step
 
     def _decoder_layer(self, layer: Layer, x: torch.Tensor, step: Step, kv: torch.Tensor, i: int) -> torch.Tensor:

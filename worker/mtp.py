@@ -44,7 +44,7 @@ class MTPDraft(CausalLM):
         eps = self.spec.rms_norm_eps
         batch, t = input_ids.shape
         step = self._step(positions, slots, cache)
-        e = rms_norm(self._embed(input_ids.reshape(-1)), self.enorm, eps)
+        e = rms_norm(self._embed(input_ids.reshape(-1).to(self.device)), self.enorm, eps)
         x = self.linear(torch.cat([e, rms_norm(states.reshape(batch * t, -1).to(self.dtype), self.hnorm, eps)], dim=-1),
                         self.eh_proj, None, step.exact)
         x = self._decoder_layer(self.layers[0], x, step, cache.layers[0], 0)

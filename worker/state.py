@@ -45,14 +45,19 @@ class WorkerState:
         return self.readiness()
 
     def is_ready(self) -> bool:
-        return self._ready.is_set() and not self.failure
+        return self._ready.is_set() and not self.failure and not self.weights_gone()
 
     def not_ready_reason(self) -> str:
-        return self.failure or ("ready" if self._ready.is_set() else "loading weights")
+        return self.failure or self.weights_gone() or ("ready" if self._ready.is_set() else "loading weights")
+
+    def weights_gone(self) -> str:
+        """Why the weights this engine reads may no longer exist (its daemon died holding them in
+        memory that dies with it: a CUDA slab), or ""."""
+        return "; ".join(k.lost for k in self.keepers if k.lost and k.fatal)
 
     def readiness(self) -> dict:
         """The /ready body: a status, and the timestamps process_start, weights_start, weights_done, ready."""
-        status = "ready" if self.is_ready() else "failed" if self.failure else "loading"
+        status = "ready" if self.is_ready() else "failed" if self.failure or self.weights_gone() else "loading"
         body = {"status": status, "model": self.name, **self.timings, "requested_load_format": self.requested_format,
                 "replica": self.replica, "pid": os.getpid()}
         if self.snapshot_agent is not None:  # what `preload snapshot create` needs to reach it

@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from tests.conftest import run_preload
 
 
@@ -14,3 +17,15 @@ def test_generate_prints_json_with_a_real_answer(default_model, runtime_dir):
     assert result["load_format"] == "safetensors" and "DaemonUnavailableError" in result["fallback_reason"]
     timings = result["timings"]
     assert timings["process_start"] < timings["weights_start"] <= timings["weights_done"] <= timings["ready"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_a_gpu_engine_on_a_host_without_one_is_refused_with_the_reason(tiny_llama, runtime_dir):
+    """--devices cuda:0 where torch sees no GPU: one line naming the device, why and what to use,
+    before any weights are read (no cold load in host memory instead)."""
+    for load_format in ("safetensors", "ipc_cache"):
+        out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2,3", "--devices", "cuda:0", "--load-format",
+                          load_format, runtime_dir=runtime_dir)
+        assert out.returncode == 1, out.stderr
+        last = out.stderr.strip().splitlines()[-1]
+        assert "cuda:0: this process has no usable GPU" in last and "use cpu:N devices" in last, out.stderr
