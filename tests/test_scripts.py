@@ -184,3 +184,16 @@ def test_soak_short_runs_clean():
     assert report["concurrency"]["4_processes"]["n"] == 40 and report["concurrency"]["errors"] == 0
     assert report["engines"]["cycles"] == 1 and report["daemon"]["cycles"] == 1
     assert report["after"]["leases"] == 0 and report["after"]["sessions"] == 0
+
+
+def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
+    """scripts/gpu_check.sh on a host without a GPU: one line saying there is nothing to check, exit 1,
+    before any set-up (it installs nothing)."""
+    if subprocess.run("nvidia-smi -L", shell=True, capture_output=True).returncode == 0:
+        pytest.skip("this host has a GPU: scripts/gpu_check.sh runs for real there")
+    out = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path / "check")], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)
+    assert out.returncode == 1
+    assert "nvidia-smi finds no GPU here" in out.stdout
+    assert (tmp_path / "check" / "summary.txt").read_text() == out.stdout
+    assert not (tmp_path / "check" / "setup.txt").exists()

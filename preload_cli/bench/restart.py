@@ -9,10 +9,12 @@ way, a new interpreter importing what an engine imports against one importing to
 floor of any torch engine); target: at most 1.1x. Cold runs read the checkpoint from the
 page cache (a restart on the same host); `--drop-cache` adds cold runs that read it from disk.
 
-With `--tp-size N`, N daemons (cpu:0..cpu:N-1) hold one rank's shard each and every engine runs N
-rank processes; start -> ready is rank 0's, the weights phase the slowest rank's.
+With `--tp-size N`, N daemons (cpu:0..cpu:N-1, or cuda:0..cuda:N-1 with `--device-kind cuda`) hold
+one rank's shard each and every engine runs N rank processes; start -> ready is rank 0's, the
+weights phase the slowest rank's.
 
-    preload bench restart [MODEL] [--repeats 5] [--drop-cache] [--tp-size N] [--json]
+    preload bench restart [MODEL | --synthetic-gb G] [--repeats 5] [--drop-cache] [--tp-size N]
+                          [--device-kind cpu|cuda] [--no-snapshot] [--json]
 """
 
 import argparse
@@ -59,7 +61,7 @@ IMAGE_SHARE_TARGET = 0.25
 
 
 def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_cache: bool = False,
-            tp_size: int = 1, snapshot: dict | None = None) -> dict:
+            tp_size: int = 1, snapshot: dict | None = None, devices: str = "") -> dict:
     """{variant: [{"start_to_ready", "weights"}...]} for cold, warm (and cold from disk), and
     restores of `snapshot` (take_snapshot's) when given."""
     variants = {"cold (safetensors)": ("safetensors", False), "warm (ipc_cache)": ("ipc_cache", False)}
@@ -76,6 +78,8 @@ def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_c
             if drop:
                 drop_page_cache(model)
             extra = ("--no-fallback",) if fmt == "ipc_cache" else ()
+            if devices:
+                extra += ("--devices", devices)
             engine = Engine(model, fmt, runtime_dir, "--tp-size", str(tp_size), *extra)
             r = engine.ready
             samples[name].append({"start_to_ready": r["ready"] - r["process_start"],
@@ -191,8 +195,9 @@ def snapshot_lines(snapshot: dict) -> str:
             f"first restore on this host (unpacks the image once): {first * 1e3:.0f} ms to ready")
 
 
-def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
-    """Private daemons (cpu:0..cpu:TP-1) holding `model`'s ranks, for the length of a `with` block."""
+def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1, kind: str = "cpu"):
+    """Private daemons (KIND:0..KIND:TP-1, KIND cpu or cuda) holding `model`'s ranks, for the length
+    of a `with` block."""
     from preload_daemon.plan import Layout
     from preload_daemon.supervisor import DaemonProcess
     from preload_daemon.versions import Target, publish_dir
@@ -200,7 +205,8 @@ def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1):
     class Daemon:
         def __enter__(self):
             self.runtime_dir = pathlib.Path(tempfile.mkdtemp(prefix="plr-", dir="/tmp"))
-            devices = [f"cpu:{r}" for r in range(tp_size)]
+            devices = [f"{kind}:{r}" for r in range(tp_size)]
+            self.devices = ",".join(devices)
             self.processes = []
             try:
                 for device in devices:
@@ -233,20 +239,23 @@ def run(args) -> int:
             synthetic_checkpoint(model, args.synthetic_gb)
     else:
         model = pathlib.Path(args.model).resolve() if args.model else default_model_path()
-    with with_daemon(model, tp_size=args.tp_size) as daemon:
-        snapshot = take_snapshot(model, daemon.runtime_dir) if args.tp_size == 1 and not args.no_snapshot else None
-        samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache, args.tp_size, snapshot)
+    snapshots = args.tp_size == 1 and not args.no_snapshot and args.device_kind == "cpu"
+    with with_daemon(model, tp_size=args.tp_size, kind=args.device_kind) as daemon:
+        snapshot = take_snapshot(model, daemon.runtime_dir) if snapshots else None
+        samples = measure(model, daemon.runtime_dir, args.repeats, args.drop_cache, args.tp_size, snapshot,
+                          daemon.devices)
     summary = summarise(samples)
     imports = measure_imports(args.repeats)
     slab_bytes = sum(info.slab_bytes for info in daemon.infos)
     if args.json:
         print(json.dumps({"model": str(model), "slab_bytes": slab_bytes, "tp_size": args.tp_size,
+                          "devices": daemon.devices,
                           "repeats": args.repeats, "summary": summary, "samples": samples, "imports": imports,
                           "snapshot": {k: v for k, v in (snapshot or {}).items() if k != "dir"} or None},
                          indent=2, default=str))
     else:
-        print(f"preload bench restart — {model.name} ({slab_bytes / 2**30:.2f} GiB over {args.tp_size} rank(s)), "
-              f"TP={args.tp_size}, median of {args.repeats}")
+        print(f"preload bench restart — {model.name} ({slab_bytes / 2**30:.2f} GiB over {args.tp_size} rank(s) on "
+              f"{daemon.devices}), TP={args.tp_size}, median of {args.repeats}")
         print(table(summary))
         if snapshot is not None:
             print(snapshot_lines(snapshot))
@@ -262,7 +271,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "default model's 9 heads and 3 kv heads fit TP 1 and 3)")
     parser.add_argument("--synthetic-gb", type=float, default=0.0,
                         help="instead of MODEL, a synthetic Llama-shaped checkpoint of this size (built once)")
-    parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot restore column (TP 1 only; "
-                        "it needs CRIU and root: `preload snapshot check`)")
+    parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot restore column (TP 1 CPU "
+                        "engines only; it needs CRIU and root: `preload snapshot check`)")
+    parser.add_argument("--device-kind", choices=("cpu", "cuda"), default="cpu",
+                        help="daemons and engines on cpu:0..N-1 (default) or cuda:0..N-1")
     parser.add_argument("--json", action="store_true")
 
