@@ -13,6 +13,7 @@ import sys
 import tempfile
 import urllib.request
 
+import psutil
 import pytest
 
 from preload_daemon.config import DaemonConfig
@@ -73,9 +74,15 @@ class Restore:
 
 def restore_processes(runtime) -> list[str]:
     """Restores of this runtime dir's snapshots still running: their namespaces' CRIU (the first
-    process of each), which lives exactly as long as the restored engine in it."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "criu restore" in line and f"{runtime}/snapshots/" in line]
+    process of each), which lives exactly as long as the restored engine in it. (Read whole from
+    /proc: `ps` cuts its lines to the terminal's or $COLUMNS' width.)"""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmd = process.info["cmdline"] or []
+        if len(cmd) > 2 and os.path.basename(cmd[0]) == "criu" and cmd[1] == "restore" \
+                and any(f"{runtime}/snapshots/" in arg for arg in cmd):
+            found.append(" ".join(cmd))
+    return found
 
 
 @pytest.fixture(scope="module")
