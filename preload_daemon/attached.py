@@ -35,16 +35,9 @@ class AttachedModel(collections.abc.Mapping):
         self.config = json.loads(self.manifest.config_json) if self.manifest.config_json else {}
         self.slabs: dict[str, torch.Tensor] = {}
         self._views: dict[str, SlabViews] = {}
-        self._opened = []
-        """Each slab as opened (slab.open_slab), closed with the attachment (close())."""
-        try:
-            for slab in self.manifest.slabs:
-                self._opened.append(open_slab(slab, client.device))
-                self.slabs[slab.id] = self._opened[-1].data
-                self._views[slab.id] = SlabViews(self.slabs[slab.id])
-        except BaseException:
-            self._close_slabs()
-            raise
+        for slab in self.manifest.slabs:  # each mapping (or IPC handle) goes with the last view of it
+            self.slabs[slab.id] = open_slab(slab, client.device)
+            self._views[slab.id] = SlabViews(self.slabs[slab.id])
         entries = self.manifest.tensors
         self._index = dict(zip([t.name for t in entries], range(len(entries))))
         self._made: dict[str, torch.Tensor] = {}
@@ -106,16 +99,10 @@ class AttachedModel(collections.abc.Mapping):
         self._client.renew(self.lease_id)
 
     def close(self) -> None:
-        """Closes the client this lease came from (its session: the daemon ends the lease). Host
-        views stay readable while referenced; a CUDA slab's handle is closed now."""
+        """Closes the client this lease came from (its session: the daemon ends the lease). Views
+        stay readable while referenced: a host slab's mapping and a CUDA slab's handle go with the
+        last view of them."""
         self._client.close()
-        if any(s.backend != "host" for s in self.manifest.slabs):
-            self._close_slabs()
-
-    def _close_slabs(self) -> None:
-        for opened in self._opened:
-            opened.close()
-        self._opened = []
 
     @property
     def suspended(self) -> bool:

@@ -1,14 +1,17 @@
 """The `cuda` slab backend: one cudaMalloc'd allocation per slab on the daemon's GPU, exported to
 workers as a CUDA IPC handle (cudaIpcGetMemHandle) through cuda-python's runtime bindings. A worker
 opens each handle once (cudaIpcOpenMemHandle) on the GPU whose UUID the manifest names, and its
-tensors are views of that memory; the handle is closed when the attachment ends.
+tensors are views of that memory; the handle is closed once the attachment and the last view of it
+are gone (closing it under a live view would make that view's next read an illegal address).
 
 Filling: the load plan writes into a pinned host staging buffer of the slab's size (the same
 executor as the host backend and the cold path, so the bytes are the same), which `seal` copies to
-the device in chunks and frees; the digest is the staging bytes' (what `verify` re-hashes by copying
-the device memory back in chunks). Device memory dies with the daemon: a restarted daemon cannot
-adopt CUDA slabs, so they have no record on disk, and an engine whose daemon died stops reporting
-ready (its lease keeper notices) rather than touching memory that may be freed.
+the device in chunks and frees (pinned host memory of a slab's size is held while it fills: a
+streamed publish of several variants holds one per variant); the digest is the staging bytes'
+(what `verify` re-hashes by copying the device memory back in chunks). Device memory dies with
+the daemon: a restarted daemon cannot adopt CUDA slabs, so they have no record on disk, and an
+engine whose daemon died stops reporting ready (its lease keeper notices) rather than touching
+memory that may be freed.
 
 Nothing here imports cuda-python at module import: only a `cuda:N` daemon or a worker attaching
 to one does (`runtime()`), and a missing package, driver or GPU becomes a DeviceError that says
@@ -86,6 +89,8 @@ def ordinal_of(uuid: str, local_uuids: list[str], wanted: int | None = None) -> 
 def error_message(call: str, name: str, text: str) -> str:
     """What a failed CUDA call reports: the call, CUDA's name and words for the error, what to do."""
     hint = _HINTS.get(name, "")
+    if call == "cudaMallocHost" and name == "cudaErrorMemoryAllocation":
+        hint = "out of pinned host memory for the staging buffer: free host memory or load a smaller variant"
     return f"{call} failed: {name} ({text})" + (f"; {hint}" if hint else "")
 
 
@@ -132,17 +137,20 @@ def handle_from_bytes(raw: bytes):
     return handle
 
 
-class _DeviceMemory:
-    """Raw device memory as torch sees a CUDA array (zero-copy views through torch.as_tensor)."""
+class _OpenedHandle:
+    """Device memory opened from an IPC handle, as torch sees a CUDA array (torch.as_tensor makes
+    views without a copy and keeps this object until the last of them is freed); the handle is
+    closed when this object goes."""
 
     def __init__(self, pointer: int, size: int):
+        self.pointer = pointer
         self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (pointer, False), "version": 3}
 
-
-def device_bytes(pointer: int, size: int, ordinal: int) -> torch.Tensor:
-    """A uint8 tensor over `size` bytes of device memory at `pointer` on cuda:`ordinal` (no copy)."""
-    with torch.cuda.device(ordinal):
-        return torch.as_tensor(_DeviceMemory(pointer, size), device=f"cuda:{ordinal}")
+    def __del__(self):
+        try:
+            call("cudaIpcCloseMemHandle", self.pointer)
+        except Exception as e:  # at interpreter exit, or a context already torn down
+            log.debug("closing an IPC handle: %s", e)
 
 
 class CudaBackend:
@@ -207,12 +215,17 @@ class CudaSlab:
             if self.data is not None:
                 hasher.update(memoryview(self.data.numpy()))
             else:
-                buffer = torch.empty(min(COPY_CHUNK, self.size), dtype=torch.uint8, pin_memory=True)
-                for start in range(0, self.size, COPY_CHUNK):
-                    n = min(COPY_CHUNK, self.size - start)
-                    call("cudaMemcpy", buffer.data_ptr(), self._pointer + start, n,
-                         rt.cudaMemcpyKind.cudaMemcpyDeviceToHost)
-                    hasher.update(memoryview(buffer[:n].numpy()))
+                call("cudaSetDevice", self.owner.ordinal)
+                chunk = min(COPY_CHUNK, self.size)
+                bounce = call("cudaMallocHost", chunk)
+                try:
+                    view = (ctypes.c_uint8 * chunk).from_address(bounce)
+                    for start in range(0, self.size, COPY_CHUNK):
+                        n = min(COPY_CHUNK, self.size - start)
+                        call("cudaMemcpy", bounce, self._pointer + start, n, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost)
+                        hasher.update(memoryview(view)[:n])
+                finally:
+                    call("cudaFreeHost", bounce)
         return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
 
     def export(self) -> dict:
@@ -227,6 +240,7 @@ class CudaSlab:
         with self._use:
             self._free_staging()
             if self._pointer is not None:
+                call("cudaSetDevice", self.owner.ordinal)
                 call("cudaFree", self._pointer)
                 self._pointer = None
 
@@ -236,20 +250,18 @@ class CudaSlab:
             call("cudaFreeHost", self._staging)
 
 
-class OpenedSlab:
-    """A CUDA slab opened in a worker: its bytes as a uint8 tensor on this process's ordinal of the
-    slab's GPU, until close()."""
-
-    def __init__(self, handle: bytes, uuid: str, size: int, wanted: int | None = None):
-        check_handle(handle)  # the manifest's fields are checked before any CUDA call
-        self.ordinal = ordinal_of(check_uuid(uuid), device_uuids(), wanted)
-        call("cudaSetDevice", self.ordinal)
-        self._pointer = call("cudaIpcOpenMemHandle", handle_from_bytes(handle),
-                             runtime().cudaIpcMemLazyEnablePeerAccess)
-        self.data = device_bytes(self._pointer, size, self.ordinal)
-
-    def close(self) -> None:
-        if self._pointer is not None:
-            self.data = None
-            call("cudaIpcCloseMemHandle", self._pointer)
-            self._pointer = None
+def open_ipc(handle: bytes, uuid: str, size: int, wanted: int | None = None) -> torch.Tensor:
+    """A CUDA slab opened in a client: its `size` bytes as a uint8 tensor on this process's ordinal
+    of the GPU `uuid` (which must be cuda:`wanted` where given), without a copy; the handle is
+    closed with the last view of it."""
+    check_handle(handle)  # the manifest's fields are checked before any CUDA call
+    check_uuid(uuid)
+    if not torch.cuda.is_available():
+        raise DeviceError("this slab is in GPU memory, and torch here has no CUDA (a CPU build, or no driver): "
+                          "attach from a process with a CUDA build of torch on the daemon's host")
+    ordinal = ordinal_of(uuid, device_uuids(), wanted)
+    call("cudaSetDevice", ordinal)
+    opened = _OpenedHandle(call("cudaIpcOpenMemHandle", handle_from_bytes(handle),
+                                runtime().cudaIpcMemLazyEnablePeerAccess), size)
+    with torch.cuda.device(ordinal):  # a failure here closes the handle with `opened`
+        return torch.as_tensor(opened, device=f"cuda:{ordinal}")

@@ -29,10 +29,11 @@ class Filler:
         hasher = new_hasher()
         try:
             execute_one(plan, slab, on_tensor, hasher)
+            slab.seal(f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}")
         except BaseException:
             free_slab(slab)
             raise
-        return self._seal(version, plan, slab, f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}", time.monotonic() - start)
+        return self._variant(version, plan, slab, time.monotonic() - start)
 
     def stream(self, version: Version, plans: list[LoadPlan], fill_all, tensors_total: int,
                bytes_total: int) -> list[Variant]:
@@ -43,15 +44,16 @@ class Filler:
             for plan in plans:
                 slabs.append(self._new_slab(version, plan))
             fill_all(list(zip(plans, slabs)), self._progress(version, bytes_total, tensors_total))
-            digests = [slab.hash() for slab in slabs]  # written out of plan order: hashed once, whole
+            for slab in slabs:
+                slab.seal(slab.hash())  # written out of plan order: hashed once, whole
         except BaseException:
             for slab in slabs:
                 free_slab(slab)
             raise
         seconds = time.monotonic() - start
         made: list[Variant] = []
-        for plan, slab, digest in zip(plans, slabs, digests):
-            made.append(self._seal(version, plan, slab, digest, seconds, tuple(made)))
+        for plan, slab in zip(plans, slabs):
+            made.append(self._variant(version, plan, slab, seconds, tuple(made)))
         return made
 
     def _progress(self, version: Version, bytes_total: int, tensors_total: int):
@@ -75,9 +77,10 @@ class Filler:
                 f"{layout.component}-{layout.dtype}-{layout.quantization}"
         return self.backend.create(label, plan.total_bytes)
 
-    def _seal(self, version: Version, plan: LoadPlan, slab: Slab, digest: str, seconds: float,
-              made: tuple[Variant, ...] = ()) -> Variant:
-        slab.seal(digest)
+    def _variant(self, version: Version, plan: LoadPlan, slab: Slab, seconds: float,
+                 made: tuple[Variant, ...] = ()) -> Variant:
+        """The variant of a sealed slab, recorded for adoption where it can outlive the daemon."""
+        digest = slab.digest
         log.info("loaded %s v%d on %s (%s): %d tensors, %.1f MiB in %.2fs (%.2f GB/s)", version.model.name,
                  version.number, self.device, plan.layout, len(plan.entries), plan.total_bytes / 2**20, seconds,
                  plan.tensor_bytes / max(seconds, 1e-9) / 1e9)

@@ -179,25 +179,15 @@ def map_slab(path: str, size: int) -> torch.Tensor:
     return bytes_tensor(mapping)
 
 
-def open_slab(slab: pb.Slab, device: str | None = None):
-    """A client's opening of a manifest's slab: an object whose `data` is the slab's bytes (a uint8
-    tensor, read-only host memory or device memory) and whose close() lets go of them. `device`: the
-    engine's own ("cuda:N"), which a CUDA slab's GPU must be."""
+def open_slab(slab: pb.Slab, device: str | None = None) -> torch.Tensor:
+    """A client's opening of a manifest's slab: its bytes as a uint8 tensor (read-only host memory,
+    or device memory), let go of with the last view of it. `device`: the client's own ("cuda:N"),
+    which a CUDA slab's GPU must be."""
     if slab.backend == "host":
-        return MappedSlab(map_slab(slab.path, slab.size))
+        return map_slab(slab.path, slab.size)
     if slab.backend == "cuda":
         from preload_daemon import cuda
         wanted = int(device.split(":")[1]) if device and device.startswith("cuda:") else None
-        return cuda.OpenedSlab(slab.handle, slab.device_uuid, slab.size, wanted)
+        return cuda.open_ipc(slab.handle, slab.device_uuid, slab.size, wanted)
     raise DeviceError(f"slab {slab.id[:80]!r} uses backend {slab.backend[:40]!r}, which this client does not know "
                       "(host and cuda): upgrade preload on this side")
-
-
-class MappedSlab:
-    """A host slab mapped in a client (the mapping goes when the last view of it does)."""
-
-    def __init__(self, data: torch.Tensor):
-        self.data = data
-
-    def close(self) -> None:
-        self.data = None

@@ -83,6 +83,15 @@ def test_a_slab_of_an_unknown_backend_is_refused():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_a_cuda_slab_is_refused_where_torch_has_no_cuda():
+    """A well-formed CUDA slab (a client of a GPU daemon with a CPU build of torch): refused with the
+    reason before any CUDA call, not a raw error from inside torch."""
+    slab = pb.Slab(id="s", backend="cuda", size=256, handle=bytes(64), device_uuid=UUIDS[0])
+    with pytest.raises(DeviceError, match="torch here has no CUDA"):
+        open_slab(slab, "cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
 def test_a_cuda_daemon_on_a_host_without_a_gpu_refuses_to_start(tmp_path):
     """Never host memory in place of device memory: the daemon exits at once with the reason."""
     run = subprocess.run([sys.executable, "-m", "preload_daemon", "--device", "cuda:0", "--runtime-dir",
@@ -105,9 +114,9 @@ def test_a_cuda_slab_opens_zero_copy_in_another_process(tmp_path):
         assert slab.hash() == digest  # copied back from the device
         exported = slab.export()
         handle, uuid = exported["handle"].hex(), exported["device_uuid"]
-        code = ("import sys; from preload_daemon import cuda\n"
-                f"s = cuda.OpenedSlab(bytes.fromhex({handle!r}), {uuid!r}, 1 << 20)\n"
-                "print(int(s.data.to(dtype=__import__('torch').int64).sum()), s.data.device); s.close()")
+        code = ("import torch; from preload_daemon import cuda\n"
+                f"data = cuda.open_ipc(bytes.fromhex({handle!r}), {uuid!r}, 1 << 20)\n"
+                "print(int(data.to(torch.int64).sum()), data.device)")
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
         assert run.returncode == 0, run.stderr
         expected = int(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8).to(torch.int64).sum())
