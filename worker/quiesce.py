@@ -74,8 +74,10 @@ class Quiescer:
         self._listen_ready = threading.Event()
         self._quiet = False
         self._pidns = ""
-        self.problem = own_session()
-        """Why this engine cannot be snapshotted ("" when it can): /ready says it."""
+        self.problem = own_session() if not config.device.startswith("cuda:") else \
+            "its weights are CUDA IPC memory, which cannot be parked at the same addresses: snapshots of GPU " \
+            "engines are not supported yet"
+        """Why this engine cannot be snapshotted ("" when it can): /ready says it, `create` refuses."""
         threading.Thread(target=self._agent, name="snapshot-agent", daemon=True).start()
 
     @property
@@ -210,6 +212,8 @@ class Quiescer:
         state = self.state
         if not state.is_ready():
             raise RuntimeError(f"the engine is not ready ({state.not_ready_reason()}); try again once it is")
+        if self.problem:  # before anything drains
+            raise RuntimeError(f"this engine cannot be snapshotted: {self.problem}")
         self._quiet = True
         self._pidns = os.readlink("/proc/self/ns/pid")
         self._stopped.clear()
