@@ -20,9 +20,10 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # native variant -> (most activation rows the fused GEMV takes before tiles + GEMM win, whether int8
 # below LARGE_M rows runs torch._weight_int8pack_mm instead). Measured on AVX2 (2 cores): the GEMV
 # beats both torch's int8 kernel and the tiles up to 16 rows (about even to 32), and the tiles beat
-# torch's int8 kernel above. On AVX-512 the earlier measurements stand: GEMV up to 4 rows, and
-# torch's int8 kernel.
-_POLICY = {"avx2": (16, False), "avx512": (4, True)}
+# torch's int8 kernel above. On AVX-512 (a 2-core Xeon with AMX, `preload bench quant`): the GEMV,
+# in passes of 4 rows, beats the bf16 tiles on AMX up to 16 rows as well (M=8: 1.3-1.8x bf16's time
+# against 2.4-3.9x through the tiles); int8 keeps torch's kernel there.
+_POLICY = {"avx2": (16, False), "avx512": (16, True)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
