@@ -72,14 +72,11 @@ class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype, device: torch.device = torch.device("cpu")):
         shape = (num_layers, num_slots, max_len, 2, num_kv_heads, head_dim)
-        self._mapping = None
-        if device.type != "cpu":
-            self.all = torch.zeros(shape, dtype=dtype, device=device)
-        else:
-            # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
-            self._mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize,
-                                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            self.all = torch.frombuffer(self._mapping, dtype=dtype).view(shape)
+        # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
+        self._mapping = None if device.type != "cpu" else \
+            mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.all = torch.zeros(shape, dtype=dtype, device=device) if self._mapping is None else \
+            torch.frombuffer(self._mapping, dtype=dtype).view(shape)
         self.layers = self.all.unbind(0)
         self.num_slots = num_slots
         self.max_len = max_len
@@ -87,10 +84,9 @@ class KVCache:
     def drop_pages(self) -> None:
         """Gives the cache's pages back to the kernel: every position reads as zeros again, and a
         process snapshot taken now stores none of them. Only while no forward runs."""
-        if self._mapping is None:
-            self.all.zero_()
-        else:
-            self._mapping.madvise(mmap.MADV_DONTNEED)
+        if self._mapping is not None:
+            return self._mapping.madvise(mmap.MADV_DONTNEED)
+        self.all.zero_()
 
 
 @dataclasses.dataclass(slots=True)
