@@ -73,11 +73,6 @@ class Request:
     """More choices of the same prompt (n > 1): prefilled once, by this request, then their caches
     are copies of this one's and each samples on its own."""
 
-    @property
-    def logprobs(self) -> list[float]:
-        """Each generated token's raw log-probability (with params.logprobs)."""
-        return [p.raw for p in self.picks]
-
 
 @dataclasses.dataclass(slots=True)
 class Result:

@@ -212,11 +212,16 @@ class Generation:
                 "text_offset": offsets,
                 "sampling_logprobs": [p.sampled if p else None for _, p in picks]}
 
-    def _choice(self, choice: Choice, text: str, reason, logprobs, token_ids: list[int], first: bool) -> dict:
-        if self.chat:
-            out = {"index": choice.index, "message": {"role": "assistant", "content": text}}
-        else:
+    def _choice(self, choice: Choice, text: str, reason, logprobs, token_ids: list[int], first: bool,
+                streaming: bool = False) -> dict:
+        """One choice of a response, or of a stream chunk (a chat chunk carries a delta)."""
+        if not self.chat:
             out = {"index": choice.index, "text": text}
+        elif streaming:
+            delta = {"role": "assistant", "content": text} if first else {"content": text} if text or not reason else {}
+            out = {"index": choice.index, "delta": delta}
+        else:
+            out = {"index": choice.index, "message": {"role": "assistant", "content": text}}
         out.update(logprobs=logprobs, finish_reason=reason)
         if self.options.return_token_ids:
             out["token_ids"] = token_ids
@@ -247,16 +252,7 @@ class Generation:
                 logprobs = self._logprobs(choice, len(choice.tokens), first)
                 ids, choice.ids_sent = choice.tokens[choice.ids_sent:], len(choice.tokens)
                 text = (choice.prefix if first else "") + delta
-                if self.chat:
-                    part = {"index": choice.index, "delta": ({"role": "assistant", "content": text} if first
-                                                             else {"content": text} if text or not reason else {}),
-                            "logprobs": logprobs, "finish_reason": reason}
-                    if self.options.return_token_ids:
-                        part["token_ids"] = ids
-                        if first:
-                            part["prompt_token_ids"] = choice.prompt
-                else:
-                    part = self._choice(choice, text, reason, logprobs, ids, first)
+                part = self._choice(choice, text, reason, logprobs, ids, first, streaming=True)
                 yield f"data: {json.dumps({**self._envelope(), 'choices': [part]})}\n\n"
             if self.options.include_usage:
                 yield f"data: {json.dumps({**self._envelope(), 'choices': [], 'usage': self._usage()})}\n\n"
