@@ -119,8 +119,7 @@ class DecodeLayer : public torch::CustomClassHolder {
                      const at::Tensor& rope, int64_t variant) {
     TORCH_CHECK(variant == 0 || variant == 1, "DecodeLayer: variant 0 (avx2) or 1 (avx512)");
     const Kernels* kernels = variant == 0 ? &preload::kAvx2 : &preload::kAvx512;
-    TORCH_CHECK(preload::runs_here(kernels), "the ", preload::name_of(kernels), " kernels need instructions this CPU "
-                "lacks; choose another variant");
+    variant == 0 ? preload::check_cpu<&preload::kAvx2>() : preload::check_cpu<&preload::kAvx512>();
     for (int64_t p = 0; p < kPhases; ++p)
       TORCH_CHECK(!phases_[p].empty() && width(p) == outputs(p), "DecodeLayer: phase ", p, " has ", width(p),
                   " output columns, not ", outputs(p));
@@ -235,11 +234,10 @@ class DecodeLayer : public torch::CustomClassHolder {
       const T* sin = cos + d_;
       for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
         T* head = row + h * d_;
-        if (v.q_norm) {
+        if (v.q_norm)
           preload::norm_rows(head, h < heads_ ? v.q_norm : v.k_norm, normed.data(), 0, 1, d_, d_, eps_);
-          std::copy(normed.begin(), normed.end(), head);
-        }
-        for (int64_t i = 0; i < d_; ++i) normed[i] = head[i];
+        else
+          std::copy(head, head + d_, normed.begin());
         for (int64_t i = 0; i < d_; ++i) {
           const T a = static_cast<T>(widen(normed[i]) * widen(cos[i]));
           const T r = static_cast<T>(widen(normed[(i + half) % d_]) * widen(sin[i]));
