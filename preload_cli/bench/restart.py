@@ -18,9 +18,12 @@ weights phase the slowest rank's.
 """
 
 import argparse
+import contextlib
 import json
+import os
 import pathlib
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,7 +124,8 @@ def restore_once(directory: pathlib.Path, runtime_dir: pathlib.Path) -> dict:
     if run.returncode:
         raise RuntimeError(f"snapshot restore failed: {run.stderr.strip()}")
     ready = json.loads(run.stdout.splitlines()[-1])
-    subprocess.run(["kill", "-9", str(ready["pid"])], check=False)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(ready["pid"], signal.SIGKILL)
     r = ready["restored"]
     return {"start_to_ready": r["ready"] - spawned, "weights": r["reattached"] - r["resume_start"],
             "load_format": "snapshot", "restore_command_to_wake": r["resume_start"] - spawned,
