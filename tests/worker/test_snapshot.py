@@ -269,9 +269,7 @@ def test_a_restored_engine_asks_again_for_the_cpus_matrix_units():
     """A process's permission to use AMX tiles is the kernel's, not a register CRIU restores: the
     resume asks for it again (granted exactly where the CPU has AMX), or a restored engine's first
     AMX GEMM would die of SIGILL."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    assert request_matrix_units() == (os.uname().machine == "x86_64" and "amx_tile" in flags)
+    assert request_matrix_units() == (os.uname().machine == "x86_64" and "amx_tile" in criu.cpu_flags())
 
 
 def test_canary_comparison():
