@@ -42,15 +42,21 @@ def attach_child(socket_path: str, model: str) -> None:
     print(json.dumps({"seconds": seconds, "ipc_opens": opened, "tensors": len(tensors), "devices": devices}))
 
 
-def attach_rows(gb: float, repeats: int) -> dict:
+def checkpoint(gb: float) -> pathlib.Path:
+    """The generated checkpoint the attach and restart parts share (built once)."""
     from preload_cli.models import synthetic_checkpoint
+    model = pathlib.Path(tempfile.gettempdir()) / f"preload-gpu-check-{gb:g}gb"
+    if not (model / "config.json").exists():
+        synthetic_checkpoint(model, gb)
+    return model
+
+
+def attach_rows(gb: float, repeats: int) -> dict:
     from preload_daemon.config import socket_path
     from preload_daemon.supervisor import DaemonProcess
     from preload_daemon.versions import Target, publish_dir
     from preload_daemon.plan import Layout
-    model = pathlib.Path(tempfile.gettempdir()) / f"preload-gpu-check-{gb:g}gb"
-    if not (model / "config.json").exists():
-        synthetic_checkpoint(model, gb)
+    model = checkpoint(gb)
     runtime = pathlib.Path(tempfile.mkdtemp(prefix="plg-", dir="/tmp"))
     daemon = DaemonProcess("cuda:0", runtime, "WARNING")
     try:
@@ -74,7 +80,7 @@ def attach_rows(gb: float, repeats: int) -> dict:
 
 
 def restart_rows(gb: float, repeats: int) -> dict:
-    run = subprocess.run([sys.executable, "-m", "preload_cli", "bench", "restart", "--synthetic-gb", str(gb),
+    run = subprocess.run([sys.executable, "-m", "preload_cli", "bench", "restart", str(checkpoint(gb)),
                           "--device-kind", "cuda", "--no-snapshot", "--repeats", str(repeats), "--json"],
                          capture_output=True, text=True, timeout=150, cwd=ROOT)
     if run.returncode:
