@@ -190,7 +190,7 @@ def _bench(sub) -> list:
 
 def _snapshot(sub) -> list:
     from preload_cli import snapshot_commands
-    return snapshot_commands.add_arguments(sub, HELP["snapshot"])[1:]  # the group's actions take the common flags, not the group
+    return snapshot_commands.add_arguments(sub, HELP)[1:]  # the group's actions take the common flags, not the group
 
 
 def _engine(sub) -> list:

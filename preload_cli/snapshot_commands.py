@@ -8,6 +8,7 @@ import pathlib
 import signal
 import sys
 import time
+from collections.abc import Mapping
 
 EPILOG = """examples:
   preload snapshot check                                  # can this host snapshot? (CRIU, root, namespaces)
@@ -18,10 +19,11 @@ EPILOG = """examples:
 """
 
 
-def add_arguments(sub, help_line: str) -> list[argparse.ArgumentParser]:
-    """The snapshot group (one-line help `help_line`) and its actions' parsers, the group first."""
+def add_arguments(sub, helps: Mapping[str, str]) -> list[argparse.ArgumentParser]:
+    """The snapshot group and its actions' parsers, the group first; `helps`: each command's
+    one-line help (preload_cli.main.HELP)."""
     raw = argparse.RawDescriptionHelpFormatter
-    p = sub.add_parser("snapshot", help=help_line,
+    p = sub.add_parser("snapshot", help=helps["snapshot"],
                        epilog=EPILOG, formatter_class=raw)
     commands = p.add_subparsers(dest="snapshot", required=True, metavar="ACTION")
     check = commands.add_parser("check", help="whether this host can take and restore snapshots, and why not")
