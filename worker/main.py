@@ -225,8 +225,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     state = WorkerState(config.name, config.load_format, config.replica)
     listen = {"uds": uds} if uds else {"host": host, "port": port}
     app = build_app(state)
-    server = new_server(app, listen)
-    servers = [server]
+    server = new_server(app, listen)  # after each snapshot's resume, a new one
     # A TP 1 engine on a TCP port can be snapshotted (worker/quiesce.py): it serves again, on the
     # socket the snapshot's resume gives, after each quiet point.
     quiet = Quiescer(state, config, listen) if config.tp_size == 1 and not uds else None
@@ -238,7 +237,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     def fail(reason: str) -> None:
         state.failure = reason
         outcome["code"] = 1
-        servers[-1].should_exit = True
+        server.should_exit = True
 
     def start() -> None:
         try:
@@ -274,12 +273,12 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         sockets = None
         while True:
             if quiet is not None:
-                quiet.server = servers[-1]
-            servers[-1].run(sockets=sockets)
+                quiet.server = server
+            server.run(sockets=sockets)
             sockets = quiet.server_returned() if quiet is not None and not state.failure else None
             if sockets is None:
                 break
-            servers.append(new_server(app, listen))
+            server = new_server(app, listen)
     finally:
         stopping.set()
         if state.engine is not None:
@@ -292,7 +291,8 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
 
 
 def new_server(app, listen: dict) -> uvicorn.Server:
-    """The engine's HTTP server; a snapshot's quiet point gives it 30 s to finish open requests."""
+    """The engine's HTTP server: open requests get 30 s to finish when it shuts down (a snapshot's
+    quiet point sets its own drain time)."""
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=30,
                                          **listen))
 
