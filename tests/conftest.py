@@ -153,6 +153,13 @@ def run_cli(*args, runtime_dir=None, check=False) -> subprocess.CompletedProcess
     return result
 
 
+def run_python(code: str, timeout: float = 120) -> str:
+    """The stdout of `code` run in a fresh interpreter in the checkout (which must succeed)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def run_preload(*args, runtime_dir=None, timeout=120, check=False, env_extra=None) -> subprocess.CompletedProcess:
     """Runs the `preload` console script as a user would."""
     env = {**os.environ, **({"PRELOAD_RUNTIME_DIR": str(runtime_dir)} if runtime_dir else {}), **(env_extra or {})}

@@ -4,16 +4,9 @@ import ast
 import subprocess
 import sys
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 
 LOWER = ("preload_daemon", "kernels")
-
-
-def run_python(code: str, timeout: float = 120) -> str:
-    """The stdout of `code` run in a fresh interpreter (which must succeed)."""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return out.stdout.strip()
 
 
 def forbidden_imports(package: str, forbidden: tuple[str, ...]) -> list[str]:

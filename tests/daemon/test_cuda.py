@@ -12,7 +12,7 @@ from preload_daemon import cuda
 from preload_daemon.errors import DeviceError, InvalidRequestError
 from preload_daemon.slab import backend_for, open_slab
 from protos import preload_pb2 as pb
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 
 UUIDS = ["GPU-00112233-4455-6677-8899-aabbccddeeff", "GPU-ffeeddcc-bbaa-9988-7766-554433221100"]
 
@@ -117,9 +117,7 @@ def test_a_cuda_slab_opens_zero_copy_in_another_process(tmp_path):
         code = ("import torch; from preload_daemon import cuda\n"
                 f"data = cuda.open_ipc(bytes.fromhex({handle!r}), {uuid!r}, 1 << 20)\n"
                 "print(int(data.to(torch.int64).sum()), data.device)")
-        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
-        assert run.returncode == 0, run.stderr
         expected = int(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8).to(torch.int64).sum())
-        assert run.stdout.split() == [str(expected), "cuda:0"]
+        assert run_python(code).split() == [str(expected), "cuda:0"]
     finally:
         slab.close()
