@@ -1,10 +1,18 @@
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
 from tests.conftest import REPO
+
+
+def post(url: str, body: dict) -> dict:
+    """A JSON POST to an engine, its JSON answer."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
 
 
 class EngineProcess:

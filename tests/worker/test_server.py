@@ -12,14 +12,10 @@ from safetensors.torch import save_file
 
 from preload_daemon.plan import LoadSpec
 from tests.conftest import copy_checkpoint, wait_until
+from tests.worker.conftest import post
 from worker.loader import FallbackRefusedError, LoadRequest, load_ipc_cache, load_safetensors
 
 PROMPT = [5, 17, 99, 3, 200, 41]
-
-
-def post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    return json.load(urllib.request.urlopen(request, timeout=60))
 
 
 def complete(engine, prompt=PROMPT, **kwargs) -> dict:

@@ -19,7 +19,7 @@ import pytest
 from preload_daemon.config import DaemonConfig
 from preload_daemon.plan import LoadSpec
 from tests.conftest import REPO, DaemonHandle, run_preload, wait_until
-from tests.worker.conftest import EngineProcess
+from tests.worker.conftest import EngineProcess, post
 from worker import criu, snapshot
 from worker.quiesce import canary_mismatch, request_matrix_units
 
@@ -41,10 +41,7 @@ PROMPT = {"prompt": "The capital of France is", "max_tokens": 12, "temperature":
 
 
 def complete(url: str, body: dict = PROMPT) -> str:
-    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)["choices"][0]["text"]
+    return post(f"{url}/v1/completions", body)["choices"][0]["text"]
 
 
 def get_ready(url: str) -> dict:
