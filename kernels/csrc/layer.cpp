@@ -12,7 +12,8 @@
 // everything between the products: no Python, no torch dispatch, no output tensors and no thread
 // pool woken per operation (a layer of the default model runs about 25 of them). One OpenMP region
 // runs the layer; its threads split each product's rows (blocks taken from a shared counter) and
-// attention's heads, meet at a barrier after each step, and the one-thread steps run on thread 0.
+// attention's heads, meet at a spinning barrier (barrier.h) after each step, and the one-thread
+// steps run on thread 0.
 //
 // Built once per layer by kernels/decode_layer.py over the layer's weight tensors (which it keeps
 // alive); the kernel variant is chosen per call.
@@ -28,6 +29,7 @@
 #include <optional>
 #include <vector>
 
+#include "barrier.h"
 #include "decode_ops.h"
 #include "qgemv_kernels.h"
 #include "weights.h"
@@ -271,28 +273,31 @@ class DecodeLayer : public torch::CustomClassHolder {
     std::atomic<int64_t> next[kPhases + 1];
     for (auto& n : next) n = 0;
     const int64_t group = heads_ / kv_heads_, position_stride = 2 * kv_heads_ * d_;
+    preload::Barrier barrier;
 #pragma omp parallel num_threads(threads)
     {
-      const bool first = omp_get_thread_num() == 0;
+      const int thread = omp_get_thread_num();
+      barrier.join(omp_get_num_threads());
+      const bool first = thread == 0;
       if (first) {
         preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
         prepare(kernels, kQkv, s.h.data(), batch, s.x);
       }
-#pragma omp barrier
+      barrier.wait();
       product(kernels, kQkv, work[kQkv], next[kQkv], s.x.data(), batch, s.qkv.data());
-#pragma omp barrier
+      barrier.wait();
       if (first) heads(s, v, cache, slot, length, rope, max_len, batch);
-#pragma omp barrier
+      barrier.wait();
       for (int64_t i = next[kPhases]++; i < batch * kv_heads_; i = next[kPhases]++) {
         const int64_t b = i / kv_heads_, j = i % kv_heads_;
         preload::attend(s.q.data(), cache, s.attn.data(), b, j, group, slot[b], length[b], heads_, kv_heads_, d_,
-                        position_stride, max_len * position_stride, scale_, s.attend[omp_get_thread_num()]);
+                        position_stride, max_len * position_stride, scale_, s.attend[thread]);
       }
-#pragma omp barrier
+      barrier.wait();
       if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);
-#pragma omp barrier
+      barrier.wait();
       product(kernels, kOut, work[kOut], next[kOut], s.x.data(), batch, s.out.data());
-#pragma omp barrier
+      barrier.wait();
       if (first) {
         for (int64_t i = 0; i < batch * hidden_; ++i) {
           const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[i % hidden_])) : s.out[i];
@@ -301,12 +306,12 @@ class DecodeLayer : public torch::CustomClassHolder {
         preload::norm_rows(out, v.post_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
         prepare(kernels, kGateUp, s.h.data(), batch, s.x);
       }
-#pragma omp barrier
+      barrier.wait();
       product(kernels, kGateUp, work[kGateUp], next[kGateUp], s.x.data(), batch, s.gate_up.data());
-#pragma omp barrier
+      barrier.wait();
       {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
         const int64_t share = (inter_ + omp_get_num_threads() - 1) / omp_get_num_threads();
-        const int64_t c0 = omp_get_thread_num() * share, c1 = std::min(inter_, c0 + share);
+        const int64_t c0 = thread * share, c1 = std::min(inter_, c0 + share);
         for (int64_t b = 0; b < batch; ++b)
           for (int64_t c = c0; c < c1; ++c) {
             const float g = widen(s.gate_up[b * 2 * inter_ + c]);
@@ -314,11 +319,11 @@ class DecodeLayer : public torch::CustomClassHolder {
             s.act[b * inter_ + c] = static_cast<T>(widen(silu) * widen(s.gate_up[b * 2 * inter_ + inter_ + c]));
           }
       }
-#pragma omp barrier
+      barrier.wait();
       if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);
-#pragma omp barrier
+      barrier.wait();
       product(kernels, kDown, work[kDown], next[kDown], s.x.data(), batch, s.down.data());
-#pragma omp barrier
+      barrier.wait();
       if (first)
         for (int64_t i = 0; i < batch * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
     }

@@ -2,6 +2,9 @@
 it replaces in a decode step: the same logits and the same cache, for every architecture case,
 quantization scheme and native variant, one row and several at scattered slots; and its refusals."""
 
+import os
+import threading
+
 import pytest
 import torch
 
@@ -141,6 +144,27 @@ class _Counting:
     def forward(self, *args):
         self._calls.append(1)
         return self._inner.forward(*args)
+
+
+@needs_native
+def test_decode_steps_are_the_same_from_another_thread_with_more_threads_than_cores(checkpoints):
+    """The engine decodes on its scheduler thread while other threads have run torch ops of their
+    own (OpenMP then gives each its team, and oversubscribes the CPUs): the fused layer's barrier
+    (kernels/csrc/barrier.h) still meets every thread of its region, also with more threads than
+    this machine has cores, and the steps give the bits the per-op path gives."""
+    model = load(tiny_model("llama", checkpoints / "fused-threads", dtype=torch.bfloat16, seed=10))
+    expected = decode(model, [2], 6, fused=False)
+    torch.randn(1 << 22).add_(1)  # a parallel op on this (the main) thread: a team of its own
+    threads, result = torch.get_num_threads(), {}
+    try:
+        torch.set_num_threads(2 * (os.cpu_count() or 1) + 1)
+        worker = threading.Thread(target=lambda: result.update(out=decode(model, [2], 6, fused=True)))
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "the fused decode did not finish: a barrier is missing a thread"
+    finally:
+        torch.set_num_threads(threads)
+    same(result["out"], expected, bits=True)
 
 
 def test_what_cannot_run_fused_says_why(checkpoints):
