@@ -5,7 +5,8 @@ operations of a layer. It runs the fused GEMV of kernels/csrc for every product 
 torch rounds; where the per-op path picks the same GEMV (one row; a few rows of bfloat16 on CPUs
 without bfloat16 matrix units; quantized weights up to kernels/linear.py's GEMV limit, but int8 on
 AVX-512, which takes torch's kernel there) a bfloat16 model gets the same bits, elsewhere values
-equal up to rounding. Batches of more than MAX_ROWS rows run op by op (the GEMM paths win there).
+equal up to rounding. Batches of more than a layer's `max_rows` rows run op by op (the GEMM paths
+win there).
 
 `fused_layer(...)` builds one over a layer's weights, or says why it cannot (a weight the native
 GEMV does not take, no native kernels); `FusedLayer.__call__` runs it on the variant in use."""
@@ -13,7 +14,7 @@ GEMV does not take, no native kernels); `FusedLayer.__call__` runs it on the var
 import torch
 
 from kernels import native
-from kernels.dense import UNIT_SCALE
+from kernels.dense import UNIT_SCALE, reduced_gemm_is_slow
 from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 from kernels.quant import QuantizedWeight, scheme
 
@@ -21,13 +22,19 @@ PHASES = ("qkv", "o", "gate_up", "down")
 MAX_ROWS = 16
 """Most sequences a fused step takes: the fused GEMV reads the weight once per pass of up to 8 rows
 (4 on AVX-512); past kernels/linear.py's GEMV limit the per-op path's GEMM paths are faster."""
+MATRIX_UNIT_ROWS = 8
+"""Most sequences a fused step of plain bfloat16 weights takes where torch's bfloat16 GEMM runs on
+matrix units (AMX, AVX512-BF16): past it that GEMM is faster (the default model on a 2-core Xeon
+with AMX, a decode step of 16 sequences: 38 ms op by op, 47 ms fused; of 8: 35 and 34 ms)."""
 
 
 class FusedLayer:
-    """One decoder layer's native decode step (see the module docstring)."""
+    """One decoder layer's native decode step (see the module docstring); batches of more than
+    `max_rows` sequences run op by op."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, max_rows: int = MAX_ROWS):
         self._layer = layer
+        self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:
@@ -84,4 +91,5 @@ def fused_layer(*, projections: dict, norms: tuple, biases: dict, heads: int, kv
         layer.biases(qkv_bias, biases.get("o"))
     except RuntimeError as e:
         return f"the norms or biases: {e}"
-    return FusedLayer(layer)
+    plain = not any(isinstance(w, QuantizedWeight) for w in projections.values())
+    return FusedLayer(layer, MATRIX_UNIT_ROWS if plain and not reduced_gemm_is_slow(norms[0].device) else MAX_ROWS)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels.activation import silu_mul
 from kernels import native
 from kernels.attention import cached_attention, decode_attention, has_decode_attention
-from kernels.decode_layer import MAX_ROWS, FusedLayer, fused_layer
+from kernels.decode_layer import FusedLayer, fused_layer
 from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
@@ -230,7 +230,7 @@ class CausalLM:
         batch, t = input_ids.shape
         step = self._step(positions, slots, cache)
         x = self._embed(input_ids.reshape(-1).to(self.device))
-        if self.fused is not None and step.rope is not None and batch <= MAX_ROWS and native.variant_index() >= 0:
+        if self.fused and step.rope is not None and batch <= self.fused[0].max_rows and native.variant_index() >= 0:
             for layer, kv in zip(self.fused, cache.layers):
                 x = layer(x, kv, step.slot_ids, step.lengths, step.rope)
         else:

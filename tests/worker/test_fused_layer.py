@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kernels import native
-from kernels.decode_layer import fused_layer
-from kernels.dense import Dense, native_rows
+from kernels.decode_layer import MATRIX_UNIT_ROWS, MAX_ROWS, fused_layer
+from kernels.dense import Dense, native_rows, reduced_gemm_is_slow
 from kernels.linear import _POLICY
 from kernels.rope import rope_table
 from preload_cli.models import tiny_model
@@ -123,14 +123,13 @@ def test_float32_models_and_quantized_float32_ones(checkpoints, tiny_llama):
 
 @needs_native
 def test_more_rows_than_a_fused_step_takes_run_op_by_op(checkpoints, monkeypatch):
-    """Past MAX_ROWS sequences the GEMM paths win: the step runs op by op (the fused layers are
-    not called)."""
-    import worker.model
+    """Past a fused layer's max_rows sequences the GEMM paths win: the step runs op by op (the fused
+    layers are not called)."""
     model = load(tiny_model("llama", checkpoints / "fused-rows", dtype=torch.bfloat16, seed=8))
-    monkeypatch.setattr(worker.model, "MAX_ROWS", 2)
     calls = []
     for layer in model.fused:
         monkeypatch.setattr(layer, "_layer", _Counting(layer._layer, calls))
+        monkeypatch.setattr(layer, "max_rows", 2)
     decode(model, [2, 0, 3], 2, fused=True)
     assert calls == []
     decode(model, [2, 0], 2, fused=True)
@@ -165,6 +164,20 @@ def test_decode_steps_are_the_same_from_another_thread_with_more_threads_than_co
     finally:
         torch.set_num_threads(threads)
     same(result["out"], expected, bits=True)
+
+
+@needs_native
+def test_plain_bfloat16_layers_leave_larger_batches_to_matrix_units(checkpoints):
+    """Where torch's bfloat16 GEMM runs on matrix units, more than MATRIX_UNIT_ROWS sequences of a
+    plain bfloat16 model run op by op; quantized layers (whose GEMM paths dequantize) and CPUs
+    without such units keep the fused step up to MAX_ROWS."""
+    path = checkpoints / "fused-quant"
+    if not path.exists():
+        tiny_model("llama", path, dtype=torch.bfloat16, seed=5)
+    plain, quantized = load(path).fused[0], load(path, quantization="int8").fused[0]
+    units = not reduced_gemm_is_slow(torch.device("cpu"))
+    assert plain.max_rows == (MATRIX_UNIT_ROWS if units else MAX_ROWS)
+    assert quantized.max_rows == MAX_ROWS
 
 
 def test_what_cannot_run_fused_says_why(checkpoints):
