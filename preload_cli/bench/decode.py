@@ -22,33 +22,31 @@ TARGETS = {"bandwidth_share": 0.6, "ours_over_transformers": 2.0, "batch_over_si
 LLAMA_FTYPES = {"none": ("BF16", 32), "int8": ("Q8_0", 7)}  # llama.cpp's file types with the same weight bits
 
 
+CACHE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "48K", "491520K"
+
+
 def last_level_cache_bytes() -> int:
     """The largest CPU cache sysfs lists for CPU 0 (0 where it lists none)."""
     largest = 0
     for size in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = size.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        if text[:-1].isdigit() and text[-1] in units:
-            largest = max(largest, int(text[:-1]) * units[text[-1]])
+        if text[:-1].isdigit() and text[-1] in CACHE_UNITS:
+            largest = max(largest, int(text[:-1]) * CACHE_UNITS[text[-1]])
     return largest
 
 
-def bandwidth_buffer_bytes() -> int:
-    return max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
-
-
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Bytes/s that summing a buffer far larger than the caches reads, best of `repeats`."""
+def measure_bandwidth(repeats: int = 5) -> tuple[float, int]:
+    """(bytes/s that summing a buffer far larger than the caches reads, best of `repeats`; its size)."""
     import torch
 
-    size = bandwidth_buffer_bytes()
+    size = max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
     buffer = torch.ones(size // 4)
     best = float("inf")
     for _ in range(repeats + 1):  # the first pass also faults the pages in
         start = time.perf_counter()
         buffer.sum()
         best = min(best, time.perf_counter() - start)
-    return size / best
+    return size / best, size
 
 
 def llama_cpp_tokens_per_s(args, model_path: pathlib.Path, ids: list[int], threads: int) -> tuple[float | None, str]:
@@ -174,7 +172,7 @@ def run(args) -> int:
         llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
     except Exception as e:  # an optional comparison: llama-cpp-python's API moves between releases
         llama, llama_note = None, f"failed: {type(e).__name__}: {e}"
-    bandwidth = measure_bandwidth()
+    bandwidth, summed = measure_bandwidth()
     medians = {k: statistics.median(v) for k, v in rows.items()}
     ttft = {k: statistics.median(v) for k, v in first_token.items()}
     weight_bytes = model.weight_bytes_per_token()
@@ -189,7 +187,7 @@ def run(args) -> int:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
                           "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
                           "targets": TARGETS,
-                          "weight_bytes_per_token": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
+                          "weight_bytes_per_token": weight_bytes, "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
                           "llama_cpp": llama_note, "threads": threads}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
@@ -199,7 +197,7 @@ def run(args) -> int:
         print(f"{name:<40} {value:>8.1f} tokens/s{extra}")
     if llama is None:
         print(f"{'llama.cpp':<40} {llama_note}")
-    print(f"{f'memory bandwidth (sum of {bandwidth_buffer_bytes() >> 20} MiB)':<40} {bandwidth / 1e9:>8.1f} GB/s")
+    print(f"{f'memory bandwidth (sum of {summed >> 20} MiB)':<40} {bandwidth / 1e9:>8.1f} GB/s")
     print(f"{'weight bytes read per token':<40} {weight_bytes / 1e6:>8.1f} MB")
     print(f"{'tokens/s x bytes / bandwidth (1 request)':<40} {ratios['bandwidth_share']:>8.0%}   "
           f"target >= {TARGETS['bandwidth_share']:.0%}")
