@@ -276,8 +276,8 @@ class DecodeLayer : public torch::CustomClassHolder {
     preload::Barrier barrier;
 #pragma omp parallel num_threads(threads)
     {
-      const int thread = omp_get_thread_num();
-      barrier.join(omp_get_num_threads());
+      const int thread = omp_get_thread_num(), team = omp_get_num_threads();
+      barrier.join(team);
       const bool first = thread == 0;
       if (first) {
         preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
@@ -310,7 +310,7 @@ class DecodeLayer : public torch::CustomClassHolder {
       product(kernels, kGateUp, work[kGateUp], next[kGateUp], s.x.data(), batch, s.gate_up.data());
       barrier.wait();
       {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
-        const int64_t share = (inter_ + omp_get_num_threads() - 1) / omp_get_num_threads();
+        const int64_t share = (inter_ + team - 1) / team;
         const int64_t c0 = thread * share, c1 = std::min(inter_, c0 + share);
         for (int64_t b = 0; b < batch; ++b)
           for (int64_t c = c0; c < c1; ++c) {
