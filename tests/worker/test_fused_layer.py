@@ -33,6 +33,14 @@ def load(path, quantization: str = "none") -> CausalLM:
     return CausalLM.from_config(weights.config, weights.tensors)
 
 
+def quant_checkpoint(checkpoints):
+    """The bfloat16 Llama the quantized cases share (built once a session)."""
+    path = checkpoints / "fused-quant"
+    if not path.exists():
+        tiny_model("llama", path, dtype=torch.bfloat16, seed=5)
+    return path
+
+
 def decode(model, slots: list[int], steps: int, fused: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Logits of `steps` greedy decode steps of the PROMPTS at `slots`, batched, and the cache."""
     saved = model.fused
@@ -101,10 +109,7 @@ def test_decode_steps_equal_the_per_op_path(checkpoints, case, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_quantized_decode_steps_equal_the_per_op_path(checkpoints, scheme, variant):
-    path = checkpoints / "fused-quant"
-    if not path.exists():
-        tiny_model("llama", path, dtype=torch.bfloat16, seed=5)
-    model = load(path, quantization=scheme)
+    model = load(quant_checkpoint(checkpoints), quantization=scheme)
     assert model.fused is not None
     with native.using(variant):
         fused, ops = decode(model, [2, 0, 3], 4, fused=True), decode(model, [2, 0, 3], 4, fused=False)
@@ -171,9 +176,7 @@ def test_plain_bfloat16_layers_leave_larger_batches_to_matrix_units(checkpoints)
     """Where torch's bfloat16 GEMM runs on matrix units, more than MATRIX_UNIT_ROWS sequences of a
     plain bfloat16 model run op by op; quantized layers (whose GEMM paths dequantize) and CPUs
     without such units keep the fused step up to MAX_ROWS."""
-    path = checkpoints / "fused-quant"
-    if not path.exists():
-        tiny_model("llama", path, dtype=torch.bfloat16, seed=5)
+    path = quant_checkpoint(checkpoints)
     plain, quantized = load(path).fused[0], load(path, quantization="int8").fused[0]
     units = not reduced_gemm_is_slow(torch.device("cpu"))
     assert plain.max_rows == (MATRIX_UNIT_ROWS if units else MAX_ROWS)
