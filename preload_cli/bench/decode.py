@@ -186,8 +186,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
                           "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
-                          "targets": TARGETS,
-                          "weight_bytes_per_token": weight_bytes, "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
+                          "targets": TARGETS, "weight_bytes_per_token": weight_bytes,
+                          "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
                           "llama_cpp": llama_note, "threads": threads}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
