@@ -47,12 +47,8 @@ class FusedLayer:
 def _parts(w) -> tuple | str:
     """(weight, scale, global scale, scale kind, block, element) as the native GEMV takes `w`, or why not."""
     if isinstance(w, QuantizedWeight):
-        found = scheme(w.scheme)
-        kind, block, element = found.native
-        width = w.weight.shape[1] * found.format.elements_per_byte
-        if width % 16:
-            return f"a {w.scheme} weight stored {width} wide (not a multiple of 16)"
-        return w.weight, w.scale, w.global_scale, kind, block, element
+        operands = scheme(w.scheme).native_operands(w)
+        return operands or f"a {w.scheme} weight whose stored width is not a multiple of 16 elements"
     if not isinstance(w, torch.Tensor) or w.dtype != torch.bfloat16 or w.dim() != 2 or not w.is_contiguous() \
             or w.shape[1] % 16:
         return "a plain weight that is not a contiguous bfloat16 [N, K] with K a multiple of 16"

@@ -72,12 +72,11 @@ def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight, found: Scheme) -> torch.Ten
 
 def _native(x: torch.Tensor, q: QuantizedWeight, found: Scheme, gemv_max_m: int) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
-    kind, block, element = found.native
-    width = q.weight.shape[1] * found.format.elements_per_byte  # K as stored (padded for MX/NVFP4)
-    if x.dtype not in (torch.float32, torch.bfloat16) or width % 16:
+    operands = found.native_operands(q)
+    if x.dtype not in (torch.float32, torch.bfloat16) or operands is None:
         return None
     op = native.qgemv if x.shape[0] <= gemv_max_m else native.qgemm
-    return op(x, q.weight, q.scale, q.global_scale, kind, block, element)
+    return op(x, *operands)
 
 
 def reference_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:

@@ -62,6 +62,13 @@ class Scheme:
     def __repr__(self) -> str:
         return f"<scheme {self.name}>"
 
+    def native_operands(self, q: "QuantizedWeight") -> tuple | None:
+        """(weight, scale, global scale, scale kind, block, element) as the native CPU GEMV takes q,
+        or None where it does not: K as stored (padded for MX/NVFP4) not a multiple of 16."""
+        if q.weight.shape[1] * self.format.elements_per_byte % 16:
+            return None
+        return (q.weight, q.scale, q.global_scale, *self.native)
+
     def layout(self, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """{part: (dtype, shape)} of a quantized [n, k] weight."""
         raise NotImplementedError
