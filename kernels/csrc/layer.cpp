@@ -40,8 +40,6 @@ using preload::Kernels;
 using preload::Weight;
 using preload::widen;
 
-constexpr int64_t kGemvWork = int64_t(1) << 16;  // multiply-adds per block of rows a thread takes
-constexpr int64_t kUnit = 4;                     // rows; a multiple of every step of the kernels
 
 enum Phase : int64_t { kQkv = 0, kOut = 1, kGateUp = 2, kDown = 3, kPhases = 4 };
 
@@ -181,7 +179,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   Blocks blocks(int64_t phase, int64_t batch) const {
     Blocks out;
     const auto& list = phases_[phase];
-    out.rows = std::max<int64_t>(kUnit, kGemvWork / (list[0].w.k * batch) / kUnit * kUnit);
+    out.rows = preload::gemv_block_rows(list[0].w.k, batch);
     int64_t total = 0;
     for (const auto& p : list) {
       out.first.push_back(total);
@@ -198,12 +196,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const Weight& w = phases_[phase][0].w;
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* dst = x.data() + r * w.k;
-      for (int64_t j = 0; j < width; ++j) dst[j] = widen(src[r * width + j]);
-      std::fill(dst + width, dst + w.k, 0.0f);
-      if (order) preload::order_groups(dst, w.k, order);
-    }
+    for (int64_t r = 0; r < rows; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.

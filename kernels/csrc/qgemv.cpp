@@ -35,7 +35,6 @@ using preload::name_of;
 using preload::runs_here;
 
 constexpr int64_t kTileBytes = int64_t(4) << 20;  // qgemm: dequantized weight per GEMM call
-constexpr int64_t kGemvWork = int64_t(1) << 16;   // qgemv: multiply-adds per block of rows a thread takes
 
 // The checks both ops start with: this CPU runs variant K, and x fits the weight.
 template <const Kernels* K>
@@ -54,28 +53,15 @@ Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::T
 // group of 16 elements in the kernels' order for the weight's element format where they have one
 // (`order`: see qgemv_kernels.h). x itself where it already is all that.
 const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* order, std::vector<float>& buffer) {
-  bool reorder = order != nullptr;
-  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !reorder) return x.data_ptr<float>();
+  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order) return x.data_ptr<float>();
   int64_t m_rows = x.size(0), width = x.size(1), s0 = x.stride(0), s1 = x.stride(1), k = w.k;
-  buffer.assign(m_rows * k, 0.0f);
+  buffer.resize(m_rows * k);
   for (int64_t m = 0; m < m_rows; ++m) {
     float* dst = buffer.data() + m * k;
-    if (x.scalar_type() == at::kFloat) {
-      const float* src = x.data_ptr<float>() + m * s0;
-      for (int64_t j = 0; j < width; ++j) dst[j] = src[j * s1];
-    } else {  // bfloat16: the high half of a float32
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) + m * s0;
-      auto widen = [&](int64_t j, uint16_t v) {
-        uint32_t bits = uint32_t(v) << 16;
-        std::memcpy(dst + j, &bits, sizeof(bits));
-      };
-      if (s1 == 1) {
-        for (int64_t j = 0; j < width; ++j) widen(j, src[j]);
-      } else {
-        for (int64_t j = 0; j < width; ++j) widen(j, src[j * s1]);
-      }
-    }
-    if (reorder) preload::order_groups(dst, k, order);
+    if (x.scalar_type() == at::kFloat)
+      preload::kernel_row(x.data_ptr<float>() + m * s0, s1, width, k, order, dst);
+    else
+      preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
   return buffer.data();
 }
@@ -93,10 +79,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m_rows, w.n}, x.options());
   void* yp = y.data_ptr();
-  // Rows go to the threads in blocks taken from a shared counter, not in one share each: on a busy
-  // machine a thread that runs late takes fewer blocks instead of holding up the call.
-  constexpr int64_t kUnit = 4;  // rows; a multiple of every step of the kernels
-  int64_t rows = std::max<int64_t>(kUnit, kGemvWork / (w.k * m_rows) / kUnit * kUnit);
+  const int64_t rows = preload::gemv_block_rows(w.k, m_rows);
   int64_t blocks = (w.n + rows - 1) / rows;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {

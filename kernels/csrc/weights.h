@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "decode_ops.h"
 #include "qgemv_kernels.h"
 
 namespace preload {
@@ -95,6 +96,25 @@ inline void order_groups(float* row, int64_t k, const uint8_t* order) {
 // The order x comes in for a weight's element format on variant K, or null: in order.
 inline const uint8_t* x_order(const Kernels* kernels, const Weight& w) {
   return w.element == kE2M1 ? kernels->e2m1_order : w.element == kBF16 ? kernels->bf16_order : nullptr;
+}
+
+// One row of x (`width` elements of T, `stride` apart) as the kernels read it: float32, `k` wide,
+// zero-padded, each group of 16 in `order` where there is one.
+template <typename T>
+void kernel_row(const T* src, int64_t stride, int64_t width, int64_t k, const uint8_t* order, float* dst) {
+  for (int64_t j = 0; j < width; ++j) dst[j] = widen(src[j * stride]);
+  std::fill(dst + width, dst + k, 0.0f);
+  if (order) order_groups(dst, k, order);
+}
+
+// A GEMV hands its threads blocks of rows taken from a shared counter, not one share each: on a
+// busy machine a thread that runs late takes fewer blocks instead of holding up the call. A block
+// is about kGemvWork multiply-adds, a multiple of kGemvUnit rows (every step of the kernels divides it).
+constexpr int64_t kGemvWork = int64_t(1) << 16;
+constexpr int64_t kGemvUnit = 4;
+
+inline int64_t gemv_block_rows(int64_t k, int64_t m) {
+  return std::max<int64_t>(kGemvUnit, kGemvWork / (k * m) / kGemvUnit * kGemvUnit);
 }
 
 }  // namespace preload
