@@ -35,6 +35,11 @@ def parse_device(text: str) -> str:
     return f"{match.group(1)}:{int(match.group(2))}"
 
 
+def cuda_ordinal(device: str) -> int | None:
+    """N of a (parsed) "cuda:N" device name; None for any other device."""
+    return int(device.split(":")[1]) if device.startswith("cuda:") else None
+
+
 def resolve_devices(devices: str, tp_size: int) -> list[str]:
     """One device per TP rank: the comma-separated `devices`, or cpu:0..cpu:TP-1."""
     if tp_size < 1:

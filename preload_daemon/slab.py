@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from preload_daemon.buffers import bytes_tensor, map_readonly
-from preload_daemon.config import ensure_private_dir
+from preload_daemon.config import cuda_ordinal, ensure_private_dir
 from preload_daemon.errors import DeviceError, InvalidRequestError, NotFoundError
 from protos import preload_pb2 as pb
 
@@ -73,9 +73,10 @@ class HostBackend:
 def backend_for(device: str, shm_dir: pathlib.Path):
     """The backend of a daemon for `device` ("cpu:N": host; "cuda:N": cuda, which raises DeviceError
     with the reason where this host cannot hold GPU slabs, never falling back to host memory)."""
-    if device.startswith("cuda:"):
+    ordinal = cuda_ordinal(device)
+    if ordinal is not None:
         from preload_daemon import cuda
-        return cuda.CudaBackend(int(device.split(":")[1]))
+        return cuda.CudaBackend(ordinal)
     return HostBackend(shm_dir)
 
 
@@ -187,7 +188,6 @@ def open_slab(slab: pb.Slab, device: str | None = None) -> torch.Tensor:
         return map_slab(slab.path, slab.size)
     if slab.backend == "cuda":
         from preload_daemon import cuda
-        wanted = int(device.split(":")[1]) if device and device.startswith("cuda:") else None
-        return cuda.open_ipc(slab.handle, slab.device_uuid, slab.size, wanted)
+        return cuda.open_ipc(slab.handle, slab.device_uuid, slab.size, cuda_ordinal(device) if device else None)
     raise DeviceError(f"slab {slab.id[:80]!r} uses backend {slab.backend[:40]!r}, which this client does not know "
                       "(host and cuda): upgrade preload on this side")

@@ -20,6 +20,7 @@ from kernels.quant import QuantizedWeight
 from preload_daemon.arch import ArchSpec
 from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint, stat_identity
+from preload_daemon.config import cuda_ordinal
 from preload_daemon.errors import (DaemonUnavailableError, DeviceError, LoadingError, NotFoundError, PreloadError,
                                    StaleError)
 from preload_daemon.execute import execute
@@ -70,9 +71,9 @@ class LoadRequest:
 
 def check_device(device: str) -> torch.device:
     """The torch device of "cpu:N" or "cuda:N"; DeviceError where this process cannot use that GPU."""
-    if not device.startswith("cuda:"):
+    ordinal = cuda_ordinal(device)
+    if ordinal is None:
         return torch.device("cpu")
-    ordinal = int(device.split(":")[1])
     if not torch.cuda.is_available():
         raise DeviceError(f"{device}: this process has no usable GPU (torch.cuda.is_available() is False: a CPU "
                           "build of torch, no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them); use cpu:N devices, "

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from preload_daemon.config import cuda_ordinal
 from preload_daemon.errors import PreloadError
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ class TPGroup:
 
     def __init__(self, rendezvous: Rendezvous, device: str = "cpu"):
         self.rank, self.size = rendezvous.rank, rendezvous.size
-        self.device = torch.device("cuda", int(device.split(":")[1])) if device.startswith("cuda") else \
-            torch.device("cpu")
+        ordinal = cuda_ordinal(device)
+        self.device = torch.device("cpu") if ordinal is None else torch.device("cuda", ordinal)
         try:
             self.store = None if rendezvous.env else dist.TCPStore(
                 rendezvous.addr, rendezvous.port, self.size, is_master=self.rank == 0, wait_for_workers=False,
