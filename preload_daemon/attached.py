@@ -105,6 +105,11 @@ class AttachedModel(collections.abc.Mapping):
         self._client.close()
 
     @property
+    def in_device_memory(self) -> bool:
+        """Whether a slab is device (CUDA IPC) memory, which dies with its daemon and cannot be parked."""
+        return any(s.backend != "host" for s in self.manifest.slabs)
+
+    @property
     def suspended(self) -> bool:
         return bool(self._parked)
 
@@ -115,7 +120,7 @@ class AttachedModel(collections.abc.Mapping):
         may read a view until resume(). What a process snapshot needs: no weights, no daemon files."""
         if self._parked:
             return
-        if any(s.backend != "host" for s in self.manifest.slabs):
+        if self.in_device_memory:
             raise DeviceError("this engine's weights are CUDA IPC memory, which cannot be parked at the same "
                               "addresses: snapshots of GPU engines are not supported yet (restart it warm instead)")
         self._client.close()

@@ -197,7 +197,7 @@ class LeaseKeeper:
             if not attached.wait_lost(1.0):
                 continue
             what = f"{attached.manifest.model} v{attached.version} ({attached.layout})"
-            if any(slab.backend != "host" for slab in attached.manifest.slabs):
+            if attached.in_device_memory:
                 self.fatal = True
                 self.lost = f"lost the daemon on {self.device}, which held {what} in device memory that died with " \
                             "it; restart this engine"

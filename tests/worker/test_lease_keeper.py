@@ -3,6 +3,7 @@ from device memory that died with the daemon."""
 
 import pathlib
 
+from preload_daemon.attached import AttachedModel
 from protos import preload_pb2 as pb
 from tests.conftest import wait_until
 from worker.loader import LeaseKeeper, LoadedWeights
@@ -13,6 +14,7 @@ class DaemonGone:
     """What the keeper watches of an attachment, whose daemon has just died (its session closed)."""
 
     version, layout = 1, "bfloat16/none rank 0/1 main"
+    in_device_memory = AttachedModel.in_device_memory  # the real test, over this manifest
 
     def __init__(self, backend: str):
         self.manifest = pb.Manifest(model="m", version=1, slabs=[pb.Slab(id="s", backend=backend, size=256)])
