@@ -188,7 +188,7 @@ class Engine:
                 if request is _WAKE:
                     continue
                 if request is None:  # stopping: what arrived with it, and what runs, ends here
-                    self._abandon(self._held + arrived + self._running)
+                    self._abandon(self._held + arrived)  # and, as always, what runs
                     return
                 block = False
                 if 1 + len(request.siblings) > slots:  # n > 1: waits for as many free slots
