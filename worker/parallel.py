@@ -160,9 +160,7 @@ class Leader:
         try:
             self.group.send_step(COPY, ids, torch.zeros_like(ids), slots)
         except RuntimeError as e:
-            reason = f"the tensor-parallel group broke: {e}"
-            self.on_broken(reason)
-            raise ParallelError(reason) from e
+            raise self._broken(e) from e
         self.model.copy_cache(cache, source, targets, length)
 
     def draft(self, model) -> "LeaderDraft":
@@ -176,9 +174,13 @@ class Leader:
                 return method(input_ids, states, positions, cache, slots)
             return method(input_ids, positions, cache, slots, all_logits, hidden)
         except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
-            reason = f"the tensor-parallel group broke: {e}"
-            self.on_broken(reason)
-            raise ParallelError(reason) from e
+            raise self._broken(e) from e
+
+    def _broken(self, error: RuntimeError) -> ParallelError:
+        """The error to raise for a collective that failed, once on_broken has been told."""
+        reason = f"the tensor-parallel group broke: {error}"
+        self.on_broken(reason)
+        return ParallelError(reason)
 
     def close(self) -> None:
         """Tells the followers to exit (once)."""
