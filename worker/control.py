@@ -114,7 +114,10 @@ def receive(sock: socket.socket, timeout: float) -> tuple[dict, list[int]]:
     except TimeoutError:
         _close(fds)
         raise ControlError(f"no answer on the control connection within {timeout:g}s") from None
-    except (ValueError, ControlError):
+    except ControlError:  # said precisely above: a closed connection, an oversized message
+        _close(fds)
+        raise
+    except ValueError:
         _close(fds)
         raise ControlError(f"a malformed control message: {data[:200]!r}") from None
     if len(fds) > MAX_FDS:
