@@ -135,7 +135,8 @@ class Quiescer:
         parked, line = 0.0, b""
         while not line.endswith(b"\n"):
             before = time.monotonic()
-            if control.wait_readable(self._read, 1.0):
+            # Only this thread changes _quiet: serving, the agent sleeps until a wake comes.
+            if control.wait_readable(self._read, 1.0 if self._quiet else None):
                 chunk = os.read(self._read, WAKE_LIMIT)
                 line = (line + chunk)[-WAKE_LIMIT:]
             elif self._quiet:
