@@ -42,8 +42,8 @@ def pack(images: pathlib.Path, raw: pathlib.Path) -> list[str]:
 
 def cache_path(directory: pathlib.Path, images: pathlib.Path, runtime: pathlib.Path) -> pathlib.Path:
     """Where this host keeps the unpacked copy of these images (named by their path and identity)."""
-    identity = [str(directory)] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}:{f.stat().st_ino}"
-                                   for f in sorted(images.iterdir())]
+    identity = [str(directory)] + [f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+                                   for f in sorted(images.iterdir()) for st in [f.stat()]]
     return control.control_dir(runtime) / f"unpacked-{hashlib.sha256(repr(identity).encode()).hexdigest()[:16]}"
 
 
