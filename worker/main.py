@@ -258,7 +258,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             log.info("engine for %s ready on %s (%s%s)", state.name, where, built.weights.load_format,
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
             state.draft = built.draft
-            state.keep_leases(state.attachments(), config.device, config.runtime_dir)
+            state.keep_leases(config.device, config.runtime_dir)
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             log.error("engine for %s failed to start: %s", state.name, reason)

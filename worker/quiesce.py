@@ -261,7 +261,7 @@ class Quiescer:
             engine.resume()
             for keeper in self.state.keepers:
                 keeper.stop()
-            self.state.keep_leases(self.state.attachments(), self.config.device, self.config.runtime_dir)
+            self.state.keep_leases(self.config.device, self.config.runtime_dir)
             listen = message.get("listen") or {}
             host, port = str(listen.get("host", self.listen["host"])), int(listen.get("port", self.listen["port"]))
             try:

@@ -109,10 +109,10 @@ class WorkerState:
         """The weights (main, draft) that are leased from a daemon."""
         return [w for w in (self.weights, self.draft) if w is not None and w.attached is not None]
 
-    def keep_leases(self, weights: list[LoadedWeights], device: str, runtime_dir) -> None:
-        """Keeps the daemon leases of `weights` (main, draft) across daemon restarts (LeaseKeeper):
-        while one is lost, /health says degraded and why."""
-        self.keepers = [LeaseKeeper(w, device, runtime_dir).start() for w in weights if w and w.attached]
+    def keep_leases(self, device: str, runtime_dir) -> None:
+        """Keeps the daemon leases of the attachments (main, draft) across daemon restarts
+        (LeaseKeeper): while one is lost, /health says degraded and why."""
+        self.keepers = [LeaseKeeper(w, device, runtime_dir).start() for w in self.attachments()]
 
     def degraded(self) -> str:
         return "; ".join(k.lost for k in self.keepers if k.lost)
