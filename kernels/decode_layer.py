@@ -9,7 +9,9 @@ equal up to rounding. Batches of more than a layer's `max_rows` rows run op by o
 win there).
 
 `fused_layer(...)` builds one over a layer's weights, or says why it cannot (a weight the native
-GEMV does not take, no native kernels); `FusedLayer.__call__` runs it on the variant in use."""
+GEMV does not take, no native kernels); `FusedLayer.__call__` runs it on the variant in use, and
+`FusedLayers` runs a model's layers in order in one call (a call per layer costs tens of
+microseconds each on a small model: the interpreter's code comes back from memory every time)."""
 
 import torch
 
@@ -42,6 +44,26 @@ class FusedLayer:
         (each row's new token sits at lengths - 1 of its slot); rope [B, 1, 2, D]: rope_table rows
         of the new positions. Writes the new keys and values and returns the layer's output."""
         return self._layer.forward(x, cache, slots, lengths, rope, native.variant_index())
+
+
+class FusedLayers:
+    """A model's fused layers, each decode step over all of them in one native call; batches of more
+    than `max_rows` sequences run op by op."""
+
+    def __init__(self, layers: list[FusedLayer]):
+        self.layers = layers
+        self.max_rows = min(layer.max_rows for layer in layers)
+        self._stack = torch.classes.preload.DecodeStack()
+        for layer in layers:
+            self._stack.append(layer._layer)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                 rope: torch.Tensor) -> torch.Tensor:
+        """FusedLayer.__call__ through every layer, cache the whole [layers, slots, max_len, 2, KV, D]."""
+        return self._stack.forward(x, cache, slots, lengths, rope, native.variant_index())
 
 
 def _parts(w) -> tuple | str:

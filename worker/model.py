@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from kernels.activation import silu_mul
 from kernels import native
 from kernels.attention import cached_attention, decode_attention, has_decode_attention
-from kernels.decode_layer import FusedLayer, fused_layer
+from kernels.decode_layer import FusedLayers, fused_layer
 from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
@@ -135,7 +135,7 @@ class CausalLM:
     rows; only attention sees the batch. A decode step of an unsplit model runs each layer as one
     native call where the native kernels are chosen (kernels/decode_layer.py), else op by op."""
 
-    fused: list[FusedLayer] | None = None
+    fused: FusedLayers | None = None
 
     def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], tp=None):
         self.spec = spec
@@ -149,7 +149,7 @@ class CausalLM:
         self.layers = [self._layer(weights, i) for i in range(spec.num_layers)]
         self.fused = self._fuse()
 
-    def _fuse(self) -> list[FusedLayer] | None:
+    def _fuse(self) -> FusedLayers | None:
         """Every layer's fused decode step, or None (decode steps then run op by op) where the
         model is split or any layer cannot run fused."""
         if self.tp.size != 1:
@@ -165,7 +165,7 @@ class CausalLM:
                 log.debug("decode steps run op by op: %s", one)
                 return None
             fused.append(one)
-        return fused
+        return FusedLayers(fused)
 
     def _common(self, spec: ArchSpec, weights: Mapping[str, Weight]) -> None:
         self.num_heads, self.num_kv_heads = spec.local_heads(self.tp.size)
@@ -230,9 +230,8 @@ class CausalLM:
         batch, t = input_ids.shape
         step = self._step(positions, slots, cache)
         x = self._embed(input_ids.reshape(-1).to(self.device))
-        if self.fused and step.rope is not None and batch <= self.fused[0].max_rows and native.variant_index() >= 0:
-            for layer, kv in zip(self.fused, cache.layers):
-                x = layer(x, kv, step.slot_ids, step.lengths, step.rope)
+        if self.fused and step.rope is not None and batch <= self.fused.max_rows and native.variant_index() >= 0:
+            x = self.fused(x, cache.all, step.slot_ids, step.lengths, step.rope)
         else:
             for i, layer in enumerate(self.layers):
                 x = self._decoder_layer(layer, x, step, cache.layers[i], i)

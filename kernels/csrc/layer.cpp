@@ -1,7 +1,8 @@
 // A whole decoder layer of a decode step in one call (torch class preload.DecodeLayer): the input
 // norm, the q/k/v projections and their biases, the q/k norms (Qwen3), rope, the cache write,
 // attention over each sequence's cache, o, the residual, the post-attention norm, gate and up,
-// SwiGLU, down and the residual, for B sequences of one new token each.
+// SwiGLU, down and the residual, for B sequences of one new token each; and every layer of a model
+// in one call (preload.DecodeStack).
 //
 // Each step computes what the per-op path of worker/model.py computes at decode sizes, rounded where
 // it rounds (to the model's dtype after every operation): the products run the fused GEMV of
@@ -11,9 +12,11 @@
 // SwiGLU's exp may differ from torch's in the last bit. What the call saves is
 // everything between the products: no Python, no torch dispatch, no output tensors and no thread
 // pool woken per operation (a layer of the default model runs about 25 of them). One OpenMP region
-// runs the layer; its threads split each product's rows (blocks taken from a shared counter) and
-// attention's heads, meet at a spinning barrier (barrier.h) after each step, and the one-thread
-// steps run on thread 0.
+// runs all the layers of a call; its threads split each product's rows (blocks taken from a shared
+// counter) and attention's heads, meet at a spinning barrier (barrier.h) after each step, and the
+// one-thread steps run on thread 0. A call per layer instead cost the default model ~55 us a layer
+// on a 2-core Xeon (1.7 ms of a 16 ms token): the interpreter's and the dispatcher's code and data
+// come back from memory each time, after the layer's weights have streamed through the caches.
 //
 // Built once per layer by kernels/decode_layer.py over the layer's weight tensors (which it keeps
 // alive); the kernel variant is chosen per call.
@@ -26,6 +29,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -61,6 +65,16 @@ struct Scratch {  // one set per thread that calls forward (the engine's one), s
   std::vector<T> h, qkv, q, attn, out, gate_up, act, down, normed;
   std::vector<float> x;                         // a product's input, in the kernels' order, zero-padded
   std::vector<preload::AttendScratch> attend;  // one per thread of the region
+};
+
+struct Rows {  // where each row's keys and values go: cache slot, length with the new token; the cache's layout
+  const int64_t *slot, *length;
+  int64_t max_len, layer_stride;
+};
+
+struct Work {  // one layer's products and attention in one call: blocks, and the counters threads take them from
+  Blocks blocks[kPhases];
+  std::atomic<int64_t> next[kPhases + 1] = {};
 };
 
 template <typename T>
@@ -117,28 +131,34 @@ class DecodeLayer : public torch::CustomClassHolder {
   // variant: 0 avx2, 1 avx512. Returns the layer's output [B, hidden], x's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
                      const at::Tensor& rope, int64_t variant) {
+    TORCH_CHECK(cache.dim() == 5, "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_,
+                "]");
+    return decode({this}, x, cache.unsqueeze(0), slots, lengths, rope, variant);
+  }
+
+  // The layers in order over x, as forward runs one: cache [layers, slots, max_len, 2, KV, D].
+  static at::Tensor decode(const std::vector<const DecodeLayer*>& layers, const at::Tensor& x, const at::Tensor& cache,
+                           const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& rope,
+                           int64_t variant) {
     TORCH_CHECK(variant == 0 || variant == 1, "DecodeLayer: variant 0 (avx2) or 1 (avx512)");
     const Kernels* kernels = variant == 0 ? &preload::kAvx2 : &preload::kAvx512;
     variant == 0 ? preload::check_cpu<&preload::kAvx2>() : preload::check_cpu<&preload::kAvx512>();
-    for (int64_t p = 0; p < kPhases; ++p)
-      TORCH_CHECK(!phases_[p].empty() && width(p) == outputs(p), "DecodeLayer: phase ", p, " has ", width(p),
-                  " output columns, not ", outputs(p));
-    TORCH_CHECK(input_norm_.defined(), "DecodeLayer: norms() first");
+    TORCH_CHECK(!layers.empty(), "DecodeStack: no layers added");
     const at::ScalarType dtype = x.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "DecodeLayer: float32 or bfloat16 x");
-    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == hidden_,
-                "DecodeLayer: x must be contiguous [B, ", hidden_, "]");
-    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&input_norm_, &post_norm_, &cache, &rope})
-      TORCH_CHECK(t->scalar_type() == dtype, "DecodeLayer: the norms, cache and rope rows must be in x's dtype");
-    if (q_norm_) TORCH_CHECK(q_norm_->scalar_type() == dtype && k_norm_->scalar_type() == dtype, "q/k norm dtype");
-    if (qkv_bias_) TORCH_CHECK(qkv_bias_->scalar_type() == dtype, "DecodeLayer: q/k/v bias in x's dtype");
-    if (o_bias_) TORCH_CHECK(o_bias_->scalar_type() == dtype, "DecodeLayer: o bias in x's dtype");
+    const DecodeLayer& first = *layers[0];
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == first.hidden_,
+                "DecodeLayer: x must be contiguous [B, ", first.hidden_, "]");
+    TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 6 && cache.is_contiguous() &&
+                cache.size(0) == static_cast<int64_t>(layers.size()) && cache.size(3) == 2 &&
+                cache.size(4) == first.kv_heads_ && cache.size(5) == first.d_ && cache.scalar_type() == dtype,
+                "DecodeStack: cache must be contiguous [", layers.size(), " layers, slots, max_len, 2, ",
+                first.kv_heads_, ", ", first.d_, "] in x's dtype");
+    for (const DecodeLayer* layer : layers) layer->check(first, dtype);
     const int64_t batch = x.size(0);
-    TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 5 && cache.is_contiguous() && cache.size(2) == 2 &&
-                cache.size(3) == kv_heads_ && cache.size(4) == d_,
-                "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_, "]");
-    TORCH_CHECK(rope.device().is_cpu() && rope.is_contiguous() && rope.numel() == batch * 2 * d_,
-                "DecodeLayer: rope must be [B, 1, 2, ", d_, "] contiguous on the CPU");
+    TORCH_CHECK(rope.device().is_cpu() && rope.is_contiguous() && rope.numel() == batch * 2 * first.d_ &&
+                rope.scalar_type() == dtype,
+                "DecodeLayer: rope must be [B, 1, 2, ", first.d_, "] contiguous on the CPU, in x's dtype");
     TORCH_CHECK(slots.device().is_cpu() && lengths.device().is_cpu() && slots.scalar_type() == at::kLong &&
                 lengths.scalar_type() == at::kLong && slots.is_contiguous() &&
                 lengths.is_contiguous() && slots.numel() == batch && lengths.numel() == batch,
@@ -146,17 +166,17 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* length = lengths.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0) && length[b] >= 1 && length[b] <= cache.size(1), "row ", b,
-                  ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(0),
-                  " slots of ", cache.size(1), " positions");
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(1) && length[b] >= 1 && length[b] <= cache.size(2), "row ", b,
+                  ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(1),
+                  " slots of ", cache.size(2), " positions");
     at::Tensor out = x.clone();
     if (batch == 0) return out;
+    const Rows where{slot, length, cache.size(2), cache.stride(0)};
     if (dtype == at::kFloat)
-      run<float>(kernels, out.data_ptr<float>(), cache.data_ptr<float>(), slot, length, rope.data_ptr<float>(),
-                 cache.size(1), batch);
+      run<float>(layers, kernels, out.data_ptr<float>(), cache.data_ptr<float>(), where, rope.data_ptr<float>(), batch);
     else
-      run<at::BFloat16>(kernels, out.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), slot, length,
-                        rope.data_ptr<at::BFloat16>(), cache.size(1), batch);
+      run<at::BFloat16>(layers, kernels, out.data_ptr<at::BFloat16>(), cache.data_ptr<at::BFloat16>(), where,
+                        rope.data_ptr<at::BFloat16>(), batch);
     return out;
   }
 
@@ -171,6 +191,21 @@ class DecodeLayer : public torch::CustomClassHolder {
     const auto& list = phases_[phase];
     return list.empty() ? 0 : list.back().column + list.back().w.n;
   }
+  // What decode needs of every layer of a call: complete, the shape of the first, its norms and biases in x's dtype.
+  void check(const DecodeLayer& first, at::ScalarType dtype) const {
+    for (int64_t p = 0; p < kPhases; ++p)
+      TORCH_CHECK(!phases_[p].empty() && width(p) == outputs(p), "DecodeLayer: phase ", p, " has ", width(p),
+                  " output columns, not ", outputs(p));
+    TORCH_CHECK(input_norm_.defined(), "DecodeLayer: norms() first");
+    TORCH_CHECK(hidden_ == first.hidden_ && heads_ == first.heads_ && kv_heads_ == first.kv_heads_ &&
+                d_ == first.d_ && inter_ == first.inter_, "DecodeStack: the layers of one stack must share their shape");
+    TORCH_CHECK(input_norm_.scalar_type() == dtype && post_norm_.scalar_type() == dtype,
+                "DecodeLayer: the norms, cache and rope rows must be in x's dtype");
+    if (q_norm_) TORCH_CHECK(q_norm_->scalar_type() == dtype && k_norm_->scalar_type() == dtype, "q/k norm dtype");
+    if (qkv_bias_) TORCH_CHECK(qkv_bias_->scalar_type() == dtype, "DecodeLayer: q/k/v bias in x's dtype");
+    if (o_bias_) TORCH_CHECK(o_bias_->scalar_type() == dtype, "DecodeLayer: o bias in x's dtype");
+  }
+
   static void check_vector(const at::Tensor& t, int64_t n, const char* what) {
     TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.is_contiguous() && t.size(0) == n, "DecodeLayer: the ", what,
                 " must be contiguous [", n, "]");
@@ -246,80 +281,99 @@ class DecodeLayer : public torch::CustomClassHolder {
   }
 
   template <typename T>
-  void run(const Kernels* kernels, T* out, T* cache, const int64_t* slot, const int64_t* length, const T* rope,
-           int64_t max_len, int64_t batch) const {
+  Vectors<T> vectors() const {
+    auto data = [](const std::optional<at::Tensor>& t) -> const T* { return t ? t->data_ptr<T>() : nullptr; };
+    return {input_norm_.data_ptr<T>(), post_norm_.data_ptr<T>(), data(q_norm_), data(k_norm_), data(qkv_bias_),
+            data(o_bias_)};
+  }
+
+  template <typename T>
+  static void run(const std::vector<const DecodeLayer*>& layers, const Kernels* kernels, T* out, T* cache,
+                  const Rows& rows, const T* rope, int64_t batch) {
     thread_local Scratch<T> mine;
     Scratch<T>& s = mine;  // the region's threads share the caller's (each has a thread_local of its own)
-    const int64_t qkv_width = outputs(kQkv), k_max = std::max({phases_[kQkv][0].w.k, phases_[kOut][0].w.k,
-                                                                  phases_[kGateUp][0].w.k, phases_[kDown][0].w.k});
-    s.h.resize(batch * hidden_), s.qkv.resize(batch * qkv_width), s.q.resize(batch * heads_ * d_);
-    s.attn.resize(batch * heads_ * d_), s.out.resize(batch * hidden_), s.gate_up.resize(batch * 2 * inter_);
-    s.act.resize(batch * inter_), s.down.resize(batch * hidden_), s.x.resize(batch * k_max), s.normed.resize(d_);
+    const DecodeLayer& l = *layers[0];  // every layer has its shape (check)
+    int64_t k_max = 0;
+    for (const DecodeLayer* layer : layers)
+      for (const auto& list : layer->phases_) k_max = std::max(k_max, list[0].w.k);
+    s.h.resize(batch * l.hidden_), s.qkv.resize(batch * l.outputs(kQkv)), s.q.resize(batch * l.heads_ * l.d_);
+    s.attn.resize(batch * l.heads_ * l.d_), s.out.resize(batch * l.hidden_), s.gate_up.resize(batch * 2 * l.inter_);
+    s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.x.resize(batch * k_max), s.normed.resize(l.d_);
     const int threads = std::max(1, at::get_num_threads());
     s.attend.resize(threads);
-    for (auto& a : s.attend) a.reserve(heads_ / kv_heads_, max_len, d_);
-    auto data = [](const std::optional<at::Tensor>& t) -> const T* { return t ? t->data_ptr<T>() : nullptr; };
-    const Vectors<T> v{input_norm_.data_ptr<T>(), post_norm_.data_ptr<T>(), data(q_norm_), data(k_norm_),
-                       data(qkv_bias_), data(o_bias_)};
-    const Blocks work[kPhases] = {blocks(kQkv, batch), blocks(kOut, batch), blocks(kGateUp, batch),
-                                  blocks(kDown, batch)};
-    std::atomic<int64_t> next[kPhases + 1];
-    for (auto& n : next) n = 0;
-    const int64_t group = heads_ / kv_heads_, position_stride = 2 * kv_heads_ * d_;
+    for (auto& a : s.attend) a.reserve(l.heads_ / l.kv_heads_, rows.max_len, l.d_);
+    const size_t count = layers.size();
+    std::vector<Vectors<T>> vectors;
+    std::unique_ptr<Work[]> work(new Work[count]);
+    for (size_t i = 0; i < count; ++i) {
+      vectors.push_back(layers[i]->vectors<T>());
+      for (int64_t p = 0; p < kPhases; ++p) work[i].blocks[p] = layers[i]->blocks(p, batch);
+    }
     preload::Barrier barrier;
 #pragma omp parallel num_threads(threads)
     {
       const int thread = omp_get_thread_num(), team = omp_get_num_threads();
       barrier.join(team);
-      const bool first = thread == 0;
-      if (first) {
-        preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
-        prepare(kernels, kQkv, s.h.data(), batch, s.x);
-      }
-      barrier.wait();
-      product(kernels, kQkv, work[kQkv], next[kQkv], s.x.data(), batch, s.qkv.data());
-      barrier.wait();
-      if (first) heads(s, v, cache, slot, length, rope, max_len, batch);
-      barrier.wait();
-      for (int64_t i = next[kPhases]++; i < batch * kv_heads_; i = next[kPhases]++) {
-        const int64_t b = i / kv_heads_, j = i % kv_heads_;
-        preload::attend(s.q.data(), cache, s.attn.data(), b, j, group, slot[b], length[b], heads_, kv_heads_, d_,
-                        position_stride, max_len * position_stride, scale_, s.attend[thread]);
-      }
-      barrier.wait();
-      if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);
-      barrier.wait();
-      product(kernels, kOut, work[kOut], next[kOut], s.x.data(), batch, s.out.data());
-      barrier.wait();
-      if (first) {
-        for (int64_t i = 0; i < batch * hidden_; ++i) {
-          const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[i % hidden_])) : s.out[i];
-          out[i] = static_cast<T>(widen(out[i]) + widen(o));
-        }
-        preload::norm_rows(out, v.post_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
-        prepare(kernels, kGateUp, s.h.data(), batch, s.x);
-      }
-      barrier.wait();
-      product(kernels, kGateUp, work[kGateUp], next[kGateUp], s.x.data(), batch, s.gate_up.data());
-      barrier.wait();
-      {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
-        const int64_t share = (inter_ + team - 1) / team;
-        const int64_t c0 = thread * share, c1 = std::min(inter_, c0 + share);
-        for (int64_t b = 0; b < batch; ++b)
-          for (int64_t c = c0; c < c1; ++c) {
-            const float g = widen(s.gate_up[b * 2 * inter_ + c]);
-            const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
-            s.act[b * inter_ + c] = static_cast<T>(widen(silu) * widen(s.gate_up[b * 2 * inter_ + inter_ + c]));
-          }
-      }
-      barrier.wait();
-      if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);
-      barrier.wait();
-      product(kernels, kDown, work[kDown], next[kDown], s.x.data(), batch, s.down.data());
-      barrier.wait();
-      if (first)
-        for (int64_t i = 0; i < batch * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
+      for (size_t i = 0; i < count; ++i)
+        layers[i]->step(kernels, s, vectors[i], work[i], out, cache + i * rows.layer_stride, rows, rope, batch, thread,
+                        team, barrier);
     }
+  }
+
+  // One thread's part of this layer's step, in the region of run.
+  template <typename T>
+  void step(const Kernels* kernels, Scratch<T>& s, const Vectors<T>& v, Work& work, T* out, T* cache, const Rows& rows,
+            const T* rope, int64_t batch, int thread, int team, preload::Barrier& barrier) const {
+    const int64_t group = heads_ / kv_heads_, position_stride = 2 * kv_heads_ * d_;
+    const int64_t *slot = rows.slot, *length = rows.length;
+    const bool first = thread == 0;
+    if (first) {
+      preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
+      prepare(kernels, kQkv, s.h.data(), batch, s.x);
+    }
+    barrier.wait();
+    product(kernels, kQkv, work.blocks[kQkv], work.next[kQkv], s.x.data(), batch, s.qkv.data());
+    barrier.wait();
+    if (first) heads(s, v, cache, slot, length, rope, rows.max_len, batch);
+    barrier.wait();
+    for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
+      const int64_t b = i / kv_heads_, j = i % kv_heads_;
+      preload::attend(s.q.data(), cache, s.attn.data(), b, j, group, slot[b], length[b], heads_, kv_heads_, d_,
+                      position_stride, rows.max_len * position_stride, scale_, s.attend[thread]);
+    }
+    barrier.wait();
+    if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);
+    barrier.wait();
+    product(kernels, kOut, work.blocks[kOut], work.next[kOut], s.x.data(), batch, s.out.data());
+    barrier.wait();
+    if (first) {
+      for (int64_t i = 0; i < batch * hidden_; ++i) {
+        const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[i % hidden_])) : s.out[i];
+        out[i] = static_cast<T>(widen(out[i]) + widen(o));
+      }
+      preload::norm_rows(out, v.post_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
+      prepare(kernels, kGateUp, s.h.data(), batch, s.x);
+    }
+    barrier.wait();
+    product(kernels, kGateUp, work.blocks[kGateUp], work.next[kGateUp], s.x.data(), batch, s.gate_up.data());
+    barrier.wait();
+    {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
+      const int64_t share = (inter_ + team - 1) / team;
+      const int64_t c0 = thread * share, c1 = std::min(inter_, c0 + share);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t c = c0; c < c1; ++c) {
+          const float g = widen(s.gate_up[b * 2 * inter_ + c]);
+          const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
+          s.act[b * inter_ + c] = static_cast<T>(widen(silu) * widen(s.gate_up[b * 2 * inter_ + inter_ + c]));
+        }
+    }
+    barrier.wait();
+    if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);
+    barrier.wait();
+    product(kernels, kDown, work.blocks[kDown], work.next[kDown], s.x.data(), batch, s.down.data());
+    barrier.wait();
+    if (first)  // the next layer's first step is thread 0's too: no barrier between the layers
+      for (int64_t i = 0; i < batch * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
   }
 
   int64_t hidden_, heads_, kv_heads_, d_, inter_;
@@ -327,6 +381,26 @@ class DecodeLayer : public torch::CustomClassHolder {
   std::vector<Projection> phases_[kPhases];
   at::Tensor input_norm_, post_norm_;
   std::optional<at::Tensor> q_norm_, k_norm_, qkv_bias_, o_bias_;
+};
+
+// A model's layers in order, each decode step over all of them in one call (one OpenMP region).
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  void append(c10::intrusive_ptr<DecodeLayer> layer) {
+    TORCH_CHECK(layer, "DecodeStack: append a DecodeLayer");
+    owned_.push_back(layer);
+    layers_.push_back(layer.get());
+  }
+
+  // x [B, hidden]; cache [layers, slots, max_len, 2, KV, D]; the rest as DecodeLayer.forward takes them.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
+                     const at::Tensor& rope, int64_t variant) const {
+    return DecodeLayer::decode(layers_, x, cache, slots, lengths, rope, variant);
+  }
+
+ private:
+  std::vector<c10::intrusive_ptr<DecodeLayer>> owned_;
+  std::vector<const DecodeLayer*> layers_;
 };
 
 }  // namespace
@@ -338,4 +412,8 @@ TORCH_LIBRARY_FRAGMENT(preload, m) {
       .def("norms", &DecodeLayer::norms)
       .def("biases", &DecodeLayer::biases)
       .def("forward", &DecodeLayer::forward);
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("append", &DecodeStack::append)
+      .def("forward", &DecodeStack::forward);
 }

@@ -128,17 +128,16 @@ def test_float32_models_and_quantized_float32_ones(checkpoints, tiny_llama):
 
 @needs_native
 def test_more_rows_than_a_fused_step_takes_run_op_by_op(checkpoints, monkeypatch):
-    """Past a fused layer's max_rows sequences the GEMM paths win: the step runs op by op (the fused
-    layers are not called)."""
+    """Past the fused layers' max_rows sequences the GEMM paths win: the step runs op by op (the fused
+    layers are not called); up to it, each step is one call through every layer."""
     model = load(tiny_model("llama", checkpoints / "fused-rows", dtype=torch.bfloat16, seed=8))
     calls = []
-    for layer in model.fused:
-        monkeypatch.setattr(layer, "_layer", _Counting(layer._layer, calls))
-        monkeypatch.setattr(layer, "max_rows", 2)
+    monkeypatch.setattr(model.fused, "_stack", _Counting(model.fused._stack, calls))
+    monkeypatch.setattr(model.fused, "max_rows", 2)
     decode(model, [2, 0, 3], 2, fused=True)
     assert calls == []
     decode(model, [2, 0], 2, fused=True)
-    assert len(calls) == 2 * len(model.layers)
+    assert len(calls) == 2
 
 
 class _Counting:
@@ -177,7 +176,7 @@ def test_plain_bfloat16_layers_leave_larger_batches_to_matrix_units(checkpoints)
     plain bfloat16 model run op by op; quantized layers (whose GEMM paths dequantize) and CPUs
     without such units keep the fused step up to MAX_ROWS."""
     path = quant_checkpoint(checkpoints)
-    plain, quantized = load(path).fused[0], load(path, quantization="int8").fused[0]
+    plain, quantized = load(path).fused, load(path, quantization="int8").fused
     units = not reduced_gemm_is_slow(torch.device("cpu"))
     assert plain.max_rows == (MATRIX_UNIT_ROWS if units else MAX_ROWS)
     assert quantized.max_rows == MAX_ROWS
@@ -197,7 +196,7 @@ def test_what_cannot_run_fused_says_why(checkpoints):
 @needs_native
 def test_bad_calls_are_refused_not_run(checkpoints):
     model = load(tiny_model("llama", checkpoints / "fused-bad", dtype=torch.bfloat16, seed=7))
-    fused = model.fused[0]
+    fused = model.fused.layers[0]
     cache = model.new_cache(2, 8)
     x = torch.randn(1, 64).bfloat16()
     rope = rope_table(model.inv_freq, 8, torch.bfloat16)[torch.tensor([3])].unsqueeze(1)
@@ -213,6 +212,12 @@ def test_bad_calls_are_refused_not_run(checkpoints):
         fused(x.float(), **ok)
     with pytest.raises(RuntimeError, match="rope"):
         fused(x, **{**ok, "rope": rope[:, :, :1]})
+    every = {**ok, "cache": cache.all}  # all the layers at once: the whole cache, each layer's part of it
+    assert torch.equal(model.fused(x, **every), model.fused.layers[1](fused(x, **ok), **{**ok, "cache": cache.layers[1]}))
+    with pytest.raises(RuntimeError, match="2 layers"):
+        model.fused(x, **{**every, "cache": cache.all[:1]})
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        model.fused(x, **{**every, "lengths": torch.tensor([9])})
 
 
 @needs_native
