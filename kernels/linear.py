@@ -23,7 +23,7 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # torch's int8 kernel above. On AVX-512 (a 2-core Xeon with AMX, `preload bench quant`): the GEMV,
 # in passes of 4 rows, beats the bf16 tiles on AMX up to 16 rows as well (M=8: 1.3-1.8x bf16's time
 # against 2.4-3.9x through the tiles); int8 keeps torch's kernel there.
-_POLICY = {"avx2": (16, False), "avx512": (16, True)}
+_POLICY = {"avx2": (16, False), "avx512": (16, True), "amx": (16, True)}
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

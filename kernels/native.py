@@ -1,7 +1,7 @@
 """The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on x86-64) and
-which of their variants runs: "avx512", "avx2", or "torch" (none: kernels/linear.py's pure torch
-path). At import the best one this CPU can run is chosen, unless PRELOAD_KERNELS=avx512|avx2|torch
-forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
+which of their variants runs: "amx" (AVX-512 with Intel's matrix units for the GEMV), "avx512",
+"avx2", or "torch" (none: kernels/linear.py's pure torch path). At import the best one this CPU can
+run is chosen, unless PRELOAD_KERNELS=amx|avx512|avx2|torch forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` and
 `decode_attention` the library's decode-path ops (the same in every variant), or None for "torch";
@@ -13,7 +13,7 @@ import os
 
 import torch
 
-VARIANTS = ("avx512", "avx2", "torch")  # best first
+VARIANTS = ("amx", "avx512", "avx2", "torch")  # best first
 ENVIRONMENT = "PRELOAD_KERNELS"
 _LIBRARY = os.path.join(os.path.dirname(__file__), "_native", "libpreload_kernels.so")
 
@@ -22,7 +22,7 @@ class VariantUnavailableError(RuntimeError):
     """A requested kernel variant cannot run here (not built, or this CPU lacks its instructions)."""
 
 
-_OPS = ("variants", "rms_norm", "decode_attention", *(f"{op}_{v}" for op in ("qgemv", "qgemm") for v in VARIANTS[:2]))
+_OPS = ("variants", "rms_norm", "decode_attention", *(f"{op}_{v}" for op in ("qgemv", "qgemm") for v in VARIANTS[:-1]))
 _broken = ""
 """Why the built library cannot be used ("" where it can or is not built)."""
 
@@ -106,8 +106,8 @@ def use(variant: str) -> None:
 
 
 def variant_index() -> int:
-    """The variant in use as the native layer ops take it (0 avx2, 1 avx512), or -1 for "torch"."""
-    return {"avx2": 0, "avx512": 1}.get(VARIANT, -1)
+    """The variant in use as the native layer ops take it (0 avx2, 1 avx512, 2 amx), or -1 for "torch"."""
+    return {"avx2": 0, "avx512": 1, "amx": 2}.get(VARIANT, -1)
 
 
 @contextlib.contextmanager

@@ -128,7 +128,7 @@ class DecodeLayer : public torch::CustomClassHolder {
 
   // x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots, lengths int64 [B] (the new
   // token sits at lengths - 1); rope [B, 1, 2, D]: cos and sign-folded sin rows (kernels/rope.py).
-  // variant: 0 avx2, 1 avx512. Returns the layer's output [B, hidden], x's dtype.
+  // variant: 0 avx2, 1 avx512, 2 amx. Returns the layer's output [B, hidden], x's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
                      const at::Tensor& rope, int64_t variant) {
     TORCH_CHECK(cache.dim() == 5, "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_,
@@ -140,9 +140,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   static at::Tensor decode(const std::vector<const DecodeLayer*>& layers, const at::Tensor& x, const at::Tensor& cache,
                            const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& rope,
                            int64_t variant) {
-    TORCH_CHECK(variant == 0 || variant == 1, "DecodeLayer: variant 0 (avx2) or 1 (avx512)");
-    const Kernels* kernels = variant == 0 ? &preload::kAvx2 : &preload::kAvx512;
-    variant == 0 ? preload::check_cpu<&preload::kAvx2>() : preload::check_cpu<&preload::kAvx512>();
+    const Kernels* kernels = preload::variant_kernels(variant);
     TORCH_CHECK(!layers.empty(), "DecodeStack: no layers added");
     const at::ScalarType dtype = x.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "DecodeLayer: float32 or bfloat16 x");
@@ -211,10 +209,10 @@ class DecodeLayer : public torch::CustomClassHolder {
                 " must be contiguous [", n, "]");
   }
 
-  Blocks blocks(int64_t phase, int64_t batch) const {
+  Blocks blocks(const Kernels* kernels, int64_t phase, int64_t batch) const {
     Blocks out;
     const auto& list = phases_[phase];
-    out.rows = preload::gemv_block_rows(list[0].w.k, batch);
+    out.rows = preload::gemv_block_rows(kernels, list[0].w.k, batch);
     int64_t total = 0;
     for (const auto& p : list) {
       out.first.push_back(total);
@@ -232,6 +230,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
     for (int64_t r = 0; r < rows; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
+    if (kernels->pack) kernels->pack(x.data(), rows, w.k);
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.
@@ -298,7 +297,7 @@ class DecodeLayer : public torch::CustomClassHolder {
       for (const auto& list : layer->phases_) k_max = std::max(k_max, list[0].w.k);
     s.h.resize(batch * l.hidden_), s.qkv.resize(batch * l.outputs(kQkv)), s.q.resize(batch * l.heads_ * l.d_);
     s.attn.resize(batch * l.heads_ * l.d_), s.out.resize(batch * l.hidden_), s.gate_up.resize(batch * 2 * l.inter_);
-    s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.x.resize(batch * k_max), s.normed.resize(l.d_);
+    s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.x.resize(preload::x_floats(kernels, batch, k_max)), s.normed.resize(l.d_);
     const int threads = std::max(1, at::get_num_threads());
     s.attend.resize(threads);
     for (auto& a : s.attend) a.reserve(l.heads_ / l.kv_heads_, rows.max_len, l.d_);
@@ -307,7 +306,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     std::unique_ptr<Work[]> work(new Work[count]);
     for (size_t i = 0; i < count; ++i) {
       vectors.push_back(layers[i]->vectors<T>());
-      for (int64_t p = 0; p < kPhases; ++p) work[i].blocks[p] = layers[i]->blocks(p, batch);
+      for (int64_t p = 0; p < kPhases; ++p) work[i].blocks[p] = layers[i]->blocks(kernels, p, batch);
     }
     preload::Barrier barrier;
 #pragma omp parallel num_threads(threads)

@@ -2,8 +2,8 @@
 // and plain bfloat16 ones (element kBF16, a per-tensor scale of 1) for few activation rows, where
 // these kernels stream the weight faster than torch's bfloat16 GEMV.
 //
-// The torch ops, one pair per instruction set: preload::qgemv_avx2 / qgemm_avx2 and
-// preload::qgemv_avx512 / qgemm_avx512 (kernels/native.py picks one). qgemv (a few activation
+// The torch ops, one pair per instruction set: preload::qgemv_avx2 / qgemm_avx2,
+// preload::qgemv_avx512 / qgemm_avx512 and preload::qgemv_amx / qgemm_amx (kernels/native.py picks one). qgemv (a few activation
 // rows): the fused kernels of qgemv_kernels.cpp, rows of N split between threads. qgemm (more rows):
 // the weight is dequantized by the same kernels into cache-sized tiles that torch's GEMM multiplies.
 // This file is compiled for plain x86-64; only the kernels it calls use the wider instructions, and
@@ -50,11 +50,14 @@ Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::T
 
 // x as the kernels read it: contiguous float32 [M, k], zero-padded to the stored width, and each
 // group of 16 elements in the kernels' order for the weight's element format where they have one
-// (`order`: see qgemv_kernels.h). x itself where it already is all that.
-const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* order, std::vector<float>& buffer) {
-  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order) return x.data_ptr<float>();
+// (`order`: see qgemv_kernels.h), then their packed copy where they make one. x itself where it
+// already is all that.
+const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weight& w, std::vector<float>& buffer) {
+  const uint8_t* order = preload::x_order(kernels, w);
+  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order && !kernels->pack)
+    return x.data_ptr<float>();
   int64_t m_rows = x.size(0), width = x.size(1), s0 = x.stride(0), s1 = x.stride(1), k = w.k;
-  buffer.resize(m_rows * k);
+  buffer.resize(preload::x_floats(kernels, m_rows, k));
   for (int64_t m = 0; m < m_rows; ++m) {
     float* dst = buffer.data() + m * k;
     if (x.scalar_type() == at::kFloat)
@@ -62,6 +65,7 @@ const float* kernel_rows(const at::Tensor& x, const Weight& w, const uint8_t* or
     else
       preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
+  if (kernels->pack) kernels->pack(buffer.data(), m_rows, k);
   return buffer.data();
 }
 
@@ -74,11 +78,11 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   thread_local std::vector<float> buffer;
   int64_t m_rows = x.size(0);
   if (m_rows == 0) return at::empty({0, w.n}, x.options());
-  const float* xp = kernel_rows(x, w, preload::x_order(K, w), buffer);
+  const float* xp = kernel_rows(K, x, w, buffer);
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m_rows, w.n}, x.options());
   void* yp = y.data_ptr();
-  const int64_t rows = preload::gemv_block_rows(w.k, m_rows);
+  const int64_t rows = preload::gemv_block_rows(K, w.k, m_rows);
   int64_t blocks = (w.n + rows - 1) / rows;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -97,7 +101,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
                  const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block_size,
                  int64_t element) {
   Weight w = checked_weight<K>(x, weight, scale, global_scale, scale_kind, block_size, element);
-  at::ScalarType dtype = K == &preload::kAvx512 ? x.scalar_type() : at::kFloat;
+  at::ScalarType dtype = K != &preload::kAvx2 ? x.scalar_type() : at::kFloat;
   at::Tensor xs = x.to(dtype);
   if (x.size(1) != w.k) {
     xs = at::zeros({x.size(0), w.k}, x.options().dtype(dtype));
@@ -121,7 +125,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 
 std::vector<std::string> variants() {
   std::vector<std::string> out;
-  for (const Kernels* k : {&preload::kAvx512, &preload::kAvx2})
+  for (const Kernels* k : {&preload::kAmx, &preload::kAvx512, &preload::kAvx2})
     if (runs_here(k)) out.emplace_back(name_of(k));
   return out;
 }
@@ -135,6 +139,8 @@ TORCH_LIBRARY(preload, m) {
   m.def("qgemm_avx2" PRELOAD_ARGS);
   m.def("qgemv_avx512" PRELOAD_ARGS);
   m.def("qgemm_avx512" PRELOAD_ARGS);
+  m.def("qgemv_amx" PRELOAD_ARGS);
+  m.def("qgemm_amx" PRELOAD_ARGS);
 #undef PRELOAD_ARGS
   m.def("variants() -> str[]", &variants);
 }
@@ -144,4 +150,6 @@ TORCH_LIBRARY_IMPL(preload, CPU, m) {
   m.impl("qgemm_avx2", &qgemm<&preload::kAvx2>);
   m.impl("qgemv_avx512", &qgemv<&preload::kAvx512>);
   m.impl("qgemm_avx512", &qgemm<&preload::kAvx512>);
+  m.impl("qgemv_amx", &qgemv<&preload::kAmx>);
+  m.impl("qgemm_amx", &qgemm<&preload::kAmx>);
 }

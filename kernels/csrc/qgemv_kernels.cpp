@@ -1,7 +1,9 @@
 // SIMD kernels for quantized linear layers: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]).
-// One source, compiled twice by scripts/build_kernels.py: with -DPRELOAD_AVX512 and AVX-512 flags
-// into the `kAvx512` entry points, and with AVX2 flags into `kAvx2`. The two differ only in the
-// vector layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
+// One source, compiled three times by scripts/build_kernels.py: with -DPRELOAD_AVX512 and AVX-512
+// flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, and with the AVX-512 and AMX
+// flags and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV on the matrix units, this one's AVX-512
+// code for what they do not take). The first two differ only in the vector layer of qgemv_simd.h
+// (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
 //
 // The weight is decoded 32 elements at a time straight into registers and never written back, so
 // a GEMV reads it once: e4m3 through F16C (its bits placed where a float16 keeps exponent and
@@ -273,12 +275,18 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
   else dequantize_rows<kE4M3>(w, begin, end, out, bf16);
 }
 
+#ifdef PRELOAD_AMX
+#include "qgemv_amx.h"  // in this namespace: it calls the kernels above for what it does not take
+#endif
+
 }  // namespace
 
-#ifdef PRELOAD_AVX512
-extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order};
+#if defined(PRELOAD_AMX)
+extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows};
+#elif defined(PRELOAD_AVX512)
+extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order};
+extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4};
 #endif
 
 }  // namespace preload

@@ -51,9 +51,16 @@ struct Kernels {
   void (*dequantize)(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16);
   const uint8_t* e2m1_order;  // 16 entries
   const uint8_t* bf16_order;  // 16 entries, or null: in order
+  // Where not null, gemv also reads x in a second layout of its own, which pack writes once per x
+  // into the pack_floats(m_rows, k) floats after x's m_rows * k (the caller sizes its buffer so).
+  void (*pack)(float* x, int64_t m_rows, int64_t k);
+  int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
 };
+
+inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2; }
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C
+extern const Kernels kAmx;     // kAvx512's, plus AMX-TILE, AMX-BF16 and AVX512-BF16 (qgemv_amx.h)
 
 }  // namespace preload

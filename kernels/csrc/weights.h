@@ -6,6 +6,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <optional>
 
@@ -14,15 +17,37 @@
 
 namespace preload {
 
+// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XTILEDATA); a kernel that refuses, or predates AMX, leaves the AMX kernels off.
+inline bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
 inline bool runs_here(const Kernels* kernels) {
   __builtin_cpu_init();
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   if (kernels == &kAvx2) return avx2;
-  return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
+  bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl");
+  if (kernels == &kAvx512) return avx512;
+  return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
+         __builtin_cpu_supports("amx-bf16") && amx_permitted();
 }
 
-inline const char* name_of(const Kernels* kernels) { return kernels == &kAvx2 ? "avx2" : "avx512"; }
+inline const char* name_of(const Kernels* kernels) {
+  return kernels == &kAvx2 ? "avx2" : kernels == &kAvx512 ? "avx512" : "amx";
+}
+
+// The kernels of variant index `variant` as the layer ops take it (0 avx2, 1 avx512, 2 amx), checked
+// to run on this CPU.
+inline const Kernels* variant_kernels(int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant <= 2, "kernel variant 0 (avx2), 1 (avx512) or 2 (amx), not ", variant);
+  const Kernels* kernels = variant == 0 ? &kAvx2 : variant == 1 ? &kAvx512 : &kAmx;
+  TORCH_CHECK(runs_here(kernels), "the ", name_of(kernels), " kernels need instructions this CPU lacks; choose "
+              "another variant (kernels.native.available() lists those it can run)");
+  return kernels;
+}
 
 template <const Kernels* K>
 void check_cpu() {
@@ -99,7 +124,8 @@ inline const uint8_t* x_order(const Kernels* kernels, const Weight& w) {
 }
 
 // One row of x (`width` elements of T, `stride` apart) as the kernels read it: float32, `k` wide,
-// zero-padded, each group of 16 in `order` where there is one.
+// zero-padded, each group of 16 in `order` where there is one. (Kernels::pack, where there is one,
+// then lays the rows out again after them.)
 template <typename T>
 void kernel_row(const T* src, int64_t stride, int64_t width, int64_t k, const uint8_t* order, float* dst) {
   for (int64_t j = 0; j < width; ++j) dst[j] = widen(src[j * stride]);
@@ -109,12 +135,18 @@ void kernel_row(const T* src, int64_t stride, int64_t width, int64_t k, const ui
 
 // A GEMV hands its threads blocks of rows taken from a shared counter, not one share each: on a
 // busy machine a thread that runs late takes fewer blocks instead of holding up the call. A block
-// is about kGemvWork multiply-adds, a multiple of kGemvUnit rows (every step of the kernels divides it).
+// is about kGemvWork multiply-adds, a multiple of the kernels' block_unit rows (every step of the
+// kernels divides it).
 constexpr int64_t kGemvWork = int64_t(1) << 16;
-constexpr int64_t kGemvUnit = 4;
 
-inline int64_t gemv_block_rows(int64_t k, int64_t m) {
-  return std::max<int64_t>(kGemvUnit, kGemvWork / (k * m) / kGemvUnit * kGemvUnit);
+inline int64_t gemv_block_rows(const Kernels* kernels, int64_t k, int64_t m) {
+  const int64_t unit = kernels->block_unit;
+  return std::max<int64_t>(unit, kGemvWork / (k * m) / unit * unit);
+}
+
+// Floats a buffer of x needs for m rows of k: the rows, and the kernels' packed copy where they make one.
+inline int64_t x_floats(const Kernels* kernels, int64_t m, int64_t k) {
+  return m * k + (kernels->pack ? pack_floats(m, k) : 0);
 }
 
 }  // namespace preload

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import linear, native
-from kernels.quant import quantize
+from kernels.quant import dequantize, quantize, scheme
 
 NEEDS_AVX2 = pytest.mark.skipif("avx2" not in native.available(), reason="the avx2 kernels cannot run here")
 
@@ -20,7 +20,7 @@ def test_the_default_is_the_best_variant_this_machine_runs():
 def test_an_unknown_or_unavailable_variant_is_refused_with_what_runs_here():
     with pytest.raises(native.VariantUnavailableError, match="PRELOAD_KERNELS=avx1024: unknown kernel variant"):
         native.resolve("avx1024")
-    with pytest.raises(native.VariantUnavailableError, match="unknown kernel variant 'avx1024'; known: avx512"):
+    with pytest.raises(native.VariantUnavailableError, match="unknown kernel variant 'avx1024'; known: amx, avx512"):
         native.use("avx1024")
     missing = [v for v in native.VARIANTS if v not in native.available()]
     if not missing:
@@ -153,3 +153,29 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
     nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
     out = torch.ops.preload.qgemv_avx2(torch.randn(1, 32).bfloat16(), q.weight, nan.reshape(()), None, 0, 0, 0)
     assert out.isnan().all()
+
+
+@pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
+@pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
+def test_batched_products_on_the_matrix_units_match_the_reference(rows):
+    """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
+    int8 and FP8 weights: N off the 16-row tiles (the tail runs the AVX-512 kernels), x strided, and
+    the same rows one at a time (AVX-512) agree up to the output's bfloat16 rounding. Float32
+    activations, fewer or more rows, and blocked scales take the AVX-512 kernels, as exactly as there."""
+    torch.manual_seed(rows)
+    w = torch.randn(203, 320)
+    x = torch.randn(rows, 2 * 320)[:, ::2].bfloat16()
+    for weight, operands in ((w.bfloat16(), (torch.ones(()), None, 0, 0, 3)),
+                             *((q, None) for q in (quantize(w, s) for s in ("int8", "fp8_per_channel", "mxfp8")))):
+        if operands is None:
+            expected = x.float() @ dequantize(weight, torch.float32).T
+            weight, *operands = scheme(weight.scheme).native_operands(weight)
+        else:
+            expected = x.float() @ weight.float().T
+        got = torch.ops.preload.qgemv_amx(x, weight, *operands)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
+        one_by_one = torch.cat([torch.ops.preload.qgemv_avx512(row[None], weight, *operands) for row in x])
+        torch.testing.assert_close(got.float(), one_by_one.float(), rtol=1e-2, atol=1e-2)
+        wide = torch.ops.preload.qgemv_amx(x.float(), weight, *operands)
+        torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)

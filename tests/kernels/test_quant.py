@@ -170,8 +170,9 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
 def test_native_kernels_are_built_where_the_cpu_runs_them():
     """scripts/setup.sh builds them; a missing build here would silently test only the torch path."""
     flags = set(open("/proc/cpuinfo").read().split())
-    expected = [variant for variant, needs in (("avx2", {"avx2", "fma", "f16c"}),
-                                               ("avx512", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}))
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+    expected = [variant for variant, needs in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", avx512),
+                                               ("amx", avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}))
                 if needs <= flags]
     if not expected:
         pytest.skip("no AVX2 on this CPU")
