@@ -26,17 +26,29 @@ MAX_ROWS = 16
 (4 on AVX-512); past kernels/linear.py's GEMV limit the per-op path's GEMM paths are faster."""
 MATRIX_UNIT_ROWS = 8
 """Most sequences a fused step of plain bfloat16 weights takes where torch's bfloat16 GEMM runs on
-matrix units (AMX, AVX512-BF16): past it that GEMM is faster (the default model on a 2-core Xeon
-with AMX, a decode step of 16 sequences: 38 ms op by op, 47 ms fused; of 8: 35 and 34 ms)."""
+matrix units (AMX, AVX512-BF16) and the fused GEMV does not (a variant other than "amx"): past it
+that GEMM is faster (the default model on a 2-core Xeon with AMX, a decode step of 16 sequences: 38
+ms op by op, 47 ms fused on avx512; of 8: 35 and 34 ms). On amx the fused step wins at 16 as well
+(33 against 44 ms)."""
+
+
+def max_rows(plain: bool) -> int:
+    """Most sequences a fused step takes on the variant in use: `plain`, for plain bfloat16 layers."""
+    slow_gemm = reduced_gemm_is_slow(torch.device("cpu"))
+    return MATRIX_UNIT_ROWS if plain and not slow_gemm and native.VARIANT != "amx" else MAX_ROWS
 
 
 class FusedLayer:
     """One decoder layer's native decode step (see the module docstring); batches of more than
     `max_rows` sequences run op by op."""
 
-    def __init__(self, layer, max_rows: int = MAX_ROWS):
+    def __init__(self, layer, plain: bool):
         self._layer = layer
-        self.max_rows = max_rows
+        self.plain = plain
+
+    @property
+    def max_rows(self) -> int:
+        return max_rows(self.plain)
 
     def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:
@@ -52,10 +64,14 @@ class FusedLayers:
 
     def __init__(self, layers: list[FusedLayer]):
         self.layers = layers
-        self.max_rows = min(layer.max_rows for layer in layers)
+        self.plain = any(layer.plain for layer in layers)
         self._stack = torch.classes.preload.DecodeStack()
         for layer in layers:
             self._stack.append(layer._layer)
+
+    @property
+    def max_rows(self) -> int:
+        return max_rows(self.plain)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -109,5 +125,4 @@ def fused_layer(*, projections: dict, norms: tuple, biases: dict, heads: int, kv
         layer.biases(qkv_bias, biases.get("o"))
     except RuntimeError as e:
         return f"the norms or biases: {e}"
-    plain = not any(isinstance(w, QuantizedWeight) for w in projections.values())
-    return FusedLayer(layer, MATRIX_UNIT_ROWS if plain and not reduced_gemm_is_slow(norms[0].device) else MAX_ROWS)
+    return FusedLayer(layer, plain=not any(isinstance(w, QuantizedWeight) for w in projections.values()))

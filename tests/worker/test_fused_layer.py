@@ -133,7 +133,7 @@ def test_more_rows_than_a_fused_step_takes_run_op_by_op(checkpoints, monkeypatch
     model = load(tiny_model("llama", checkpoints / "fused-rows", dtype=torch.bfloat16, seed=8))
     calls = []
     monkeypatch.setattr(model.fused, "_stack", _Counting(model.fused._stack, calls))
-    monkeypatch.setattr(model.fused, "max_rows", 2)
+    monkeypatch.setattr(type(model.fused), "max_rows", property(lambda self: 2))
     decode(model, [2, 0, 3], 2, fused=True)
     assert calls == []
     decode(model, [2, 0], 2, fused=True)
@@ -172,14 +172,17 @@ def test_decode_steps_are_the_same_from_another_thread_with_more_threads_than_co
 
 @needs_native
 def test_plain_bfloat16_layers_leave_larger_batches_to_matrix_units(checkpoints):
-    """Where torch's bfloat16 GEMM runs on matrix units, more than MATRIX_UNIT_ROWS sequences of a
-    plain bfloat16 model run op by op; quantized layers (whose GEMM paths dequantize) and CPUs
-    without such units keep the fused step up to MAX_ROWS."""
+    """Where torch's bfloat16 GEMM runs on matrix units and the fused GEMV does not (a variant other
+    than amx), more than MATRIX_UNIT_ROWS sequences of a plain bfloat16 model run op by op;
+    quantized layers (whose GEMM paths dequantize), CPUs without such units, and the amx variant
+    keep the fused step up to MAX_ROWS."""
     path = quant_checkpoint(checkpoints)
     plain, quantized = load(path).fused, load(path, quantization="int8").fused
     units = not reduced_gemm_is_slow(torch.device("cpu"))
-    assert plain.max_rows == (MATRIX_UNIT_ROWS if units else MAX_ROWS)
-    assert quantized.max_rows == MAX_ROWS
+    for variant in native.available()[:-1]:
+        with native.using(variant):
+            assert plain.max_rows == (MATRIX_UNIT_ROWS if units and variant != "amx" else MAX_ROWS)
+            assert quantized.max_rows == MAX_ROWS
 
 
 def test_what_cannot_run_fused_says_why(checkpoints):
