@@ -62,4 +62,5 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, 
     q [B, H, D]; cache: one layer of the engine's KV cache, [slots, max_len, 2, KV, D] in q's dtype;
     row b sees positions [0, lengths[b]) of slot slots[b] (int64 [B] both). Returns [B, H * D] in
     q's dtype, the softmax in float32. Only where has_decode_attention()."""
-    return native.decode_attention(q.contiguous(), cache, slots, lengths, q.shape[-1] ** -0.5).view(q.shape[0], -1)
+    return native.decode_attention(q.contiguous(), cache, slots, lengths, q.shape[-1] ** -0.5,
+                                   native.variant_index()).view(q.shape[0], -1)

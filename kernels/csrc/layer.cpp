@@ -64,7 +64,7 @@ template <typename T>
 struct Scratch {  // one set per thread that calls forward (the engine's one), sized before the region
   std::vector<T> h, qkv, q, attn, out, gate_up, act, down, normed;
   std::vector<float> x;                         // a product's input, in the kernels' order, zero-padded
-  std::vector<preload::AttendScratch> attend;  // one per thread of the region
+  std::vector<std::vector<float>> attend;  // attention's scratch, one per thread of the region
 };
 
 struct Rows {  // where each row's keys and values go: cache slot, length with the new token; the cache's layout
@@ -300,7 +300,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.x.resize(preload::x_floats(kernels, batch, k_max)), s.normed.resize(l.d_);
     const int threads = std::max(1, at::get_num_threads());
     s.attend.resize(threads);
-    for (auto& a : s.attend) a.reserve(l.heads_ / l.kv_heads_, rows.max_len, l.d_);
+    for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, rows.max_len, l.d_));
     const size_t count = layers.size();
     std::vector<Vectors<T>> vectors;
     std::unique_ptr<Work[]> work(new Work[count]);
@@ -337,8 +337,10 @@ class DecodeLayer : public torch::CustomClassHolder {
     barrier.wait();
     for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
       const int64_t b = i / kv_heads_, j = i % kv_heads_;
-      preload::attend(s.q.data(), cache, s.attn.data(), b, j, group, slot[b], length[b], heads_, kv_heads_, d_,
-                      position_stride, rows.max_len * position_stride, scale_, s.attend[thread]);
+      const T* keys = cache + slot[b] * rows.max_len * position_stride + j * d_;
+      const int64_t first = (b * heads_ + j * group) * d_;
+      kernels->attend({s.q.data() + first, keys, keys + kv_heads_ * d_, s.attn.data() + first, group, length[b], d_,
+                       position_stride, scale_, s.attend[thread].data()}, std::is_same_v<T, at::BFloat16>);
     }
     barrier.wait();
     if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);

@@ -14,6 +14,7 @@
 #include "qgemv_kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 
 #include "qgemv_simd.h"
@@ -275,6 +276,8 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
   else dequantize_rows<kE4M3>(w, begin, end, out, bf16);
 }
 
+#include "attend_kernels.h"  // in this namespace, compiled for this instruction set
+
 #ifdef PRELOAD_AMX
 #include "qgemv_amx.h"  // in this namespace: it calls the kernels above for what it does not take
 #endif
@@ -282,11 +285,11 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 }  // namespace
 
 #if defined(PRELOAD_AMX)
-extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows};
+extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend};
 #elif defined(PRELOAD_AVX512)
-extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4};
+extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4};
+extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend};
 #endif
 
 }  // namespace preload

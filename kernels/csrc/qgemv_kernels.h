@@ -37,6 +37,21 @@ struct Weight {
   float global;        // NVFP4's global scale; 1 elsewhere
 };
 
+// One query head group of one sequence over its kv head's cached keys and values (the decode
+// attention of kernels/csrc/decode.cpp and layer.cpp): out[g] = softmax(q[g] . K^T * scale) V over
+// positions [0, length), in float32 whatever the storage (float32, or bfloat16 with bf16).
+struct AttendJob {
+  const void* q;      // [group, d]
+  const void* keys;   // position 0's key; position s's at s * position_stride elements on
+  const void* values; // likewise
+  void* out;          // [group, d]
+  int64_t group, length, d, position_stride;
+  float scale;
+  float* scratch;     // attend_floats(group, length, d) floats
+};
+
+inline int64_t attend_floats(int64_t group, int64_t length, int64_t d) { return group * (length + d) + d; }
+
 // Entry points of one instruction set. Rows [begin, end) of the output; begin and end need not
 // fall on any step, so callers may split N between threads however they like.
 struct Kernels {
@@ -55,6 +70,7 @@ struct Kernels {
   // into the pack_floats(m_rows, k) floats after x's m_rows * k (the caller sizes its buffer so).
   void (*pack)(float* x, int64_t m_rows, int64_t k);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
+  void (*attend)(const AttendJob& job, bool bf16);
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2; }
