@@ -2,7 +2,7 @@
 // Both work in float32 whatever the tensors' dtype (float32 or bfloat16), and compute each row
 // alone, so that a row's result does not depend on how many rows come with it. RMSNorm is plain
 // C++ (any x86-64, vectorized by the compiler); attention runs the chosen variant's
-// Kernels::attend (attend_kernels.h), the one the fused layer of layer.cpp runs.
+// Kernels::attend (decode_kernels.h), the one the fused layer of layer.cpp runs.
 //
 // RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), the normalisation rounded to x's dtype before the
 // weight multiplies it, as kernels/norm.py's torch path does (and Llama/Qwen reference code).

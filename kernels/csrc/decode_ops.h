@@ -1,7 +1,7 @@
 // The per-row computations of the decode path's ops, shared by decode.cpp (rms_norm, one op) and
 // layer.cpp (a whole decoder layer in one call), so that both give the same bits. Plain C++ on
 // float32 or bfloat16 storage, the arithmetic in float32. (Attention, which both run too, is each
-// variant's Kernels::attend: attend_kernels.h.)
+// variant's Kernels::attend: decode_kernels.h.)
 #pragma once
 
 #include <c10/util/BFloat16.h>

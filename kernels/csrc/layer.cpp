@@ -196,7 +196,8 @@ class DecodeLayer : public torch::CustomClassHolder {
                   " output columns, not ", outputs(p));
     TORCH_CHECK(input_norm_.defined(), "DecodeLayer: norms() first");
     TORCH_CHECK(hidden_ == first.hidden_ && heads_ == first.heads_ && kv_heads_ == first.kv_heads_ &&
-                d_ == first.d_ && inter_ == first.inter_, "DecodeStack: the layers of one stack must share their shape");
+                d_ == first.d_ && inter_ == first.inter_,
+                "DecodeStack: the layers of one stack must share their shape");
     TORCH_CHECK(input_norm_.scalar_type() == dtype && post_norm_.scalar_type() == dtype,
                 "DecodeLayer: the norms, cache and rope rows must be in x's dtype");
     if (q_norm_) TORCH_CHECK(q_norm_->scalar_type() == dtype && k_norm_->scalar_type() == dtype, "q/k norm dtype");
@@ -248,14 +249,13 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
   }
 
-  // q/k/v of every row: biases, q/k norms, rope (as kernels/rope.py's rotate rounds: x * cos and the
-  // rolled x * sin each, then their sum), k and v into the cache, q into s.q.
+  // q/k/v of rows [b0, b1): biases, q/k norms, rope (as kernels/rope.py's rotate rounds: x * cos and
+  // the rolled x * sin each, then their sum), k and v into the cache, q into s.q. `normed`: d scratch.
   template <typename T>
   void heads(Scratch<T>& s, const Vectors<T>& v, T* cache, const int64_t* slot, const int64_t* length, const T* rope,
-             int64_t max_len, int64_t batch) const {
+             int64_t max_len, int64_t b0, int64_t b1, T* normed) const {
     const int64_t all = heads_ + 2 * kv_heads_, width = all * d_, half = d_ / 2;
-    std::vector<T>& normed = s.normed;
-    for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       T* row = s.qkv.data() + b * width;
       if (v.qkv_bias)
         for (int64_t c = 0; c < width; ++c) row[c] = static_cast<T>(widen(row[c]) + widen(v.qkv_bias[c]));
@@ -264,9 +264,9 @@ class DecodeLayer : public torch::CustomClassHolder {
       for (int64_t h = 0; h < heads_ + kv_heads_; ++h) {
         T* head = row + h * d_;
         if (v.q_norm)
-          preload::norm_rows(head, h < heads_ ? v.q_norm : v.k_norm, normed.data(), 0, 1, d_, d_, eps_);
+          preload::norm_rows(head, h < heads_ ? v.q_norm : v.k_norm, normed, 0, 1, d_, d_, eps_);
         else
-          std::copy(head, head + d_, normed.begin());
+          std::copy(head, head + d_, normed);
         for (int64_t i = 0; i < d_; ++i) {
           const T a = static_cast<T>(widen(normed[i]) * widen(cos[i]));
           const T r = static_cast<T>(widen(normed[(i + half) % d_]) * widen(sin[i]));
@@ -297,8 +297,9 @@ class DecodeLayer : public torch::CustomClassHolder {
       for (const auto& list : layer->phases_) k_max = std::max(k_max, list[0].w.k);
     s.h.resize(batch * l.hidden_), s.qkv.resize(batch * l.outputs(kQkv)), s.q.resize(batch * l.heads_ * l.d_);
     s.attn.resize(batch * l.heads_ * l.d_), s.out.resize(batch * l.hidden_), s.gate_up.resize(batch * 2 * l.inter_);
-    s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.x.resize(preload::x_floats(kernels, batch, k_max)), s.normed.resize(l.d_);
     const int threads = std::max(1, at::get_num_threads());
+    s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.normed.resize(threads * l.d_);
+    s.x.resize(preload::x_floats(kernels, batch, k_max));
     s.attend.resize(threads);
     for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, rows.max_len, l.d_));
     const size_t count = layers.size();
@@ -333,7 +334,11 @@ class DecodeLayer : public torch::CustomClassHolder {
     barrier.wait();
     product(kernels, kQkv, work.blocks[kQkv], work.next[kQkv], s.x.data(), batch, s.qkv.data());
     barrier.wait();
-    if (first) heads(s, v, cache, slot, length, rope, rows.max_len, batch);
+    {  // rows split between the threads
+      const int64_t share = (batch + team - 1) / team, b0 = std::min(batch, thread * share);
+      const int64_t b1 = std::min(batch, b0 + share);
+      heads(s, v, cache, slot, length, rope, rows.max_len, b0, b1, s.normed.data() + thread * d_);
+    }
     barrier.wait();
     for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
       const int64_t b = i / kv_heads_, j = i % kv_heads_;
@@ -360,13 +365,12 @@ class DecodeLayer : public torch::CustomClassHolder {
     barrier.wait();
     {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
       const int64_t share = (inter_ + team - 1) / team;
-      const int64_t c0 = thread * share, c1 = std::min(inter_, c0 + share);
-      for (int64_t b = 0; b < batch; ++b)
-        for (int64_t c = c0; c < c1; ++c) {
-          const float g = widen(s.gate_up[b * 2 * inter_ + c]);
-          const T silu = static_cast<T>(g / (1.0f + std::exp(-g)));
-          s.act[b * inter_ + c] = static_cast<T>(widen(silu) * widen(s.gate_up[b * 2 * inter_ + inter_ + c]));
-        }
+      const int64_t c0 = std::min(inter_, thread * share), c1 = std::min(inter_, c0 + share);
+      for (int64_t b = 0; b < batch; ++b) {
+        const T* gate = s.gate_up.data() + b * 2 * inter_;
+        kernels->silu_mul(gate + c0, gate + inter_ + c0, s.act.data() + b * inter_ + c0, c1 - c0,
+                          std::is_same_v<T, at::BFloat16>);
+      }
     }
     barrier.wait();
     if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);

@@ -3,9 +3,10 @@
 // these kernels stream the weight faster than torch's bfloat16 GEMV.
 //
 // The torch ops, one pair per instruction set: preload::qgemv_avx2 / qgemm_avx2,
-// preload::qgemv_avx512 / qgemm_avx512 and preload::qgemv_amx / qgemm_amx (kernels/native.py picks one). qgemv (a few activation
-// rows): the fused kernels of qgemv_kernels.cpp, rows of N split between threads. qgemm (more rows):
-// the weight is dequantized by the same kernels into cache-sized tiles that torch's GEMM multiplies.
+// preload::qgemv_avx512 / qgemm_avx512 and preload::qgemv_amx / qgemm_amx (kernels/native.py picks
+// one). qgemv (a few activation rows): the fused kernels of qgemv_kernels.cpp, rows of N split
+// between threads. qgemm (more rows): the weight is dequantized by the same kernels into cache-sized
+// tiles that torch's GEMM multiplies.
 // This file is compiled for plain x86-64; only the kernels it calls use the wider instructions, and
 // each op refuses to run on a CPU without them. The pure torch path in kernels/linear.py is the
 // reference for both.

@@ -276,7 +276,7 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
   else dequantize_rows<kE4M3>(w, begin, end, out, bf16);
 }
 
-#include "attend_kernels.h"  // in this namespace, compiled for this instruction set
+#include "decode_kernels.h"  // in this namespace, compiled for this instruction set
 
 #ifdef PRELOAD_AMX
 #include "qgemv_amx.h"  // in this namespace: it calls the kernels above for what it does not take
@@ -285,11 +285,11 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 }  // namespace
 
 #if defined(PRELOAD_AMX)
-extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend};
+extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend, &silu_mul};
 #elif defined(PRELOAD_AVX512)
-extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend};
+extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, &silu_mul};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend};
+extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, &silu_mul};
 #endif
 
 }  // namespace preload

@@ -71,6 +71,8 @@ struct Kernels {
   void (*pack)(float* x, int64_t m_rows, int64_t k);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);
+  // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
+  void (*silu_mul)(const void* gate, const void* up, void* out, int64_t n, bool bf16);
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2; }

@@ -1,6 +1,7 @@
-// Decode attention in the vector layer of qgemv_simd.h: one query head group over its kv head's
-// cached keys and values. Included by qgemv_kernels.cpp inside its unnamed namespace, so that each
-// of its compilations (AVX2, AVX-512, AMX) has a copy for its instruction set (Kernels::attend).
+// The decode step's vector kernels beside the GEMV, in the vector layer of qgemv_simd.h: attention
+// (one query head group over its kv head's cached keys and values) and SwiGLU. Included by
+// qgemv_kernels.cpp inside its unnamed namespace, so that each of its compilations (AVX2, AVX-512,
+// AMX) has a copy for its instruction set (Kernels::attend, Kernels::silu_mul).
 //
 // Per position the key row is widened once for the group's heads and each head's dot product is
 // summed in two vector registers; the softmax's exp runs a register at a time (a polynomial within
@@ -41,13 +42,14 @@ inline void store_out(void* p, int64_t at, float v) {
   else static_cast<float*>(p)[at] = v;
 }
 
-// exp(x) for x <= 0 (softmax scores minus their row's largest), clamped at -87 (~1e-38, float32's
-// smallest normal: nothing beside the row's largest, which is 1): n = round(x / ln 2), r = x - n ln 2
-// in two steps, a degree-6 polynomial for exp(r), times 2^n made from its exponent bits.
+// exp(x) for x <= 88.7, clamped at -87 (~1e-38, float32's smallest normal: nothing beside a softmax
+// row's largest, 1, or SwiGLU's 1 + exp): n = round(x / ln 2), r = x - n ln 2 in two steps, a
+// degree-6 polynomial for exp(r), times 2^n made from its exponent bits.
 inline Vec vexp_nonpositive(Vec x) {
 #ifdef PRELOAD_AVX512
   x = _mm512_max_ps(x, vset(-87.0f));
-  const Vec n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const Vec n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   x = _mm256_max_ps(x, vset(-87.0f));
   const Vec n = _mm256_round_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -163,6 +165,73 @@ void attend_job(const AttendJob& a) {
       store_out<kBF16>(a.out, g * d + e, sum);
     }
   }
+}
+
+inline Vec vexp(Vec x) {  // any x: infinity above 88.7
+#ifdef PRELOAD_AVX512
+  const Vec e = vexp_nonpositive(_mm512_min_ps(x, vset(88.0f)));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(88.7f), _CMP_GT_OQ), e, vset(INFINITY));
+#else
+  const Vec e = vexp_nonpositive(_mm256_min_ps(x, vset(88.0f)));
+  return _mm256_blendv_ps(e, vset(INFINITY), _mm256_cmp_ps(x, vset(88.7f), _CMP_GT_OQ));
+#endif
+}
+
+inline Vec vdiv(Vec a, Vec b) {
+#ifdef PRELOAD_AVX512
+  return _mm512_div_ps(a, b);
+#else
+  return _mm256_div_ps(a, b);
+#endif
+}
+
+// v rounded to bfloat16 (to nearest even, as store_bf16) and widened back.
+inline Vec vround_bf16(Vec v) {
+#ifdef PRELOAD_AVX512
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                                     _mm512_set1_epi32(int32_t(0xFFFF0000)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  return _mm512_castsi512_ps(rounded);
+#else
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+                                     _mm256_set1_epi32(int32_t(0xFFFF0000)));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_ps(rounded);
+#endif
+}
+
+// out[i] = silu(gate[i]) * up[i] for i < n, as torch computes it on the storage dtype: silu(g) =
+// g / (1 + exp(-g)) rounded (bfloat16), times up, rounded.
+template <bool kBF16>
+void silu_mul_rows(const void* gate, const void* up, void* out, int64_t n) {
+  auto row = [](Vec g, Vec u) {
+    Vec silu = vdiv(g, vadd(vset(1.0f), vexp(vmul(g, vset(-1.0f)))));
+    if constexpr (kBF16) silu = vround_bf16(silu);
+    return vmul(silu, u);
+  };
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec y = row(load_widened<kBF16>(gate, i), load_widened<kBF16>(up, i));
+    if constexpr (kBF16) store_bf16(static_cast<uint16_t*>(out) + i, y);
+    else vstore(static_cast<float*>(out) + i, y);
+  }
+  if (i < n) {  // the tail through the same arithmetic, in padded registers
+    alignas(64) float g[kLanes] = {}, u[kLanes] = {}, y[kLanes];
+    for (int64_t j = i; j < n; ++j) g[j - i] = widened<kBF16>(gate, j), u[j - i] = widened<kBF16>(up, j);
+    vstore(y, row(vload(g), vload(u)));
+    for (int64_t j = i; j < n; ++j) store_out<kBF16>(out, j, y[j - i]);
+  }
+}
+
+void silu_mul(const void* gate, const void* up, void* out, int64_t n, bool bf16) {
+  if (bf16) silu_mul_rows<true>(gate, up, out, n);
+  else silu_mul_rows<false>(gate, up, out, n);
 }
 
 void attend(const AttendJob& job, bool bf16) {
