@@ -46,12 +46,11 @@ inline void store_out(void* p, int64_t at, float v) {
 // row's largest, 1, or SwiGLU's 1 + exp): n = round(x / ln 2), r = x - n ln 2 in two steps, a
 // degree-6 polynomial for exp(r), times 2^n made from its exponent bits.
 inline Vec vexp_nonpositive(Vec x) {
+  x = vmax(x, vset(-87.0f));
 #ifdef PRELOAD_AVX512
-  x = _mm512_max_ps(x, vset(-87.0f));
   const Vec n = _mm512_roundscale_ps(vmul(x, vset(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
-  x = _mm256_max_ps(x, vset(-87.0f));
   const Vec n = _mm256_round_ps(vmul(x, vset(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #endif
   const Vec r = vfma(n, vset(2.12194440e-4f), vfma(n, vset(-0.693359375f), x));
@@ -77,14 +76,6 @@ inline float lane_max(Vec v) {
   alignas(32) float lanes[8];
   _mm256_store_ps(lanes, v);
   return *std::max_element(lanes, lanes + 8);
-#endif
-}
-
-inline Vec vmax(Vec a, Vec b) {
-#ifdef PRELOAD_AVX512
-  return _mm512_max_ps(a, b);
-#else
-  return _mm256_max_ps(a, b);
 #endif
 }
 
@@ -168,20 +159,11 @@ void attend_job(const AttendJob& a) {
 }
 
 inline Vec vexp(Vec x) {  // any x: infinity above 88.7
+  const Vec e = vexp_nonpositive(vmin(x, vset(88.0f)));
 #ifdef PRELOAD_AVX512
-  const Vec e = vexp_nonpositive(_mm512_min_ps(x, vset(88.0f)));
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(88.7f), _CMP_GT_OQ), e, vset(INFINITY));
 #else
-  const Vec e = vexp_nonpositive(_mm256_min_ps(x, vset(88.0f)));
   return _mm256_blendv_ps(e, vset(INFINITY), _mm256_cmp_ps(x, vset(88.7f), _CMP_GT_OQ));
-#endif
-}
-
-inline Vec vdiv(Vec a, Vec b) {
-#ifdef PRELOAD_AVX512
-  return _mm512_div_ps(a, b);
-#else
-  return _mm256_div_ps(a, b);
 #endif
 }
 

@@ -26,6 +26,9 @@ inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 #else
 using Vec = __m256;
@@ -39,6 +42,9 @@ inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }
 inline float vsum(Vec v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
