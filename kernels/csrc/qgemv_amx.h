@@ -10,10 +10,10 @@
 // kernels' multiply-adds grow with the rows, the tiles keep a batched GEMV at memory speed.
 //
 // Exactness: the unit multiplies bfloat16 exactly and sums in float32, as the AVX-512 kernels do (in
-// another order), so it takes weights whose elements are bfloat16 values before their row scale,
-// and activations that are bfloat16 (when the output is): plain bfloat16, int8 and e4m3 with a
-// per-row or per-tensor scale. Blocked scales, float32 activations, K not a multiple of 32 and
-// more than 16 rows run the AVX-512 kernels. The unit reads bfloat16 subnormals (below ~1e-38) as zero.
+// another order), so it takes weights whose elements are bfloat16 values before their row scale
+// (amx_takes), and activations that are bfloat16 (when the output is). Float32 activations, K not
+// a multiple of 32 and more than 16 rows run the AVX-512 kernels. The unit reads bfloat16
+// subnormals (below ~1e-38) as zero.
 
 constexpr int kTileRows = 16;  // weight rows per tile
 constexpr int64_t kAmxMaxM = 16;
@@ -27,9 +27,19 @@ constexpr int64_t kAmxMinM = 3;
 
 inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM && k % 32 == 0; }
 
+// The scale kinds whose weights decode to bfloat16 exactly: per-row and per-tensor ones (applied to
+// the sums), and MX's and NVFP4's blocks of 32 and 16 (a power of two, or an e4m3 scale times an
+// e2m1 value: 6 significant bits at most), applied as the tile is decoded, NVFP4's float32 global
+// scale to the sums. FP8's float32 block scales are not: those stay on the AVX-512 kernels.
 inline bool amx_takes(const Weight& w, int64_t m_rows, bool bf16) {
-  if (!bf16 || !amx_layout(m_rows, w.k) || !(w.kind == kPerTensor || w.kind == kPerRow)) return false;
-  return m_rows >= kAmxMinM && (w.element == kBF16 || w.element == kInt8 || w.element == kE4M3);
+  if (!bf16 || !amx_layout(m_rows, w.k) || m_rows < kAmxMinM || w.kind == kBlock128) return false;
+  return w.kind <= kPerRow ? w.element != kE2M1 : w.element != kInt8 && w.element != kBF16;
+}
+
+// Block b's scale as decode_tile applies it (NVFP4's without its global scale).
+inline float tile_scale(const Weight& w, int64_t n, int64_t b) {
+  if (w.kind == kE4M3Per16) return e4m3_value(static_cast<const uint8_t*>(w.scale)[n * w.scale_cols + b]) * 256.0f;
+  return block_scale(w, n, b);
 }
 
 // x^T as tile 2 takes it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
@@ -68,6 +78,13 @@ inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
   for (int r = 0; r < kTileRows; ++r) {
     Vec v[2];
     decode32<kElem>(w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>, v);
+    if (w.kind == kE8M0Per32) {
+      const Vec scale = vset(tile_scale(w, n + r, c));
+      v[0] = vmul(v[0], scale), v[1] = vmul(v[1], scale);
+    } else if (w.kind == kE4M3Per16) {  // the chunk's two blocks of 16, each in its register
+      v[0] = vmul(v[0], vset(tile_scale(w, n + r, 2 * c)));
+      v[1] = vmul(v[1], vset(tile_scale(w, n + r, 2 * c + 1)));
+    }
     _mm512_store_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
   }
 }
@@ -108,7 +125,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
   for (; n + kTileRows <= end; n += kTileRows) {
     amx_rows<kElem>(w, xt, m_rows, n, sums);
     for (int r = 0; r < kTileRows; ++r) {
-      const float scale = row_scale(w, n + r) * kFactor<kElem>;
+      const float scale = row_scale(w, n + r) * kFactor<kElem> * (w.kind == kE4M3Per16 ? w.global : 1.0f);
       for (int64_t m = 0; m < m_rows; ++m) {
         const float v = sums[r][m] * scale;
         if (bf16) static_cast<uint16_t*>(y)[m * y_stride + n + r] = to_bf16(v);
@@ -125,5 +142,6 @@ void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
   if (!amx_takes(w, m_rows, bf16)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (w.element == kBF16) amx_gemv<kBF16>(w, x, m_rows, begin, end, y, y_stride, bf16);
   else if (w.element == kInt8) amx_gemv<kInt8>(w, x, m_rows, begin, end, y, y_stride, bf16);
+  else if (w.element == kE2M1) amx_gemv<kE2M1>(w, x, m_rows, begin, end, y, y_stride, bf16);
   else amx_gemv<kE4M3>(w, x, m_rows, begin, end, y, y_stride, bf16);
 }

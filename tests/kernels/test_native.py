@@ -159,19 +159,19 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
 @pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
 def test_batched_products_on_the_matrix_units_match_the_reference(rows):
     """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
-    int8 and FP8 weights: N off the 16-row tiles (the tail runs the AVX-512 kernels), x strided, and
-    the same rows one at a time (AVX-512) agree up to the output's bfloat16 rounding. Float32
-    activations, fewer or more rows, and blocked scales take the AVX-512 kernels, as exactly as there."""
+    int8, FP8, MX and NVFP4 weights: N off the 16-row tiles (the tail runs the AVX-512 kernels), x
+    strided, and the same rows one at a time (AVX-512) agree up to the output's bfloat16 rounding.
+    Float32 activations, fewer or more rows, and FP8's float32 block scales take the AVX-512
+    kernels, as exactly as there."""
     torch.manual_seed(rows)
     w = torch.randn(203, 320)
     x = torch.randn(rows, 2 * 320)[:, ::2].bfloat16()
-    for weight, operands in ((w.bfloat16(), (torch.ones(()), None, 0, 0, 3)),
-                             *((q, None) for q in (quantize(w, s) for s in ("int8", "fp8_per_channel", "mxfp8")))):
-        if operands is None:
-            expected = x.float() @ dequantize(weight, torch.float32).T
-            weight, *operands = scheme(weight.scheme).native_operands(weight)
-        else:
-            expected = x.float() @ weight.float().T
+    cases = [(w.bfloat16(), (torch.ones(()), None, 0, 0, 3), x.float() @ w.bfloat16().float().T)]
+    for name in ("int8", "fp8_per_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4"):
+        q = quantize(w, name)
+        weight, *operands = scheme(name).native_operands(q)
+        cases.append((weight, operands, x.float() @ dequantize(q, torch.float32).T))
+    for weight, operands, expected in cases:
         got = torch.ops.preload.qgemv_amx(x, weight, *operands)
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
