@@ -1,7 +1,8 @@
 """The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on x86-64) and
 which of their variants runs: "amx" (AVX-512 with Intel's matrix units for the GEMV), "avx512",
 "avx2", or "torch" (none: kernels/linear.py's pure torch path). At import the best one this CPU can
-run is chosen, unless PRELOAD_KERNELS=amx|avx512|avx2|torch forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
+run is chosen, unless PRELOAD_KERNELS=amx|avx512|avx2|torch forces one; `use` switches at run time
+(the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` and
 `decode_attention` the library's decode-path ops (the same in every variant), or None for "torch";

@@ -1,8 +1,8 @@
 """Builds the optional native CPU kernels (kernels/csrc) into kernels/_native/libpreload_kernels.so on
 any x86-64 machine with g++: the torch ops (qgemv.cpp, decode.cpp and layer.cpp, plain x86-64) and
 the SIMD kernels (qgemv_kernels.cpp) three times, for AVX2, for AVX-512 and for AVX-512 with AMX,
-all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; kernels/native.py picks at run time what this CPU can
-run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
+all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; kernels/native.py picks at
+run time what this CPU can run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
 scripts/setup.sh runs this.
 
     python scripts/build_kernels.py [--force]

@@ -216,7 +216,8 @@ def test_bad_calls_are_refused_not_run(checkpoints):
     with pytest.raises(RuntimeError, match="rope"):
         fused(x, **{**ok, "rope": rope[:, :, :1]})
     every = {**ok, "cache": cache.all}  # all the layers at once: the whole cache, each layer's part of it
-    assert torch.equal(model.fused(x, **every), model.fused.layers[1](fused(x, **ok), **{**ok, "cache": cache.layers[1]}))
+    second = model.fused.layers[1](fused(x, **ok), **{**ok, "cache": cache.layers[1]})
+    assert torch.equal(model.fused(x, **every), second)
     with pytest.raises(RuntimeError, match="2 layers"):
         model.fused(x, **{**every, "cache": cache.all[:1]})
     with pytest.raises(RuntimeError, match="outside the cache"):
