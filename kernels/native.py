@@ -38,8 +38,7 @@ def _load() -> tuple[str, ...]:
     try:
         torch.ops.load_library(_LIBRARY)
         missing = [op for op in _OPS if not hasattr(torch.ops.preload, op)]
-        if not _has_class("DecodeLayer"):
-            missing.append("DecodeLayer")
+        missing += [name for name in ("DecodeLayer", "DecodeStack") if not _has_class(name)]
         if missing:
             raise RuntimeError(f"it lacks the op(s) {', '.join(missing)}")
         return tuple(torch.ops.preload.variants())
