@@ -197,3 +197,17 @@ def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
     assert "nvidia-smi finds no GPU here" in out.stdout
     assert (tmp_path / "check" / "summary.txt").read_text() == out.stdout
     assert not (tmp_path / "check" / "setup.txt").exists()
+
+
+@pytest.mark.slow
+def test_bench_quant_produces_json_with_rows_from_cache_and_from_memory():
+    out = run_preload("bench", "quant", "--skip-quality", "--sizes", "512", "--repeats", "1", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    speed = json.loads(out.stdout)["speed"]
+    cached = [r for r in speed["rows"] if not r.get("memory")]
+    memory = [r for r in speed["rows"] if r.get("memory")]
+    assert [r["m"] for r in cached] == [1, 2, 4, 8, 16, 512] and [r["m"] for r in memory] == [1, 2, 4, 8, 16]
+    assert all(r["bf16_ms"] > 0 and r["int8"] > 0 and r["nvfp4"] > 0 for r in speed["rows"])
+    assert set(speed["targets"]["512x512"]) == set(memory[0]) - {"shape", "m", "memory", "bf16_ms"}
+    refused = run_preload("bench", "quant", "--skip-quality", "--sizes", "2048,x")
+    assert refused.returncode == 2 and "multiples of 16" in refused.stderr

@@ -6,9 +6,12 @@ and perplexity on the passage. Speed: the quantized linear layer against the eng
 (kernels/dense.py: the native GEMV at decode sizes where it is built, else torch's) on this CPU,
 at decode (M = 1..16) and prefill (M = 512) sizes, for 2048x2048 and 4096x4096 weights, on the
 kernel variant in use (kernels.native; PRELOAD_KERNELS forces one). At decode sizes each scheme
-should take at most its bytes / bf16's bytes + 20% (the target row); "!" marks a miss.
+should take at most its bytes / bf16's bytes + 20% (the target row); "!" marks a miss. Each decode
+size is timed twice: on one weight, which then stays in the CPU's caches (a 32 MiB matrix fits some
+L3s), and from memory ("mem" rows), cycling through enough copies of the weight to exceed 4x the
+last-level cache, as a decode step reads its weights.
 
-    preload bench quant [MODEL] [--skip-speed] [--skip-quality] [--json]
+    preload bench quant [MODEL] [--sizes 2048,4096] [--skip-speed] [--skip-quality] [--json]
 """
 
 import argparse
@@ -66,14 +69,25 @@ def _nbytes(t) -> int:
 DECODE_M = (1, 2, 4, 8, 16)
 TARGET_MARGIN = 1.2  # over the bytes ratio: a memory-bound kernel's time follows the bytes it reads
 MIN_SECONDS = 0.2    # per timing: small calls repeat until they add up to this
+MAX_COPIES = 1024    # of a weight for the rows from memory (small weights: the calls' own cost dominates)
 
 
-def speed(repeats: int) -> dict:
+def _copies(q, count: int) -> list:
+    """`count` copies of a plain or quantized weight, each in memory of its own."""
+    from kernels.quant import QuantizedWeight
+    if not isinstance(q, QuantizedWeight):
+        return [q.clone() for _ in range(count)]
+    return [QuantizedWeight(q.scheme, q.weight.clone(), q.scale.clone(),
+                            None if q.global_scale is None else q.global_scale.clone(), q.shape) for _ in range(count)]
+
+
+def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
     import torch
 
     from kernels.dense import Dense
     from kernels.linear import quantized_linear
     from kernels.quant import SCHEMES, quantize
+    from preload_cli.bench.decode import BANDWIDTH_BYTES, last_level_cache_bytes
 
     def timed(fn) -> float:
         start = time.perf_counter()
@@ -87,7 +101,7 @@ def speed(repeats: int) -> dict:
         return statistics.median(samples)
 
     rows, targets, dense = [], {}, Dense()
-    for n in (2048, 4096):
+    for n in sizes:
         w = torch.randn(n, n)
         base_w = w.bfloat16()
         quantized = {s: quantize(w, s) for s in SCHEMES}
@@ -100,6 +114,17 @@ def speed(repeats: int) -> dict:
                 row[scheme] = timed(lambda: quantized_linear(x, q)) / base
             rows.append(row)
             print(f"  {n}x{n} M={m}: done", file=sys.stderr, flush=True)
+        count = min(MAX_COPIES, -(-max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes()) // (2 * n * n)))
+        memory = {m: {"shape": f"{n}x{n}", "m": m, "memory": True} for m in DECODE_M}
+        for scheme, q in {"bf16_ms": base_w, **quantized}.items():  # one set of copies at a time
+            copies = _copies(q, count)
+            linear = dense if scheme == "bf16_ms" else quantized_linear
+            for m, row in memory.items():
+                x = torch.randn(m, n).bfloat16()
+                ms = timed(lambda: [linear(x, c) for c in copies]) / count * 1e3
+                row[scheme] = ms if scheme == "bf16_ms" else ms / row["bf16_ms"]
+        rows.extend(memory.values())
+        print(f"  {n}x{n} from memory ({count} copies): done", file=sys.stderr, flush=True)
     return {"rows": rows, "targets": targets}
 
 
@@ -113,7 +138,7 @@ def run(args) -> int:
     if not args.skip_quality:
         result["quality"] = quality(model_path)
     if not args.skip_speed:
-        result["speed"] = speed(args.repeats)
+        result["speed"] = speed(args.repeats, args.sizes)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -129,24 +154,38 @@ def run(args) -> int:
                   f"{r['ppl_vs_bf16']:>+11.1%}")
     if "speed" in result:
         rows, targets = result["speed"]["rows"], result["speed"]["targets"]
-        schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms")]
+        schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms", "memory")]
         print(f"\nquantized linear time / the engine's bf16 linear time on CPU ({result['threads']} threads, kernels: "
               f"{result['kernels']}, median of at least {args.repeats}); target at M <= {DECODE_M[-1]}: the "
               f"bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
-        print(f"{'weight':<10} {'M':>4} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))
+        print(f"{'weight':<10} {'M':>8} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))
         for shape, target in targets.items():
-            print(f"{shape:<10} {'target':>13} " + " ".join(f"{target[s]:>13.2f}x " for s in schemes))
+            print(f"{shape:<10} {'target':>17} " + " ".join(f"{target[s]:>13.2f}x " for s in schemes))
         for r in rows:
             decode = r["m"] in DECODE_M
             marks = ["!" if decode and r[s] > targets[r["shape"]][s] else " " for s in schemes]
-            print(f"{r['shape']:<10} {r['m']:>4} {r['bf16_ms']:>8.3f} " +
+            m = f"{r['m']} mem" if r.get("memory") else str(r["m"])
+            print(f"{r['shape']:<10} {m:>8} {r['bf16_ms']:>8.3f} " +
                   " ".join(f"{r[s]:>13.2f}x{mark}" for s, mark in zip(schemes, marks)))
     return 0
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or any(not 16 <= s <= 16384 or s % 16 for s in sizes):
+        raise argparse.ArgumentTypeError(f"{text!r}: give square sizes from 16 to 16384, multiples of 16, "
+                                         "separated by commas (e.g. 2048,4096)")
+    return sizes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure, at least (more for fast calls)")
+    parser.add_argument("--sizes", type=_sizes, default=(2048, 4096),
+                        help="square weights' sizes to time, comma-separated (default 2048,4096)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--json", action="store_true")
