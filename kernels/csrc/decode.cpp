@@ -80,23 +80,20 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
                 "row ", b, ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(0),
                 " slots of ", cache.size(1), " positions");
   at::Tensor out = at::empty({batch, heads, d}, q.options());
-  const int64_t group = heads / kv_heads, position_stride = 2 * kv_heads * d, slot_stride = cache.size(1) * position_stride;
+  const int64_t group = heads / kv_heads;
   int64_t work = 0;
   for (int64_t b = 0; b < batch; ++b) work += length[b];
   const int64_t grain = work * heads * d < (int64_t(1) << 16) ? batch * kv_heads : 1;  // small: one thread
   const float s = static_cast<float>(scale);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
-  const size_t element = q.element_size();
-  const char* base = static_cast<const char*>(cache.data_ptr());
   at::parallel_for(0, batch * kv_heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / kv_heads, j = i % kv_heads, first = (b * heads + j * group) * d;
+      const int64_t b = i / kv_heads, j = i % kv_heads;
       scratch.resize(preload::attend_floats(group, length[b], d));
-      const char* keys = base + (slot[b] * slot_stride + j * d) * element;
-      kernels->attend({static_cast<const char*>(q.data_ptr()) + first * element, keys, keys + kv_heads * d * element,
-                       static_cast<char*>(out.data_ptr()) + first * element, group, length[b], d, position_stride, s,
-                       scratch.data()}, bf16);
+      kernels->attend(preload::attend_job(q.data_ptr(), cache.data_ptr(), out.data_ptr(), q.element_size(), b, j, heads,
+                                          kv_heads, d, slot[b], length[b], cache.size(1), s, scratch.data()),
+                      bf16);
     }
   });
   return out;

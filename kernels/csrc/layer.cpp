@@ -324,7 +324,6 @@ class DecodeLayer : public torch::CustomClassHolder {
   template <typename T>
   void step(const Kernels* kernels, Scratch<T>& s, const Vectors<T>& v, Work& work, T* out, T* cache, const Rows& rows,
             const T* rope, int64_t batch, int thread, int team, preload::Barrier& barrier) const {
-    const int64_t group = heads_ / kv_heads_, position_stride = 2 * kv_heads_ * d_;
     const int64_t *slot = rows.slot, *length = rows.length;
     const bool first = thread == 0;
     if (first) {
@@ -342,10 +341,9 @@ class DecodeLayer : public torch::CustomClassHolder {
     barrier.wait();
     for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
       const int64_t b = i / kv_heads_, j = i % kv_heads_;
-      const T* keys = cache + slot[b] * rows.max_len * position_stride + j * d_;
-      const int64_t first = (b * heads_ + j * group) * d_;
-      kernels->attend({s.q.data() + first, keys, keys + kv_heads_ * d_, s.attn.data() + first, group, length[b], d_,
-                       position_stride, scale_, s.attend[thread].data()}, std::is_same_v<T, at::BFloat16>);
+      kernels->attend(preload::attend_job(s.q.data(), cache, s.attn.data(), sizeof(T), b, j, heads_, kv_heads_, d_,
+                                          slot[b], length[b], rows.max_len, scale_, s.attend[thread].data()),
+                      std::is_same_v<T, at::BFloat16>);
     }
     barrier.wait();
     if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);

@@ -39,21 +39,32 @@ inline const char* name_of(const Kernels* kernels) {
   return kernels == &kAvx2 ? "avx2" : kernels == &kAvx512 ? "avx512" : "amx";
 }
 
-// The kernels of variant index `variant` as the layer ops take it (0 avx2, 1 avx512, 2 amx), checked
-// to run on this CPU.
-inline const Kernels* variant_kernels(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 2, "kernel variant 0 (avx2), 1 (avx512) or 2 (amx), not ", variant);
-  const Kernels* kernels = variant == 0 ? &kAvx2 : variant == 1 ? &kAvx512 : &kAmx;
-  TORCH_CHECK(runs_here(kernels), "the ", name_of(kernels), " kernels need instructions this CPU lacks; choose "
-              "another variant (kernels.native.available() lists those it can run)");
-  return kernels;
-}
-
 template <const Kernels* K>
 void check_cpu() {
   static const bool ok = runs_here(K);
   TORCH_CHECK(ok, "the ", name_of(K), " kernels need instructions this CPU lacks; choose another variant "
               "(kernels.native.available() lists those it can run)");
+}
+
+// The kernels of variant index `variant` as the layer ops take it (0 avx2, 1 avx512, 2 amx), checked
+// to run on this CPU.
+inline const Kernels* variant_kernels(int64_t variant) {
+  TORCH_CHECK(variant >= 0 && variant <= 2, "kernel variant 0 (avx2), 1 (avx512) or 2 (amx), not ", variant);
+  if (variant == 0) return check_cpu<&kAvx2>(), &kAvx2;
+  if (variant == 1) return check_cpu<&kAvx512>(), &kAvx512;
+  return check_cpu<&kAmx>(), &kAmx;
+}
+
+// Query heads [j * group, (j + 1) * group) of row b over kv head j of cache slot `slot`, for
+// Kernels::attend: q and out [B, heads, d], the cache [slots, max_len, 2, kv_heads, d] (one layer,
+// position-major: a position's keys, then its values), `element` bytes each.
+inline AttendJob attend_job(const void* q, const void* cache, void* out, size_t element, int64_t b, int64_t j,
+                            int64_t heads, int64_t kv_heads, int64_t d, int64_t slot, int64_t length, int64_t max_len,
+                            float scale, float* scratch) {
+  const int64_t group = heads / kv_heads, position_stride = 2 * kv_heads * d, first = (b * heads + j * group) * d;
+  const char* keys = static_cast<const char*>(cache) + (slot * max_len * position_stride + j * d) * element;
+  return {static_cast<const char*>(q) + first * element, keys, keys + kv_heads * d * element,
+          static_cast<char*>(out) + first * element, group, length, d, position_stride, scale, scratch};
 }
 
 // Everything the kernels index is checked here: a bad shape is an error, never a stray read.
