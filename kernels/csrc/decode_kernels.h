@@ -11,14 +11,7 @@
 template <bool kBF16>
 inline Vec load_widened(const void* p, int64_t at) {
   if constexpr (kBF16) {
-    const uint16_t* h = static_cast<const uint16_t*>(p) + at;
-#ifdef PRELOAD_AVX512
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(h))), 16));
-#else
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), 16));
-#endif
+    return widen_bf16(static_cast<const uint16_t*>(p) + at);
   } else {
     return vload(static_cast<const float*>(p) + at);
   }
@@ -102,9 +95,9 @@ inline void softmax_row(float* row, int64_t length) {
     vstore(tail, vexp_nonpositive(vload(tail)));
     for (int64_t s = full; s < length; ++s) sum += (row[s] = tail[s - full]);
   }
-  const Vec inverse = vset(1.0f / sum);
-  for (int64_t s = 0; s < full; s += kLanes) vstore(row + s, vmul(vload(row + s), inverse));
-  for (int64_t s = full; s < length; ++s) row[s] *= 1.0f / sum;
+  const float inverse = 1.0f / sum;
+  for (int64_t s = 0; s < full; s += kLanes) vstore(row + s, vmul(vload(row + s), vset(inverse)));
+  for (int64_t s = full; s < length; ++s) row[s] *= inverse;
 }
 
 template <bool kBF16>
@@ -164,27 +157,6 @@ inline Vec vexp(Vec x) {  // any x: infinity above 88.7
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, vset(88.7f), _CMP_GT_OQ), e, vset(INFINITY));
 #else
   return _mm256_blendv_ps(e, vset(INFINITY), _mm256_cmp_ps(x, vset(88.7f), _CMP_GT_OQ));
-#endif
-}
-
-// v rounded to bfloat16 (to nearest even, as store_bf16) and widened back.
-inline Vec vround_bf16(Vec v) {
-#ifdef PRELOAD_AVX512
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
-                                     _mm512_set1_epi32(int32_t(0xFFFF0000)));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                  _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
-  return _mm512_castsi512_ps(rounded);
-#else
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
-                                     _mm256_set1_epi32(int32_t(0xFFFF0000)));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)),
-                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  return _mm256_castsi256_ps(rounded);
 #endif
 }
 

@@ -131,6 +131,17 @@ inline void bf16_words_to_vecs(__m256i w, Vec* out) {
 }
 #endif
 
+// kLanes bfloat16 values, in order, as one register of float32 (each the high half of its float).
+inline Vec widen_bf16(const uint16_t* p) {
+#ifdef PRELOAD_AVX512
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(p))), 16));
+#else
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(p))), 16));
+#endif
+}
+
 // 16 elements into kHalf registers: e2m1 and (AVX2) bfloat16 in the GEMV's orders (above), the
 // others in order.
 template <int kElem>
@@ -145,8 +156,7 @@ inline void decode16(const uint8_t* p, Vec* out) {
     bf16_words_to_vecs(w0, out);
   } else if constexpr (kElem == kBF16) {
 #ifdef PRELOAD_AVX512
-    out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+    out[0] = widen_bf16(reinterpret_cast<const uint16_t*>(p));
 #else
     // One load and two operations for 16 elements, the even-indexed ones then the odd ones
     // (kBF16Order): x comes in that order.
@@ -171,9 +181,7 @@ inline void decode16_in_order(const uint8_t* p, Vec* out) {
 #ifdef PRELOAD_AVX512
     decode16<kBF16>(p, out);
 #else
-    for (int h = 0; h < 2; ++h)
-      out[h] = _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h))), 16));
+    for (int h = 0; h < 2; ++h) out[h] = widen_bf16(reinterpret_cast<const uint16_t*>(p + 16 * h));
 #endif
   } else {
     decode16<kElem>(p, out);
@@ -247,22 +255,36 @@ inline uint16_t to_bf16(float v) {  // round to nearest even, as torch rounds; a
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-inline void store_bf16(uint16_t* dst, Vec v) {  // to_bf16 on every lane
+// v rounded to bfloat16 (to nearest even, as to_bf16; a NaN stays a quiet NaN) and widened back.
+inline Vec vround_bf16(Vec v) {
 #ifdef PRELOAD_AVX512
-  __m512i bits = _mm512_castps_si512(v);
-  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
-  __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), quiet);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)),
+                                     _mm512_set1_epi32(int32_t(0xFFFF0000)));
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                                  _mm512_or_si512(bits, _mm512_set1_epi32(0x00400000)));
+  return _mm512_castsi512_ps(rounded);
 #else
-  __m256i bits = _mm256_castps_si256(v);
-  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x40));
-  rounded = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), packed);
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+                                     _mm256_set1_epi32(int32_t(0xFFFF0000)));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(bits, _mm256_set1_epi32(0x00400000)),
+                               _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_ps(rounded);
+#endif
+}
+
+inline void store_bf16(uint16_t* dst, Vec v) {  // to_bf16 on every lane
+  const Vec rounded = vround_bf16(v);
+#ifdef PRELOAD_AVX512
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+#else
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                   _mm_packus_epi32(_mm256_castsi256_si128(high), _mm256_extracti128_si256(high, 1)));
 #endif
 }
 
