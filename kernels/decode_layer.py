@@ -5,7 +5,7 @@ operations of a layer. It runs the fused GEMV of kernels/csrc for every product 
 torch rounds; where the per-op path picks the same GEMV (one row; a few rows of bfloat16 on CPUs
 without bfloat16 matrix units; quantized weights up to kernels/linear.py's GEMV limit, but int8 on
 AVX-512, which takes torch's kernel there) a bfloat16 model gets the same bits, elsewhere values
-equal up to rounding. Batches of more than a layer's `max_rows` rows run op by op (the GEMM paths
+equal up to rounding. Batches of more than `FusedLayers.max_rows` rows run op by op (the GEMM paths
 win there).
 
 `fused_layer(...)` builds one over a layer's weights, or says why it cannot (a weight the native
@@ -39,16 +39,12 @@ def max_rows(plain: bool) -> int:
 
 
 class FusedLayer:
-    """One decoder layer's native decode step (see the module docstring); batches of more than
-    `max_rows` sequences run op by op."""
+    """One decoder layer's native decode step (see the module docstring); `plain`: its weights are
+    all plain bfloat16."""
 
     def __init__(self, layer, plain: bool):
         self._layer = layer
         self.plain = plain
-
-    @property
-    def max_rows(self) -> int:
-        return max_rows(self.plain)
 
     def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ order, so a few differ in the last bit. `exact` keeps torch's own kernel for sev
 sequence's prefill), whose rows equal its GEMV's bit for bit; without native kernels one row is
 torch's GEMV too."""
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,7 @@ def native_rows() -> int:
     return _NATIVE_ROWS.get(native.VARIANT, 0)
 
 
+@functools.cache  # asked at every decode step (kernels/decode_layer.max_rows); the answer never changes
 def reduced_gemm_is_slow(device: torch.device) -> bool:
     """Whether torch multiplies reduced-precision matrices (more than one row) slowly on `device`."""
     return device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported()

@@ -6,11 +6,9 @@
 
 #include <c10/util/BFloat16.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 namespace preload {
 
