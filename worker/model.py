@@ -132,7 +132,7 @@ class CausalLM:
     are this rank's shards as the load plan laid them out (kernels are unchanged), and the group
     exchanges partial sums after the row-parallel projections and the vocabulary-parallel
     embedding, and gathers the vocabulary-parallel logits. Hidden states run as [B * T, hidden]
-    rows; only attention sees the batch. A decode step of an unsplit model runs each layer as one
+    rows; only attention sees the batch. A decode step of an unsplit model runs all its layers in one
     native call where the native kernels are chosen (kernels/decode_layer.py), else op by op."""
 
     fused: FusedLayers | None = None
