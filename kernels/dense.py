@@ -25,7 +25,7 @@ from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-_NATIVE_ROWS = {"avx2": 8, "avx512": 4, "amx": 4}  # kMaxM of qgemv_kernels.cpp: rows one pass keeps in registers
+_NATIVE_ROWS = {"avx2": 8, "avx512": 4, "avx512bf16": 4, "amx": 4}  # kMaxM of qgemv_kernels.cpp: rows one pass keeps in registers
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 

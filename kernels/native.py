@@ -1,7 +1,8 @@
 """The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on x86-64) and
-which of their variants runs: "amx" (AVX-512 with Intel's matrix units for the GEMV), "avx512",
-"avx2", or "torch" (none: kernels/linear.py's pure torch path). At import the best one this CPU can
-run is chosen, unless PRELOAD_KERNELS=amx|avx512|avx2|torch forces one; `use` switches at run time
+which of their variants runs: "amx" (AVX-512 with Intel's matrix units for the GEMV), "avx512bf16"
+(AVX-512 with AVX512-BF16's dot product for the 4-bit GEMV: Zen 4, Cooper Lake), "avx512", "avx2",
+or "torch" (none: kernels/linear.py's pure torch path). At import the best one this CPU can run is
+chosen, unless PRELOAD_KERNELS=amx|avx512bf16|avx512|avx2|torch forces one; `use` switches at run time
 (the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm` and
@@ -14,7 +15,7 @@ import os
 
 import torch
 
-VARIANTS = ("amx", "avx512", "avx2", "torch")  # best first
+VARIANTS = ("amx", "avx512bf16", "avx512", "avx2", "torch")  # best first
 ENVIRONMENT = "PRELOAD_KERNELS"
 _LIBRARY = os.path.join(os.path.dirname(__file__), "_native", "libpreload_kernels.so")
 
@@ -106,8 +107,9 @@ def use(variant: str) -> None:
 
 
 def variant_index() -> int:
-    """The variant in use as the native layer ops take it (0 avx2, 1 avx512, 2 amx), or -1 for "torch"."""
-    return {"avx2": 0, "avx512": 1, "amx": 2}.get(VARIANT, -1)
+    """The variant in use as the native layer ops take it (0 avx2, 1 avx512, 2 amx, 3 avx512bf16), or -1
+    for "torch"."""
+    return {"avx2": 0, "avx512": 1, "amx": 2, "avx512bf16": 3}.get(VARIANT, -1)
 
 
 @contextlib.contextmanager

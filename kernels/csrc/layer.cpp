@@ -128,7 +128,7 @@ class DecodeLayer : public torch::CustomClassHolder {
 
   // x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots, lengths int64 [B] (the new
   // token sits at lengths - 1); rope [B, 1, 2, D]: cos and sign-folded sin rows (kernels/rope.py).
-  // variant: 0 avx2, 1 avx512, 2 amx. Returns the layer's output [B, hidden], x's dtype.
+  // variant: 0 avx2, 1 avx512, 2 amx, 3 avx512bf16. Returns the layer's output [B, hidden], x's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
                      const at::Tensor& rope, int64_t variant) {
     TORCH_CHECK(cache.dim() == 5, "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_,
@@ -231,7 +231,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
     for (int64_t r = 0; r < rows; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
-    if (kernels->pack) kernels->pack(x.data(), rows, w.k);
+    if (kernels->pack) kernels->pack(x.data(), rows, w);
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.

@@ -3,7 +3,8 @@
 // these kernels stream the weight faster than torch's bfloat16 GEMV.
 //
 // The torch ops, one pair per instruction set: preload::qgemv_avx2 / qgemm_avx2,
-// preload::qgemv_avx512 / qgemm_avx512 and preload::qgemv_amx / qgemm_amx (kernels/native.py picks
+// preload::qgemv_avx512 / qgemm_avx512, preload::qgemv_avx512bf16 / qgemm_avx512bf16 and
+// preload::qgemv_amx / qgemm_amx (kernels/native.py picks
 // one). qgemv (a few activation rows): the fused kernels of qgemv_kernels.cpp, rows of N split
 // between threads. qgemm (more rows): the weight is dequantized by the same kernels into cache-sized
 // tiles that torch's GEMM multiplies.
@@ -66,7 +67,7 @@ const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weig
     else
       preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
-  if (kernels->pack) kernels->pack(buffer.data(), m_rows, k);
+  if (kernels->pack) kernels->pack(buffer.data(), m_rows, w);
   return buffer.data();
 }
 
@@ -126,7 +127,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 
 std::vector<std::string> variants() {
   std::vector<std::string> out;
-  for (const Kernels* k : {&preload::kAmx, &preload::kAvx512, &preload::kAvx2})
+  for (const Kernels* k : {&preload::kAmx, &preload::kAvx512Bf16, &preload::kAvx512, &preload::kAvx2})
     if (runs_here(k)) out.emplace_back(name_of(k));
   return out;
 }
@@ -140,6 +141,8 @@ TORCH_LIBRARY(preload, m) {
   m.def("qgemm_avx2" PRELOAD_ARGS);
   m.def("qgemv_avx512" PRELOAD_ARGS);
   m.def("qgemm_avx512" PRELOAD_ARGS);
+  m.def("qgemv_avx512bf16" PRELOAD_ARGS);
+  m.def("qgemm_avx512bf16" PRELOAD_ARGS);
   m.def("qgemv_amx" PRELOAD_ARGS);
   m.def("qgemm_amx" PRELOAD_ARGS);
 #undef PRELOAD_ARGS
@@ -151,6 +154,8 @@ TORCH_LIBRARY_IMPL(preload, CPU, m) {
   m.impl("qgemm_avx2", &qgemm<&preload::kAvx2>);
   m.impl("qgemv_avx512", &qgemv<&preload::kAvx512>);
   m.impl("qgemm_avx512", &qgemm<&preload::kAvx512>);
+  m.impl("qgemv_avx512bf16", &qgemv<&preload::kAvx512Bf16>);
+  m.impl("qgemm_avx512bf16", &qgemm<&preload::kAvx512Bf16>);
   m.impl("qgemv_amx", &qgemv<&preload::kAmx>);
   m.impl("qgemm_amx", &qgemm<&preload::kAmx>);
 }

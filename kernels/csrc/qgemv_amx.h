@@ -1,6 +1,7 @@
-// The GEMV on AMX tiles (Intel's matrix units, Sapphire Rapids on), for the third compilation of
-// qgemv_kernels.cpp (-DPRELOAD_AMX, with the AVX-512 flags), which includes this inside its unnamed
-// namespace: kernels this does not take run that compilation's AVX-512 `gemv`.
+// The GEMV on AMX tiles (Intel's matrix units, Sapphire Rapids on), for the compilation of
+// qgemv_kernels.cpp with -DPRELOAD_AMX (and the AVX-512 and AVX512-BF16 flags), which includes this
+// inside its unnamed namespace: fewer rows than kAmxMinM run qgemv_bf16dot.h's GEMV, and what neither
+// takes that compilation's AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
 // from the weight, or decoded into a scratch tile for int8 and e4m3), x^T is a tile of 16 pairs x M
@@ -43,8 +44,11 @@ inline float tile_scale(const Weight& w, int64_t n, int64_t b) {
 }
 
 // x^T as tile 2 takes it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
-// bfloat16 values where the GEMV takes it: rounding is then exact).
-void pack_amx(float* x, int64_t m_rows, int64_t k) {
+// bfloat16 values where the GEMV takes it: rounding is then exact). Fewer rows than the tiles take
+// get the dot product's layout (qgemv_bf16dot.h) instead.
+void pack_amx(float* x, int64_t m_rows, const Weight& w) {
+  if (m_rows < kAmxMinM) return pack_bf16dot(x, m_rows, w);
+  const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
   uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
   for (int64_t m = 0; m < m_rows; ++m)
@@ -139,6 +143,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
 
 void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
               bool bf16) {
+  if (m_rows < kAmxMinM) return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (!amx_takes(w, m_rows, bf16)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (w.element == kBF16) amx_gemv<kBF16>(w, x, m_rows, begin, end, y, y_stride, bf16);
   else if (w.element == kInt8) amx_gemv<kInt8>(w, x, m_rows, begin, end, y, y_stride, bf16);

@@ -68,7 +68,7 @@ struct Kernels {
   const uint8_t* bf16_order;  // 16 entries, or null: in order
   // Where not null, gemv also reads x in a second layout of its own, which pack writes once per x
   // into the pack_floats(m_rows, k) floats after x's m_rows * k (the caller sizes its buffer so).
-  void (*pack)(float* x, int64_t m_rows, int64_t k);
+  void (*pack)(float* x, int64_t m_rows, const Weight& w);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);
   // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
@@ -79,6 +79,7 @@ inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2; }
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C
-extern const Kernels kAmx;     // kAvx512's, plus AMX-TILE, AMX-BF16 and AVX512-BF16 (qgemv_amx.h)
+extern const Kernels kAvx512Bf16;  // kAvx512's, plus AVX512-BF16's dot product for e2m1 (qgemv_bf16dot.h)
+extern const Kernels kAmx;     // kAvx512Bf16's, plus AMX-TILE and AMX-BF16 (qgemv_amx.h)
 
 }  // namespace preload

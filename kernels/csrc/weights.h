@@ -31,12 +31,13 @@ inline bool runs_here(const Kernels* kernels) {
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl");
   if (kernels == &kAvx512) return avx512;
-  return avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("amx-tile") &&
-         __builtin_cpu_supports("amx-bf16") && amx_permitted();
+  bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+  if (kernels == &kAvx512Bf16) return bf16;
+  return bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") && amx_permitted();
 }
 
 inline const char* name_of(const Kernels* kernels) {
-  return kernels == &kAvx2 ? "avx2" : kernels == &kAvx512 ? "avx512" : "amx";
+  return kernels == &kAvx2 ? "avx2" : kernels == &kAvx512 ? "avx512" : kernels == &kAvx512Bf16 ? "avx512bf16" : "amx";
 }
 
 template <const Kernels* K>
@@ -46,12 +47,14 @@ void check_cpu() {
               "(kernels.native.available() lists those it can run)");
 }
 
-// The kernels of variant index `variant` as the layer ops take it (0 avx2, 1 avx512, 2 amx), checked
-// to run on this CPU.
+// The kernels of variant index `variant` as the layer ops take it (0 avx2, 1 avx512, 2 amx, 3
+// avx512bf16), checked to run on this CPU.
 inline const Kernels* variant_kernels(int64_t variant) {
-  TORCH_CHECK(variant >= 0 && variant <= 2, "kernel variant 0 (avx2), 1 (avx512) or 2 (amx), not ", variant);
+  TORCH_CHECK(variant >= 0 && variant <= 3, "kernel variant 0 (avx2), 1 (avx512), 2 (amx) or 3 (avx512bf16), not ",
+              variant);
   if (variant == 0) return check_cpu<&kAvx2>(), &kAvx2;
   if (variant == 1) return check_cpu<&kAvx512>(), &kAvx512;
+  if (variant == 3) return check_cpu<&kAvx512Bf16>(), &kAvx512Bf16;
   return check_cpu<&kAmx>(), &kAmx;
 }
 

@@ -179,3 +179,33 @@ def test_batched_products_on_the_matrix_units_match_the_reference(rows):
         torch.testing.assert_close(got.float(), one_by_one.float(), rtol=1e-2, atol=1e-2)
         wide = torch.ops.preload.qgemv_amx(x.float(), weight, *operands)
         torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)
+
+
+DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
+
+
+@pytest.mark.skipif(not DOT_VARIANTS, reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("variant", DOT_VARIANTS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("k", [320, 336])
+def test_the_4bit_gemv_on_the_bfloat16_dot_product_matches_the_reference(variant, rows, k):
+    """MXFP4 and NVFP4 with bfloat16 activations, 1 to 4 rows and K a multiple of 64, run on
+    AVX512-BF16's dot product (qgemv_bf16dot.h; amx for the rows its tiles do not take): N off the
+    4- and 2-row steps, x strided; and they agree with the AVX-512 kernels row by row up to the
+    output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 64), more rows and float32 x
+    run the AVX-512 kernels, exactly as there."""
+    torch.manual_seed(rows * k)
+    w = torch.randn(203, k)
+    x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
+    op = getattr(torch.ops.preload, f"qgemv_{variant}")
+    for name in ("mxfp4", "nvfp4"):
+        q = quantize(w, name)
+        weight, *operands = scheme(name).native_operands(q)
+        expected = x.float() @ dequantize(q, torch.float32)[:, :k].T
+        got = op(x, weight, *operands)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
+        one_by_one = torch.cat([torch.ops.preload.qgemv_avx512(row[None], weight, *operands) for row in x])
+        torch.testing.assert_close(got.float(), one_by_one.float(), rtol=1e-2, atol=1e-2)
+        wide = op(x.float(), weight, *operands)
+        torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)

@@ -1,0 +1,198 @@
+// The GEMV of few activation rows on AVX512-BF16's dot product (VDPBF16PS: 32 bfloat16 products
+// summed in pairs into 16 float32 lanes), for the compilations of qgemv_kernels.cpp with
+// -DPRELOAD_BF16DOT (the avx512bf16 variant, and amx for the rows its tiles do not take), which
+// include this inside their unnamed namespace: what it does not take runs that compilation's
+// AVX-512 `gemv`.
+//
+// At decode sizes the AVX-512 kernels are bound by their own instructions, not by memory, where
+// each 512-bit instruction costs two (Zen 4): per 32 elements they widen the weight into two float32
+// registers (a dozen shuffles, widenings and shifts for e2m1) and multiply-add each. Here a
+// bfloat16 weight is multiplied as it is loaded, one instruction per 32 elements; int8 and e4m3
+// (its scale folded in for MXFP8) are widened as before and rounded into one register of bfloat16,
+// exactly (8 and 4 significant bits); and 64 e2m1 elements (32 bytes) become two registers of
+// bfloat16 in four steps: the bytes widened to words, the low nibbles and the high ones each looked
+// up in a table of 16 bfloat16 words (VPERMW). x is packed once per product as bfloat16
+// (pack_bf16dot), in order, or for e2m1 in each group of 64 elements its 32 even-indexed ones and
+// then its 32 odd ones, as the two registers hold the weight: lane i of the sums then covers
+// elements 4i to 4i + 3 of the group, so a block of 32 (MXFP4) is 8 lanes and a block of 16
+// (NVFP4) 4, and one register of block scales, spread over the lanes, scales a group's sums with one
+// multiply-add. (A 2-core Zen 4, one thread, a 4096x4096 MXFP4 weight in cache: 8.7 GB/s of packed
+// weight on the AVX-512 kernel, 19 on this one.)
+//
+// Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
+// element (times its MX scale) is a bfloat16 value, and x must hold bfloat16 values (bfloat16
+// activations: packing is then exact). Float32 activations, FP8's float32 block scales, K not a
+// multiple of 32 (64 for e2m1) and more than kMaxM rows run the AVX-512 kernels.
+
+constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
+
+inline bool bf16dot_layout(const Weight& w, int64_t m_rows) {
+  return m_rows <= kMaxM && w.kind != kBlock128 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+}
+
+// x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
+// even-indexed elements, then its 32 odd ones. x comes in the kernels' order (qgemv_kernels.h): for
+// e2m1 each group of 16 as its 8 even-indexed elements, then its 8 odd ones, so each quarter of a
+// group is one conversion and two stores; the others in order.
+void pack_bf16dot(float* x, int64_t m_rows, const Weight& w) {
+  if (!bf16dot_layout(w, m_rows)) return;
+  static_assert(kE2M1Order[1] == 2 && kE2M1Order[8] == 1 && !kBF16Order, "pack_bf16dot reads x in AVX-512's orders");
+  uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
+  for (int64_t i = 0; i < m_rows * w.k; i += 16) {
+    const __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    if (w.element != kE2M1) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
+      continue;
+    }
+    uint16_t* group = words + i / kDotGroup * kDotGroup + i % kDotGroup / 2;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
+  }
+}
+
+// Every e2m1 code's bfloat16 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), a VPERMW table.
+alignas(32) constexpr uint16_t kE2M1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+
+// The scales of blocks [b, b + 16) of row n as one register (fewer where the row has fewer left).
+inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
+  const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + n * w.scale_cols + b;
+  if (b + 16 > w.scale_cols) {
+    alignas(64) float out[16] = {};
+    for (int64_t i = 0; i < w.scale_cols - b; ++i) out[i] = block_scale(w, n, b + i);
+    return _mm512_load_ps(out);
+  }
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  if (w.kind == kE4M3Per16)
+    return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(bytes)), _mm512_set1_ps(w.global * 256.0f));
+  const __m512i c = _mm512_cvtepu8_epi32(bytes);  // e8m0: 2^(c - 127); 0 is 2^-127
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()),
+                                                     _mm512_slli_epi32(c, 23), _mm512_set1_epi32(0x00400000)));
+}
+
+// One row at a time, front to back, with the next kDotAhead bytes prefetched: rows read side by side
+// (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s from memory on a 2-core Zen 4, a row
+// at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a 49152x576 one: 17 and 28).
+constexpr int64_t kDotAhead = 4096;
+
+// Accumulators a row's M sums are split across: enough chains to hide the instructions' latency.
+template <int M>
+constexpr int kDotBanks = M == 1 ? 4 : M == 2 ? 2 : 1;
+
+// Row n of e2m1 times the M rows of packed x: sums[m], scaled (MX and NVFP4 have no row scale).
+// kBlocks: scales per group of 64 (2 for MXFP4's blocks of 32, 4 for NVFP4's of 16).
+template <int kBlocks, int M>
+void e2m1_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+  const __m512i table = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(kE2M1Bf16)));
+  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  // Lane i of a group's sums is in the group's block i / (16 / kBlocks): group q of the 16 / kBlocks
+  // groups whose scales one register holds takes its lanes' scales from spread[q].
+  constexpr int kGroups = 16 / kBlocks, kBanks = M == 1 ? 2 : 1;  // each step is two dots deep
+  __m512i spread[kGroups];
+  for (int q = 0; q < kGroups; ++q)
+    spread[q] = _mm512_add_epi32(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                   kBlocks == 2 ? 3 : 2),
+                                 _mm512_set1_epi32(q * kBlocks));
+  const uint8_t* row = w.data + n * w.row_bytes;
+  __m512 acc[kBanks][M], scales = vzero();
+  zero(acc);
+  for (int64_t g = 0; g < w.k / kDotGroup; ++g) {
+    const int q = static_cast<int>(g % kGroups);
+    if (q == 0) scales = scales16(w, n, g * kBlocks);
+    const uint8_t* p = row + g * (kDotGroup / 2);
+    if (g % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kDotAhead), _MM_HINT_T0);
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
+    const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+    const __m512 scale = _mm512_permutexvar_ps(spread[q], scales);
+    for (int m = 0; m < M; ++m) {
+      const uint16_t* x = xp + m * w.k + g * kDotGroup;
+      const __m512 dots = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vzero(), even, (__m512bh)_mm512_loadu_si512(x)), odd,
+                                           (__m512bh)_mm512_loadu_si512(x + kDotGroup / 2));
+      acc[g % kBanks][m] = _mm512_fmadd_ps(dots, scale, acc[g % kBanks][m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int b = 1; b < kBanks; ++b) acc[0][m] = vadd(acc[0][m], acc[b][m]);
+    sums[m] = _mm512_reduce_add_ps(acc[0][m]);
+  }
+}
+
+// 32 elements of a bfloat16, int8 or e4m3 row (e4m3 times 2^-8, as decode32 leaves it) as bfloat16,
+// in order, times `scale` (MXFP8's, a power of two: exact) where kScaled.
+template <int kElem, bool kScaled>
+inline __m512bh decode32_bf16(const uint8_t* p, __m512 scale) {
+  if constexpr (kElem == kBF16) {
+    return (__m512bh)_mm512_loadu_si512(p);
+  } else {
+    Vec v[kVecs];
+    decode32<kElem>(p, v);
+    if constexpr (kScaled) v[0] = vmul(v[0], scale), v[1] = vmul(v[1], scale);
+    return _mm512_cvtne2ps_pbh(v[1], v[0]);
+  }
+}
+
+// Row n of bfloat16, int8 or e4m3 times the M rows of packed x: sums[m], before the row scale and
+// kFactor. kScaled: MXFP8's scales, one per 32 elements, folded into the weight.
+template <int kElem, bool kScaled, int M>
+void plain_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+  constexpr int kBanks = kDotBanks<M>;
+  const uint8_t* row = w.data + n * w.row_bytes;
+  __m512 acc[kBanks][M], scales = vzero();
+  zero(acc);
+  for (int64_t c = 0; c < w.k / kChunk; ++c) {
+    if (kScaled && c % 16 == 0) scales = scales16(w, n, c);
+    const uint8_t* p = row + c * kChunkBytes<kElem>;
+    if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kDotAhead), _MM_HINT_T0);
+    const __m512bh v = decode32_bf16<kElem, kScaled>(
+        p, kScaled ? _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(c % 16)), scales) : vzero());
+    for (int m = 0; m < M; ++m)
+      acc[c % kBanks][m] = _mm512_dpbf16_ps(acc[c % kBanks][m], v,
+                                            (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk));
+  }
+  for (int m = 0; m < M; ++m) {
+    for (int b = 1; b < kBanks; ++b) acc[0][m] = vadd(acc[0][m], acc[b][m]);
+    sums[m] = _mm512_reduce_add_ps(acc[0][m]);
+  }
+}
+
+template <int kElem, int kMode, int M>
+void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, void* y, int64_t y_stride,
+                  bool bf16) {
+  float sums[M];
+  for (int64_t n = begin; n < end; ++n) {
+    if constexpr (kElem == kE2M1) e2m1_row_bf16<kMode == kBlock16Scale ? 4 : 2, M>(w, xp, n, sums);
+    else plain_row_bf16<kElem, kMode == kBlock32Scale, M>(w, xp, n, sums);
+    const float scale = (kMode == kRowScale ? row_scale(w, n) : 1.0f) * kFactor<kElem>;
+    for (int m = 0; m < M; ++m) {
+      if (bf16) static_cast<uint16_t*>(y)[m * y_stride + n] = to_bf16(sums[m] * scale);
+      else static_cast<float*>(y)[m * y_stride + n] = sums[m] * scale;
+    }
+  }
+}
+
+using Bf16DotFn = void (*)(const Weight&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool);
+
+template <int kElem, int kMode, int... Ms>
+Bf16DotFn pick_bf16dot(int m, std::integer_sequence<int, Ms...>) {
+  static constexpr Bf16DotFn passes[] = {&bf16dot_pass<kElem, kMode, Ms + 1>...};
+  return passes[m - 1];
+}
+
+// The schemes' element formats and scale kinds, as pick_pass (FP8's 128-blocks never come here).
+Bf16DotFn pick_bf16dot(const Weight& w, int m) {
+  auto ms = std::make_integer_sequence<int, kMaxM>{};
+  if (w.element == kE2M1)
+    return w.kind == kE4M3Per16 ? pick_bf16dot<kE2M1, kBlock16Scale>(m, ms) : pick_bf16dot<kE2M1, kBlock32Scale>(m, ms);
+  if (w.element == kInt8) return pick_bf16dot<kInt8, kRowScale>(m, ms);
+  if (w.element == kBF16) return pick_bf16dot<kBF16, kRowScale>(m, ms);
+  if (w.kind == kE8M0Per32) return pick_bf16dot<kE4M3, kBlock32Scale>(m, ms);
+  return pick_bf16dot<kE4M3, kRowScale>(m, ms);
+}
+
+void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
+                  int64_t y_stride, bool bf16) {
+  if (!bf16 || !bf16dot_layout(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  pick_bf16dot(w, static_cast<int>(m_rows))(w, reinterpret_cast<const uint16_t*>(x + m_rows * w.k), begin, end, y,
+                                            y_stride, bf16);
+}
