@@ -1,7 +1,7 @@
 // SIMD kernels for quantized linear layers: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]).
 // One source, compiled four times by scripts/build_kernels.py: with -DPRELOAD_AVX512 and AVX-512
 // flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, with AVX512-BF16 as well and
-// -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's e2m1 GEMV on its dot product), and with AMX
+// -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of 1-4 rows on its dot product), and with AMX
 // as well and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV on the matrix units); the last two run
 // this file's AVX-512 code for what they do not take. AVX2 and AVX-512 differ only in the vector
 // layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
