@@ -130,11 +130,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
     amx_rows<kElem>(w, xt, m_rows, n, sums);
     for (int r = 0; r < kTileRows; ++r) {
       const float scale = row_scale(w, n + r) * kFactor<kElem> * (w.kind == kE4M3Per16 ? w.global : 1.0f);
-      for (int64_t m = 0; m < m_rows; ++m) {
-        const float v = sums[r][m] * scale;
-        if (bf16) static_cast<uint16_t*>(y)[m * y_stride + n + r] = to_bf16(v);
-        else static_cast<float*>(y)[m * y_stride + n + r] = v;
-      }
+      for (int64_t m = 0; m < m_rows; ++m) put_output(y, y_stride, m, n + r, sums[r][m] * scale, bf16);
     }
   }
   _tile_release();

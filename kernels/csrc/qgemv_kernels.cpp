@@ -1,7 +1,7 @@
 // SIMD kernels for quantized linear layers: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]).
 // One source, compiled four times by scripts/build_kernels.py: with -DPRELOAD_AVX512 and AVX-512
 // flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, with AVX512-BF16 as well and
-// -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of 1-4 rows on its dot product), and with AMX
+// -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of bfloat16 rows on its dot product), and with AMX
 // as well and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV on the matrix units); the last two run
 // this file's AVX-512 code for what they do not take. AVX2 and AVX-512 differ only in the vector
 // layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
@@ -192,11 +192,7 @@ void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void
   auto store = [&](int64_t n, int rows) {
     for (int r = 0; r < rows; ++r) {
       float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-      for (int m = 0; m < M; ++m) {
-        float v = sums[m][r] * scale;
-        if (bf16) static_cast<uint16_t*>(y)[m * y_stride + n + r] = to_bf16(v);
-        else static_cast<float*>(y)[m * y_stride + n + r] = v;
-      }
+      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[m][r] * scale, bf16);
     }
   };
   int64_t n = begin;
@@ -210,41 +206,50 @@ void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void
   }
 }
 
+// f.template operator()<kElem, kMode>() for w's element format and scale kind: the schemes' pairs
+// (qgemv.cpp refuses the others).
+template <typename F>
+auto with_format(const Weight& w, F f) {
+  if (w.element == kE2M1)
+    return w.kind == kE4M3Per16 ? f.template operator()<kE2M1, kBlock16Scale>()
+                                : f.template operator()<kE2M1, kBlock32Scale>();
+  if (w.element == kInt8) return f.template operator()<kInt8, kRowScale>();
+  if (w.element == kBF16) return f.template operator()<kBF16, kRowScale>();
+  if (w.kind == kBlock128) return f.template operator()<kE4M3, kBlock128Scale>();
+  if (w.kind == kE8M0Per32) return f.template operator()<kE4M3, kBlock32Scale>();
+  return f.template operator()<kE4M3, kRowScale>();
+}
+
+// Weight rows [begin, end) times m_rows of x in passes of up to kRows x rows: pass(m0, m, start, stop)
+// for x rows [m0, m0 + m) and weight rows [start, stop). Several passes walk the weight in tiles
+// small enough to stay in L2 across them.
+template <int kRows, typename Pass>
+void in_passes(const Weight& w, int64_t m_rows, int64_t begin, int64_t end, Pass pass) {
+  const int64_t tile = m_rows <= kRows ? end - begin : 4 + (int64_t(256) << 10) / w.row_bytes / 4 * 4;
+  for (int64_t start = begin; start < end; start += tile) {
+    const int64_t stop = lesser(start + tile, end);
+    for (int64_t m0 = 0; m0 < m_rows; m0 += kRows) pass(m0, static_cast<int>(lesser(kRows, m_rows - m0)), start, stop);
+  }
+}
+
 using PassFn = void (*)(const Weight&, const float*, int64_t, int64_t, void*, int64_t, bool);
 
 template <int kElem, int kMode, int... Ms>
-PassFn pick_pass(int m, std::integer_sequence<int, Ms...>) {
+PassFn pass_for(int m, std::integer_sequence<int, Ms...>) {
   static constexpr PassFn passes[] = {&gemv_pass<kElem, kMode, Ms + 1>...};
   return passes[m - 1];
 }
 
-// The element formats and scale kinds of the schemes (qgemv.cpp refuses other pairs).
-PassFn pick_pass(const Weight& w, int m) {
-  auto ms = std::make_integer_sequence<int, kMaxM>{};
-  if (w.element == kE2M1) {
-    return w.kind == kE4M3Per16 ? pick_pass<kE2M1, kBlock16Scale>(m, ms) : pick_pass<kE2M1, kBlock32Scale>(m, ms);
-  }
-  if (w.element == kInt8) return pick_pass<kInt8, kRowScale>(m, ms);
-  if (w.element == kBF16) return pick_pass<kBF16, kRowScale>(m, ms);
-  if (w.kind == kBlock128) return pick_pass<kE4M3, kBlock128Scale>(m, ms);
-  if (w.kind == kE8M0Per32) return pick_pass<kE4M3, kBlock32Scale>(m, ms);
-  return pick_pass<kE4M3, kRowScale>(m, ms);
-}
-
-// More than kMaxM activation rows take several passes; rows are walked in tiles small enough to
-// stay in L2 across the passes.
+// More than kMaxM activation rows take several passes.
 void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
           bool bf16) {
-  const int64_t tile = m_rows <= kMaxM ? end - begin : 4 + (int64_t(256) << 10) / w.row_bytes / 4 * 4;
   const size_t y_bytes = bf16 ? 2 : 4;
-  for (int64_t start = begin; start < end; start += tile) {
-    const int64_t stop = lesser(start + tile, end);
-    for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxM) {
-      const int m = static_cast<int>(lesser(kMaxM, m_rows - m0));
-      PassFn pass = pick_pass(w, m);
-      pass(w, x + m0 * w.k, start, stop, static_cast<char*>(y) + m0 * y_stride * y_bytes, y_stride, bf16);
-    }
-  }
+  in_passes<kMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
+    const PassFn pass = with_format(w, [m]<int kElem, int kMode>() {
+      return pass_for<kElem, kMode>(m, std::make_integer_sequence<int, kMaxM>{});
+    });
+    pass(w, x + m0 * w.k, start, stop, static_cast<char*>(y) + m0 * y_stride * y_bytes, y_stride, bf16);
+  });
 }
 
 // Rows [begin, end), 16 elements (in order) at a time.

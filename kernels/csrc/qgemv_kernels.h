@@ -79,7 +79,7 @@ inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2; }
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C
-extern const Kernels kAvx512Bf16;  // kAvx512's, plus AVX512-BF16's dot product for 1-4 rows (qgemv_bf16dot.h)
+extern const Kernels kAvx512Bf16;  // kAvx512's, plus AVX512-BF16's dot product for bfloat16 x (qgemv_bf16dot.h)
 extern const Kernels kAmx;     // kAvx512Bf16's, plus AMX-TILE and AMX-BF16 (qgemv_amx.h)
 
 }  // namespace preload

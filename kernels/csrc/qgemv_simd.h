@@ -255,6 +255,12 @@ inline uint16_t to_bf16(float v) {  // round to nearest even, as torch rounds; a
   return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
+// Output n of row m of a GEMV's y (row stride y_stride): v as float32, or with bf16 rounded to bfloat16.
+inline void put_output(void* y, int64_t y_stride, int64_t m, int64_t n, float v, bool bf16) {
+  if (bf16) static_cast<uint16_t*>(y)[m * y_stride + n] = to_bf16(v);
+  else static_cast<float*>(y)[m * y_stride + n] = v;
+}
+
 // v rounded to bfloat16 (to nearest even, as to_bf16; a NaN stays a quiet NaN) and widened back.
 inline Vec vround_bf16(Vec v) {
 #ifdef PRELOAD_AVX512

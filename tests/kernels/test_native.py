@@ -186,14 +186,14 @@ DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
 
 @pytest.mark.skipif(not DOT_VARIANTS, reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("variant", DOT_VARIANTS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("k", [320, 336])
 def test_the_4bit_gemv_on_the_bfloat16_dot_product_matches_the_reference(variant, rows, k):
-    """MXFP4 and NVFP4 with bfloat16 activations, 1 to 4 rows and K a multiple of 64, run on
-    AVX512-BF16's dot product (qgemv_bf16dot.h; amx for the rows its tiles do not take): N off the
-    4- and 2-row steps, x strided; and they agree with the AVX-512 kernels row by row up to the
-    output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 64), more rows and float32 x
-    run the AVX-512 kernels, exactly as there."""
+    """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64 run on AVX512-BF16's dot
+    product (qgemv_bf16dot.h; amx for the rows its tiles do not take), in passes of up to 8 rows: N
+    off the 4- and 2-row steps, x strided; and they agree with the AVX-512 kernels row by row up to
+    the output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 64) and float32 x run the
+    AVX-512 kernels, exactly as there."""
     torch.manual_seed(rows * k)
     w = torch.randn(203, k)
     x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
