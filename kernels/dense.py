@@ -6,7 +6,9 @@ streams the weight from memory about 1.5-2x faster than torch's bfloat16 GEMV (a
 VM: 11-15 GB/s against 6-9). A few bfloat16 rows (up to `native_rows()`) take the same kernel on
 CPUs without bfloat16 matrix instructions (no AVX512-BF16 or AMX): it streams the weight once for
 all the rows, with float32 sums in registers (2.5-4x faster than the widened tiles below at 8
-rows there). More rows, or no native kernels, on such a CPU meet torch's reference GEMM, a dot
+rows there); and on the avx512bf16 variant, whose GEMV runs on the bfloat16 dot product and beats
+torch's oneDNN GEMM up to 4 rows (a 2-core Zen 5, 49152x576: 0.9x its time at 4 rows, half at 2).
+More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
 reaches only 20-40 GFLOP/s a core at 8 rows there): the weight is still read once. Results are
@@ -25,13 +27,16 @@ from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-_NATIVE_ROWS = {"avx2": 8, "avx512": 4, "avx512bf16": 4, "amx": 4}  # kMaxM of qgemv_kernels.cpp: rows one pass keeps in registers
+# variant -> most rows for the native GEMV (where torch's bfloat16 GEMM is slow, where it is not): one
+# pass of qgemv_kernels.cpp's kMaxM rows, where the GEMM's matrix units do not win.
+_NATIVE_ROWS = {"avx2": (8, 1), "avx512": (4, 1), "avx512bf16": (4, 4), "amx": (4, 1)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 
 def native_rows() -> int:
     """Most activation rows the native bfloat16 GEMV takes (0: not built, or not chosen here)."""
-    return _NATIVE_ROWS.get(native.VARIANT, 0)
+    slow, fast = _NATIVE_ROWS.get(native.VARIANT, (0, 0))
+    return slow if reduced_gemm_is_slow(torch.device("cpu")) else fast
 
 
 @functools.cache  # asked at every decode step (kernels/decode_layer.max_rows); the answer never changes
@@ -51,13 +56,13 @@ class Dense:
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                  exact: bool = False) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if w.dtype not in REDUCED or (rows > 1 and (exact or not self.widen)):
+        if w.dtype not in REDUCED or (rows > 1 and exact):
             return F.linear(x, w, bias)
         x2 = x.reshape(rows, x.shape[-1])
         if rows <= native_rows() and x.dtype == w.dtype == torch.bfloat16 and x.device.type == "cpu" \
                 and w.is_contiguous() and w.shape[1] % 16 == 0:
             out = native.qgemv(x2, w, UNIT_SCALE, None, PER_TENSOR, 0, BF16_ELEMENTS)
-        elif rows == 1:
+        elif rows == 1 or not self.widen:
             return F.linear(x, w, bias)
         else:
             out = widened_linear(x2, w, self._buffer(w.shape))

@@ -10,7 +10,7 @@ import torch
 
 from kernels import native
 from kernels.decode_layer import MATRIX_UNIT_ROWS, MAX_ROWS, fused_layer
-from kernels.dense import Dense, native_rows, reduced_gemm_is_slow
+from kernels.dense import native_rows, reduced_gemm_is_slow
 from kernels.linear import _POLICY
 from kernels.rope import rope_table
 from preload_cli.models import tiny_model
@@ -71,7 +71,7 @@ def exact(model, rows: int, scheme: str, variant: str) -> bool:
         return False  # float32 activations: torch's silu rounds its exp apart from ours in the last bit
     with native.using(variant):
         if scheme == "none":
-            return rows == 1 or (Dense().widen and rows <= native_rows())
+            return rows <= max(1, native_rows())
         gemv_rows, int8_in_torch = _POLICY[variant]
         return rows <= gemv_rows and not (scheme == "int8" and int8_in_torch)
 
@@ -172,16 +172,16 @@ def test_decode_steps_are_the_same_from_another_thread_with_more_threads_than_co
 
 @needs_native
 def test_plain_bfloat16_layers_leave_larger_batches_to_matrix_units(checkpoints):
-    """Where torch's bfloat16 GEMM runs on matrix units and the fused GEMV does not (a variant other
-    than amx), more than MATRIX_UNIT_ROWS sequences of a plain bfloat16 model run op by op;
-    quantized layers (whose GEMM paths dequantize), CPUs without such units, and the amx variant
-    keep the fused step up to MAX_ROWS."""
+    """Where torch's bfloat16 GEMM runs on matrix units and the fused GEMV does not (avx512 there),
+    more than MATRIX_UNIT_ROWS sequences of a plain bfloat16 model run op by op; quantized layers
+    (whose GEMM paths dequantize), CPUs without such units, and the amx and avx512bf16 variants
+    (whose GEMV runs on bfloat16 units too) keep the fused step up to MAX_ROWS."""
     path = quant_checkpoint(checkpoints)
     plain, quantized = load(path).fused, load(path, quantization="int8").fused
     units = not reduced_gemm_is_slow(torch.device("cpu"))
     for variant in native.available()[:-1]:
         with native.using(variant):
-            assert plain.max_rows == (MATRIX_UNIT_ROWS if units and variant != "amx" else MAX_ROWS)
+            assert plain.max_rows == (MATRIX_UNIT_ROWS if units and variant in ("avx512", "avx2") else MAX_ROWS)
             assert quantized.max_rows == MAX_ROWS
 
 
