@@ -46,7 +46,8 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     result = json.loads(out.stdout)
     small, many = result["rows"]
     assert small["attach_ms_median"] > 0 and many["num_tensors"] >= 290
-    assert small["cold_share_disk"] > 0 and small["cold_share_cached"] > 0
+    assert small["cold_share_disk"] > 0 and small["cold_share_cached"] > 0 and small["cold_share_fresh"] > 0
+    assert small["fresh_cached_GBps"] > 0
 
 
 def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
