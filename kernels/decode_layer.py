@@ -23,11 +23,11 @@ from kernels.quant import QuantizedWeight, scheme
 PHASES = ("qkv", "o", "gate_up", "down")
 MAX_ROWS = 16
 """Most sequences a fused step takes: the fused GEMV reads the weight once per pass of up to 8 rows
-(4 on AVX-512 without AVX512-BF16); past kernels/linear.py's GEMV limit the per-op path's GEMM
-paths are faster."""
+on AVX2 and AVX512-BF16 (4 on AVX-512 without it, and for float32 activations; 16 on AMX's tiles);
+past kernels/linear.py's GEMV limit the per-op path's GEMM paths are faster."""
 MATRIX_UNIT_ROWS = 8
 """Most sequences a fused step of plain bfloat16 weights takes where torch's bfloat16 GEMM runs on
-matrix units (AMX, AVX512-BF16) and the fused GEMV does not (the avx512 variant there): past it
+matrix units (AMX, AVX512-BF16) and the fused GEMV does not (avx512 or avx2 there): past it
 that GEMM is faster (the default model on a 2-core Xeon with AMX, a decode step of 16 sequences: 38
 ms op by op, 47 ms fused on avx512; of 8: 35 and 34 ms). On amx the fused step wins at 16 as well
 (33 against 44 ms), and on avx512bf16 (a 2-core Zen 5: 21 against 21-27 ms)."""

@@ -27,8 +27,9 @@ from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-# variant -> most rows for the native GEMV (where torch's bfloat16 GEMM is slow, where it is not): one
-# pass of qgemv_kernels.cpp's kMaxM rows, where the GEMM's matrix units do not win.
+# variant -> most rows for the native GEMV (where torch's bfloat16 GEMM is slow, where it is not):
+# where that GEMM is slow, one pass of qgemv_kernels.cpp's kMaxM rows; where it is not, one row, but
+# on avx512bf16, whose GEMV beats it up to 4 rows (measured; its passes take 8).
 _NATIVE_ROWS = {"avx2": (8, 1), "avx512": (4, 1), "avx512bf16": (4, 4), "amx": (4, 1)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 

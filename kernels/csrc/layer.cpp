@@ -231,7 +231,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
     for (int64_t r = 0; r < rows; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
-    if (kernels->pack) kernels->pack(x.data(), rows, w);
+    if (kernels->pack && std::is_same_v<T, at::BFloat16>) kernels->pack(x.data(), rows, w);  // bf16 x only
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.

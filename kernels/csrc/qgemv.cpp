@@ -67,7 +67,7 @@ const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weig
     else
       preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
-  if (kernels->pack) kernels->pack(buffer.data(), m_rows, w);
+  if (kernels->pack && x.scalar_type() != at::kFloat) kernels->pack(buffer.data(), m_rows, w);  // bf16 x only
   return buffer.data();
 }
 

@@ -1,4 +1,4 @@
-// The GEMV of few activation rows on AVX512-BF16's dot product (VDPBF16PS: 32 bfloat16 products
+// The GEMV of bfloat16 activation rows on AVX512-BF16's dot product (VDPBF16PS: 32 bfloat16 products
 // summed in pairs into 16 float32 lanes), for the compilations of qgemv_kernels.cpp with
 // -DPRELOAD_BF16DOT (the avx512bf16 variant, and amx for the rows its tiles do not take), which
 // include this inside their unnamed namespace: what it does not take runs that compilation's
@@ -71,9 +71,11 @@ inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
                                                      _mm512_slli_epi32(c, 23), _mm512_set1_epi32(0x00400000)));
 }
 
-// One row at a time, front to back, with the next kDotAhead bytes prefetched: rows read side by side
-// (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s from memory on a 2-core Zen 4, a row
-// at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a 49152x576 one: 17 and 28).
+// Below 4 rows of x, one weight row at a time, front to back, with the next kDotAhead bytes
+// prefetched: rows read side by side (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s
+// from memory on a 2-core Zen 4, a row at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a
+// 49152x576 one: 17 and 28). From 4 rows of x on, the loads of x bound a step instead, and two
+// weight rows share each (plain_rows_bf16).
 constexpr int64_t kDotAhead = 4096;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
@@ -81,8 +83,8 @@ constexpr int64_t kE2M1Ahead = 4 * kDotAhead;
 
 // Accumulators a row's M sums are split across: enough chains to hide the dot product's latency (on a
 // 2-core Zen 5, 16 chains run 1.6x as many dot products a second as 8 do, 8 chains 2x as many as 4).
-template <int M>  // M: rows of x times rows of the weight
-constexpr int kDotBanks = M <= 2 ? 8 : (16 + M - 1) / M;
+template <int M>  // M: rows of x times rows of the weight; at most 16 accumulators from 3 on (no spills)
+constexpr int kDotBanks = M <= 2 ? 8 : M >= 16 ? 1 : 16 / M;
 
 // f.template operator()<i>() for i = 0 .. N - 1, each with its own constant i: accumulators indexed
 // by a loop counter that the compiler does not unroll live on the stack, a store and a load per step.
@@ -202,6 +204,10 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, void* y
   }
 }
 
+// A pass takes weight rows two at a time from 4 rows of x on, and the last one of an odd range
+// alone, whose sums run in another order: a row's bits depend on where its range starts. Callers
+// split N at even rows (block_unit and in_passes' tiles are even), so every row's bits are the same
+// however the work is split, as the AVX-512 kernels' are.
 template <int kElem, int kMode, int M>
 void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, void* y, int64_t y_stride,
                   bool bf16) {

@@ -66,8 +66,9 @@ struct Kernels {
   void (*dequantize)(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16);
   const uint8_t* e2m1_order;  // 16 entries
   const uint8_t* bf16_order;  // 16 entries, or null: in order
-  // Where not null, gemv also reads x in a second layout of its own, which pack writes once per x
-  // into the pack_floats(m_rows, k) floats after x's m_rows * k (the caller sizes its buffer so).
+  // Where not null, gemv with bf16 (bfloat16 activations: the only ones it reads so) also reads x in
+  // a second layout of its own, which pack writes once per x into the pack_floats(m_rows, k) floats
+  // after x's m_rows * k (the caller sizes its buffer so, and calls pack for bfloat16 x only).
   void (*pack)(float* x, int64_t m_rows, const Weight& w);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);

@@ -98,12 +98,14 @@ def test_native_ops_refuse_inconsistent_inputs(args, message):
 
 @pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 11])
-def test_bfloat16_weights_on_the_fused_kernel_match_the_float32_product(variant, rows):
-    """The bfloat16 element format: any N (tails of the 4-row steps), K a multiple of 16 but not of
-    32 (the 16-element tail), strided x, more rows than one pass takes; float32 and bfloat16 x."""
+@pytest.mark.parametrize("k", [336, 320])
+def test_bfloat16_weights_on_the_fused_kernel_match_the_float32_product(variant, rows, k):
+    """The bfloat16 element format: any N (tails of the 4- and 2-row steps), K a multiple of 16 but
+    not of 32 (the 16-element tail; the AVX-512 kernels on avx512bf16) and of 32 (the dot product
+    there), strided x, more rows than one pass takes; float32 and bfloat16 x."""
     torch.manual_seed(rows)
-    w = torch.randn(203, 336).bfloat16()
-    x = torch.randn(rows, 2 * 336)[:, ::2]
+    w = torch.randn(203, k).bfloat16()
+    x = torch.randn(rows, 2 * k)[:, ::2]
     expected = x @ w.float().T
     op = getattr(torch.ops.preload, f"qgemv_{variant}")
     torch.testing.assert_close(op(x, w, torch.ones(()), None, 0, 0, 3), expected, rtol=1e-5, atol=1e-4)
