@@ -7,9 +7,9 @@
 // At decode sizes the AVX-512 kernels are bound by their own instructions, not by memory, where
 // each 512-bit instruction costs two (Zen 4): per 32 elements they widen the weight into two float32
 // registers (a dozen shuffles, widenings and shifts for e2m1) and multiply-add each. Here a
-// bfloat16 weight is multiplied as it is loaded, one instruction per 32 elements; int8 and e4m3
-// (its scale folded in for MXFP8) are widened as before and rounded into one register of bfloat16,
-// exactly (8 and 4 significant bits); and 64 e2m1 elements (32 bytes) become two registers of
+// bfloat16 weight is multiplied as it is loaded, one instruction per 32 elements; int8 and e4m3 are
+// widened as before and rounded into one register of bfloat16, exactly (8 and 4 significant bits);
+// and 64 e2m1 elements (32 bytes) become two registers of
 // bfloat16 in four steps: the bytes widened to words, the low nibbles and the high ones each looked
 // up in a table of 16 bfloat16 words (VPERMW). x is packed once per product as bfloat16
 // (pack_bf16dot), in order, or for e2m1 in each group of 64 elements its 32 even-indexed ones and
@@ -21,14 +21,17 @@
 //
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
 // element (times its MX scale) is a bfloat16 value, and x must hold bfloat16 values (bfloat16
-// activations: packing is then exact). Float32 activations, FP8's float32 block scales, K not a
-// multiple of 32 (64 for e2m1) run the AVX-512 kernels.
+// activations: packing is then exact). Float32 activations, FP8's float32 block scales, MXFP8 and
+// K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's scale, one per 32
+// elements, folded into the weight here cost more than it saved: 1.2-1.6x the AVX-512 kernels'
+// time with K = 576 or 4 rows of x, about even at 4096x4096 and one row, on a 2-core Zen 5.)
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
 
 inline bool bf16dot_layout(const Weight& w) {
-  return w.kind != kBlock128 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+  const bool mxfp8 = w.element == kE4M3 && w.kind == kE8M0Per32;
+  return w.kind != kBlock128 && !mxfp8 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
@@ -55,15 +58,13 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w) {
 alignas(32) constexpr uint16_t kE2M1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
                                                 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 
-// The scales of blocks [b, b + 16) of row n as one register (fewer where the row has fewer left).
+// The scales of blocks [b, b + 16) of row n as one register; where the row has fewer left, the codes
+// past its end read as 0 (masked off: never read), and their lanes are never used.
 inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
   const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + n * w.scale_cols + b;
-  if (b + 16 > w.scale_cols) {
-    alignas(64) float out[16] = {};
-    for (int64_t i = 0; i < w.scale_cols - b; ++i) out[i] = block_scale(w, n, b + i);
-    return _mm512_load_ps(out);
-  }
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+  const int64_t left = w.scale_cols - b;
+  const __m128i bytes = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                   : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), codes);
   if (w.kind == kE4M3Per16)
     return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(bytes)), _mm512_set1_ps(w.global * 256.0f));
   const __m512i c = _mm512_cvtepu8_epi32(bytes);  // e8m0: 2^(c - 127); 0 is 2^-127
@@ -144,37 +145,33 @@ void e2m1_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) 
 }
 
 // 32 elements of a bfloat16, int8 or e4m3 row (e4m3 times 2^-8, as decode32 leaves it) as bfloat16,
-// in order, times `scale` (MXFP8's, a power of two: exact) where kScaled.
-template <int kElem, bool kScaled>
-inline __m512bh decode32_bf16(const uint8_t* p, __m512 scale) {
+// in order.
+template <int kElem>
+inline __m512bh decode32_bf16(const uint8_t* p) {
   if constexpr (kElem == kBF16) {
     return (__m512bh)_mm512_loadu_si512(p);
   } else {
     Vec v[kVecs];
     decode32<kElem>(p, v);
-    if constexpr (kScaled) v[0] = vmul(v[0], scale), v[1] = vmul(v[1], scale);
     return _mm512_cvtne2ps_pbh(v[1], v[0]);
   }
 }
 
-// Rows [n, n + R) of bfloat16, int8 or e4m3 times the M rows of packed x: sums[r * M + m], before the row
-// scale and kFactor. kScaled: MXFP8's scales, one per 32 elements, folded into the weight. R > 1
-// loads each x register once for R weight rows: from 4 rows of x on, the loads (one per dot
-// product at R = 1) bound a step, not memory.
-template <int kElem, bool kScaled, int M, int R>
+// Rows [n, n + R) of bfloat16, int8 or e4m3 (one scale per row) times the M rows of packed x:
+// sums[r * M + m], before the row scale and kFactor. R > 1 loads each x register once for R weight
+// rows: from 4 rows of x on, the loads (one per dot product at R = 1) bound a step, not memory.
+template <int kElem, int M, int R>
 void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
   constexpr int kBanks = kDotBanks<M * R>;
   const int64_t chunks = w.k / kChunk;
-  __m512 acc[kBanks][R * M], scales[R];  // acc[b][r * M + m]
+  __m512 acc[kBanks][R * M];  // acc[b][r * M + m]
   zero(acc);
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
-      if (kScaled && c % 16 == 0) scales[r] = scales16(w, n + r, c);
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
       if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kDotAhead), _MM_HINT_T0);
-      v[r] = decode32_bf16<kElem, kScaled>(
-          p, kScaled ? _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(c % 16)), scales[r]) : vzero());
+      v[r] = decode32_bf16<kElem>(p);
     }
     for (int m = 0; m < M; ++m) {
       const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk);
@@ -196,7 +193,7 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, void* y
     static_assert(R == 1, "e2m1 runs a row at a time");
     e2m1_row_bf16<kMode == kBlock16Scale ? 4 : 2, M>(w, xp, n, sums);
   } else {
-    plain_rows_bf16<kElem, kMode == kBlock32Scale, M, R>(w, xp, n, sums);
+    plain_rows_bf16<kElem, M, R>(w, xp, n, sums);
   }
   for (int r = 0; r < R; ++r) {
     const float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
@@ -232,8 +229,10 @@ void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() -> Bf16DotFn {
-      if constexpr (kMode == kBlock128Scale) return nullptr;  // FP8's 128-blocks never come here
-      else return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
+      if constexpr (kMode == kBlock128Scale || (kElem == kE4M3 && kMode == kBlock32Scale))
+        return nullptr;  // FP8's 128-blocks and MXFP8 never come here (bf16dot_layout)
+      else
+        return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });
     pass(w, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride, bf16);
   });
