@@ -9,9 +9,9 @@
 // registers (a dozen shuffles, widenings and shifts for e2m1) and multiply-add each. Here a
 // bfloat16 weight is multiplied as it is loaded, one instruction per 32 elements; int8 and e4m3 are
 // widened as before and rounded into one register of bfloat16, exactly (8 and 4 significant bits);
-// and 64 e2m1 elements (32 bytes) become two registers of
-// bfloat16 in four steps: the bytes widened to words, the low nibbles and the high ones each looked
-// up in a table of 16 bfloat16 words (VPERMW). x is packed once per product as bfloat16
+// and 64 e2m1 elements (32 bytes) become two registers of bfloat16 in four steps: the bytes widened
+// to words, the low nibbles and the high ones each looked up in a table of 16 bfloat16 words
+// (VPERMW). x is packed once per product as bfloat16
 // (pack_bf16dot), in order, or for e2m1 in each group of 64 elements its 32 even-indexed ones and
 // then its 32 odd ones, as the two registers hold the weight: lane i of the sums then covers
 // elements 4i to 4i + 3 of the group, so a block of 32 (MXFP4) is 8 lanes and a block of 16
@@ -20,8 +20,8 @@
 // weight on the AVX-512 kernel, 19 on this one.)
 //
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
-// element (times its MX scale) is a bfloat16 value, and x must hold bfloat16 values (bfloat16
-// activations: packing is then exact). Float32 activations, FP8's float32 block scales, MXFP8 and
+// element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
+// values (bfloat16 activations: packing is then exact). Float32 activations, FP8's float32 block scales, MXFP8 and
 // K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's scale, one per 32
 // elements, folded into the weight here cost more than it saved: 1.2-1.6x the AVX-512 kernels'
 // time with K = 576 or 4 rows of x, about even at 4096x4096 and one row, on a 2-core Zen 5.)
