@@ -21,10 +21,11 @@
 //
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
 // element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
-// values (bfloat16 activations: packing is then exact). Float32 activations, FP8's float32 block scales, MXFP8 and
-// K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's scale, one per 32
-// elements, folded into the weight here cost more than it saved: 1.2-1.6x the AVX-512 kernels'
-// time with K = 576 or 4 rows of x, about even at 4096x4096 and one row, on a 2-core Zen 5.)
+// values (bfloat16 activations: packing is then exact). Float32 activations (which also have
+// float32 outputs: everything here writes bfloat16), FP8's float32 block scales, MXFP8 and K not a
+// multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's scale, one per 32 elements, folded
+// into the weight here cost more than it saved: 1.2-1.6x the AVX-512 kernels' time with K = 576 or
+// 4 rows of x, about even at 4096x4096 and one row, on a 2-core Zen 5.)
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
@@ -185,9 +186,9 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
   reduce_banks(acc, sums);
 }
 
-// Rows [n, n + R) times the M rows of packed x into y.
+// Rows [n, n + R) times the M rows of packed x into y (bfloat16).
 template <int kElem, int kMode, int M, int R>
-inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, void* y, int64_t y_stride, bool bf16) {
+inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_t* y, int64_t y_stride) {
   float sums[R * M];
   if constexpr (kElem == kE2M1) {
     static_assert(R == 1, "e2m1 runs a row at a time");
@@ -197,7 +198,7 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, void* y
   }
   for (int r = 0; r < R; ++r) {
     const float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-    for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scale, bf16);
+    for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * scale);
   }
 }
 
@@ -206,15 +207,14 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, void* y
 // split N at even rows (block_unit and in_passes' tiles are even), so every row's bits are the same
 // however the work is split, as the AVX-512 kernels' are.
 template <int kElem, int kMode, int M>
-void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, void* y, int64_t y_stride,
-                  bool bf16) {
+void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y, int64_t y_stride) {
   constexpr int R = kElem != kE2M1 && M >= 4 ? 2 : 1;
   int64_t n = begin;
-  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, xp, n, y, y_stride, bf16);
-  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, xp, n, y, y_stride, bf16);
+  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, xp, n, y, y_stride);
+  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, xp, n, y, y_stride);
 }
 
-using Bf16DotFn = void (*)(const Weight&, const uint16_t*, int64_t, int64_t, void*, int64_t, bool);
+using Bf16DotFn = void (*)(const Weight&, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
 
 template <int kElem, int kMode, int... Ms>
 Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
@@ -234,6 +234,6 @@ void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin
       else
         return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });
-    pass(w, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride, bf16);
+    pass(w, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride);
   });
 }
