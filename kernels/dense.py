@@ -7,7 +7,8 @@ VM: 11-15 GB/s against 6-9). A few bfloat16 rows (up to `native_rows()`) take th
 CPUs without bfloat16 matrix instructions (no AVX512-BF16 or AMX): it streams the weight once for
 all the rows, with float32 sums in registers (2.5-4x faster than the widened tiles below at 8
 rows there); and on the avx512bf16 variant, whose GEMV runs on the bfloat16 dot product and beats
-torch's oneDNN GEMM up to 4 rows (a 2-core Zen 5, 49152x576: 0.9x its time at 4 rows, half at 2).
+torch's oneDNN GEMM up to 8 rows, one pass (a 2-core Zen 5, 49152x576 from memory: 0.4x its time at
+1 to 8 rows, 0.6-0.7x at 12 and 16, which take two passes).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
@@ -29,8 +30,8 @@ TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is mult
 REDUCED = (torch.bfloat16, torch.float16)
 # variant -> most rows for the native GEMV (where torch's bfloat16 GEMM is slow, where it is not):
 # where that GEMM is slow, one pass of qgemv_kernels.cpp's kMaxM rows; where it is not, one row, but
-# on avx512bf16, whose GEMV beats it up to 4 rows (measured; its passes take 8).
-_NATIVE_ROWS = {"avx2": (8, 1), "avx512": (4, 1), "avx512bf16": (4, 4), "amx": (4, 1)}
+# on avx512bf16, whose GEMV beats it up to 8 rows, one pass (measured).
+_NATIVE_ROWS = {"avx2": (8, 1), "avx512": (4, 1), "avx512bf16": (8, 8), "amx": (4, 1)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 

@@ -210,10 +210,12 @@ class DecodeLayer : public torch::CustomClassHolder {
                 " must be contiguous [", n, "]");
   }
 
-  Blocks blocks(const Kernels* kernels, int64_t phase, int64_t batch) const {
+  Blocks blocks(const Kernels* kernels, int64_t phase) const {
     Blocks out;
     const auto& list = phases_[phase];
-    out.rows = preload::gemv_block_rows(kernels, list[0].w.k, batch);
+    int64_t n = 0;
+    for (const auto& p : list) n += p.w.n;
+    out.rows = preload::gemv_block_rows(kernels, list[0].w.k, n, at::get_num_threads());
     int64_t total = 0;
     for (const auto& p : list) {
       out.first.push_back(total);
@@ -307,7 +309,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     std::unique_ptr<Work[]> work(new Work[count]);
     for (size_t i = 0; i < count; ++i) {
       vectors.push_back(layers[i]->vectors<T>());
-      for (int64_t p = 0; p < kPhases; ++p) work[i].blocks[p] = layers[i]->blocks(kernels, p, batch);
+      for (int64_t p = 0; p < kPhases; ++p) work[i].blocks[p] = layers[i]->blocks(kernels, p);
     }
     preload::Barrier barrier;
 #pragma omp parallel num_threads(threads)

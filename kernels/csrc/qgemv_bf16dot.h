@@ -77,8 +77,11 @@ inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
 // prefetched: rows read side by side (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s
 // from memory on a 2-core Zen 4, a row at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a
 // 49152x576 one: 17 and 28). From 4 rows of x on, the loads of x bound a step instead, and two
-// weight rows share each (plain_rows_bf16).
+// weight rows share each (plain_rows_bf16); a step then takes longer per byte, and kDotWideAhead
+// covers the memory's latency (a 2-core Zen 5, 49152x576 bfloat16 from memory, 2 threads: 4 rows of
+// x 1.37 -> 0.98 ms, 8 rows 1.55 -> 1.40; one thread, 8 rows, 0.42 -> 0.27 ns a dot product).
 constexpr int64_t kDotAhead = 4096;
+constexpr int64_t kDotWideAhead = 4 * kDotAhead;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
 constexpr int64_t kE2M1Ahead = 4 * kDotAhead;
@@ -164,6 +167,7 @@ inline __m512bh decode32_bf16(const uint8_t* p) {
 template <int kElem, int M, int R>
 void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
   constexpr int kBanks = kDotBanks<M * R>;
+  constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
   const int64_t chunks = w.k / kChunk;
   __m512 acc[kBanks][R * M];  // acc[b][r * M + m]
   zero(acc);
@@ -171,7 +175,7 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
-      if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kDotAhead), _MM_HINT_T0);
+      if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
       v[r] = decode32_bf16<kElem>(p);
     }
     for (int m = 0; m < M; ++m) {
