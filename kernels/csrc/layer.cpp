@@ -225,15 +225,16 @@ class DecodeLayer : public torch::CustomClassHolder {
     return out;
   }
 
-  // rows of src ([rows, width] in T) into x as the phase's kernels read it: float32 [rows, k],
-  // zero-padded, each group of 16 in the kernels' order.
+  // Rows [b0, b1) of src ([batch, width] in T) into x as the phase's kernels read it: float32
+  // [batch, k], zero-padded, each group of 16 in the kernels' order.
   template <typename T>
-  void prepare(const Kernels* kernels, int64_t phase, const T* src, int64_t rows, std::vector<float>& x) const {
+  void prepare(const Kernels* kernels, int64_t phase, const T* src, int64_t batch, int64_t b0, int64_t b1,
+               std::vector<float>& x) const {
     const Weight& w = phases_[phase][0].w;
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
-    for (int64_t r = 0; r < rows; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
-    if (kernels->pack && std::is_same_v<T, at::BFloat16>) kernels->pack(x.data(), rows, w);  // bf16 x only
+    for (int64_t r = b0; r < b1; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
+    if (kernels->pack && std::is_same_v<T, at::BFloat16>) kernels->pack(x.data(), batch, w, b0, b1);  // bf16 x only
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.
@@ -269,9 +270,9 @@ class DecodeLayer : public torch::CustomClassHolder {
           preload::norm_rows(head, h < heads_ ? v.q_norm : v.k_norm, normed, 0, 1, d_, d_, eps_);
         else
           std::copy(head, head + d_, normed);
-        for (int64_t i = 0; i < d_; ++i) {
+        for (int64_t i = 0; i < d_; ++i) {  // the rolled x: element i + half, or i - half past the middle
           const T a = static_cast<T>(widen(normed[i]) * widen(cos[i]));
-          const T r = static_cast<T>(widen(normed[(i + half) % d_]) * widen(sin[i]));
+          const T r = static_cast<T>(widen(normed[i < half ? i + half : i - half]) * widen(sin[i]));
           head[i] = static_cast<T>(widen(a) + widen(r));
         }
       }
@@ -322,24 +323,23 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
   }
 
-  // One thread's part of this layer's step, in the region of run.
+  // One thread's part of this layer's step, in the region of run. The work on whole rows of the
+  // batch (norms, residual sums, x made ready for a product) is split by rows between the threads,
+  // the same rows to the same thread throughout, so that a row needs no barrier between its steps
+  // (nor between the layers); the products take blocks of weight rows, attention (row, kv head)
+  // jobs, and SwiGLU columns.
   template <typename T>
   void step(const Kernels* kernels, Scratch<T>& s, const Vectors<T>& v, Work& work, T* out, T* cache, const Rows& rows,
             const T* rope, int64_t batch, int thread, int team, preload::Barrier& barrier) const {
     const int64_t *slot = rows.slot, *length = rows.length;
-    const bool first = thread == 0;
-    if (first) {
-      preload::norm_rows(out, v.input_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
-      prepare(kernels, kQkv, s.h.data(), batch, s.x);
-    }
+    const int64_t share = (batch + team - 1) / team, b0 = std::min(batch, thread * share);
+    const int64_t b1 = std::min(batch, b0 + share);
+    preload::norm_rows(out, v.input_norm, s.h.data(), b0, b1, hidden_, hidden_, eps_);
+    prepare(kernels, kQkv, s.h.data(), batch, b0, b1, s.x);
     barrier.wait();
     product(kernels, kQkv, work.blocks[kQkv], work.next[kQkv], s.x.data(), batch, s.qkv.data());
     barrier.wait();
-    {  // rows split between the threads
-      const int64_t share = (batch + team - 1) / team, b0 = std::min(batch, thread * share);
-      const int64_t b1 = std::min(batch, b0 + share);
-      heads(s, v, cache, slot, length, rope, rows.max_len, b0, b1, s.normed.data() + thread * d_);
-    }
+    heads(s, v, cache, slot, length, rope, rows.max_len, b0, b1, s.normed.data() + thread * d_);
     barrier.wait();
     for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
       const int64_t b = i / kv_heads_, j = i % kv_heads_;
@@ -348,24 +348,24 @@ class DecodeLayer : public torch::CustomClassHolder {
                       std::is_same_v<T, at::BFloat16>);
     }
     barrier.wait();
-    if (first) prepare(kernels, kOut, s.attn.data(), batch, s.x);
+    prepare(kernels, kOut, s.attn.data(), batch, b0, b1, s.x);
     barrier.wait();
     product(kernels, kOut, work.blocks[kOut], work.next[kOut], s.x.data(), batch, s.out.data());
     barrier.wait();
-    if (first) {
-      for (int64_t i = 0; i < batch * hidden_; ++i) {
-        const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[i % hidden_])) : s.out[i];
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t c = 0; c < hidden_; ++c) {
+        const int64_t i = b * hidden_ + c;
+        const T o = v.o_bias ? static_cast<T>(widen(s.out[i]) + widen(v.o_bias[c])) : s.out[i];
         out[i] = static_cast<T>(widen(out[i]) + widen(o));
       }
-      preload::norm_rows(out, v.post_norm, s.h.data(), 0, batch, hidden_, hidden_, eps_);
-      prepare(kernels, kGateUp, s.h.data(), batch, s.x);
-    }
+    preload::norm_rows(out, v.post_norm, s.h.data(), b0, b1, hidden_, hidden_, eps_);
+    prepare(kernels, kGateUp, s.h.data(), batch, b0, b1, s.x);
     barrier.wait();
     product(kernels, kGateUp, work.blocks[kGateUp], work.next[kGateUp], s.x.data(), batch, s.gate_up.data());
     barrier.wait();
     {  // SwiGLU as torch runs it on x's dtype, silu(gate) rounded, times up rounded; columns split
-      const int64_t share = (inter_ + team - 1) / team;
-      const int64_t c0 = std::min(inter_, thread * share), c1 = std::min(inter_, c0 + share);
+      const int64_t columns = (inter_ + team - 1) / team;
+      const int64_t c0 = std::min(inter_, thread * columns), c1 = std::min(inter_, c0 + columns);
       for (int64_t b = 0; b < batch; ++b) {
         const T* gate = s.gate_up.data() + b * 2 * inter_;
         kernels->silu_mul(gate + c0, gate + inter_ + c0, s.act.data() + b * inter_ + c0, c1 - c0,
@@ -373,12 +373,11 @@ class DecodeLayer : public torch::CustomClassHolder {
       }
     }
     barrier.wait();
-    if (first) prepare(kernels, kDown, s.act.data(), batch, s.x);
+    prepare(kernels, kDown, s.act.data(), batch, b0, b1, s.x);
     barrier.wait();
     product(kernels, kDown, work.blocks[kDown], work.next[kDown], s.x.data(), batch, s.down.data());
     barrier.wait();
-    if (first)  // the next layer's first step is thread 0's too: no barrier between the layers
-      for (int64_t i = 0; i < batch * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
+    for (int64_t i = b0 * hidden_; i < b1 * hidden_; ++i) out[i] = static_cast<T>(widen(out[i]) + widen(s.down[i]));
   }
 
   int64_t hidden_, heads_, kv_heads_, d_, inter_;

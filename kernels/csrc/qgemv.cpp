@@ -67,7 +67,8 @@ const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weig
     else
       preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
-  if (kernels->pack && x.scalar_type() != at::kFloat) kernels->pack(buffer.data(), m_rows, w);  // bf16 x only
+  if (kernels->pack && x.scalar_type() != at::kFloat)  // bf16 x only
+    kernels->pack(buffer.data(), m_rows, w, 0, m_rows);
   return buffer.data();
 }
 

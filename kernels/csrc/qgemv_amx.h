@@ -46,12 +46,12 @@ inline float tile_scale(const Weight& w, int64_t n, int64_t b) {
 // x^T as tile 2 takes it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
 // bfloat16 values where the GEMV takes it: rounding is then exact). Fewer rows than the tiles take
 // get the dot product's layout (qgemv_bf16dot.h) instead.
-void pack_amx(float* x, int64_t m_rows, const Weight& w) {
-  if (m_rows < kAmxMinM) return pack_bf16dot(x, m_rows, w);
+void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
+  if (m_rows < kAmxMinM) return pack_bf16dot(x, m_rows, w, begin, end);
   const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
   uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
-  for (int64_t m = 0; m < m_rows; ++m)
+  for (int64_t m = begin; m < end; ++m)
     for (int64_t p = 0; p < k / 2; p += 16) {
       const float* src = x + m * k + 2 * p;
       alignas(64) uint32_t pairs[16];  // 32 elements in order: the pairs of 16 words

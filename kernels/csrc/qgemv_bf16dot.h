@@ -39,11 +39,11 @@ inline bool bf16dot_layout(const Weight& w) {
 // even-indexed elements, then its 32 odd ones. x comes in the kernels' order (qgemv_kernels.h): for
 // e2m1 each group of 16 as its 8 even-indexed elements, then its 8 odd ones, so each quarter of a
 // group is one conversion and two stores; the others in order.
-void pack_bf16dot(float* x, int64_t m_rows, const Weight& w) {
+void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
   if (!bf16dot_layout(w)) return;
   static_assert(kE2M1Order[1] == 2 && kE2M1Order[8] == 1 && !kBF16Order, "pack_bf16dot reads x in AVX-512's orders");
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
-  for (int64_t i = 0; i < m_rows * w.k; i += 16) {
+  for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
     const __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
     if (w.element != kE2M1) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);

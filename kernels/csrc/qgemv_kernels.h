@@ -68,8 +68,9 @@ struct Kernels {
   const uint8_t* bf16_order;  // 16 entries, or null: in order
   // Where not null, gemv with bf16 (bfloat16 activations: the only ones it reads so) also reads x in
   // a second layout of its own, which pack writes once per x into the pack_floats(m_rows, k) floats
-  // after x's m_rows * k (the caller sizes its buffer so, and calls pack for bfloat16 x only).
-  void (*pack)(float* x, int64_t m_rows, const Weight& w);
+  // after x's m_rows * k (the caller sizes its buffer so, and calls pack for bfloat16 x only): rows
+  // [begin, end) of x a call, so that threads may pack their own rows.
+  void (*pack)(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);
   // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
