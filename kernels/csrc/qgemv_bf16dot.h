@@ -102,10 +102,9 @@ template <int N, typename F>
 
 template <int kBanks, int M>
 inline void reduce_banks(__m512 (&acc)[kBanks][M], float* sums) {
-  for (int m = 0; m < M; ++m) {
+  for (int m = 0; m < M; ++m)
     for (int b = 1; b < kBanks; ++b) acc[0][m] = vadd(acc[0][m], acc[b][m]);
-    sums[m] = _mm512_reduce_add_ps(acc[0][m]);
-  }
+  vsums<M>(acc[0], sums);
 }
 
 // Row n of e2m1 times the M rows of packed x: sums[m], scaled (MX and NVFP4 have no row scale).

@@ -176,8 +176,10 @@ void dot_rows(const Weight& w, const float* x, int64_t n, float (*sums)[4]) {
       madd<M>(v, x, w.k, at, acc[r]);
     }
   }
+  float flat[R * M];
+  vsums<R * M>(&acc[0][0], flat);
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) sums[m][r] = vsum(acc[r][m]);
+    for (int m = 0; m < M; ++m) sums[m][r] = flat[r * M + m];
 }
 
 // Weight rows per step for M activation rows: enough independent chains, no spilled accumulators.

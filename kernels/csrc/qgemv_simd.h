@@ -30,6 +30,8 @@ inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+template <int kImm>  // within each 128-bit lane: 2 lanes of a, 2 of b, as kImm picks
+inline Vec vshuffle(Vec a, Vec b) { return _mm512_shuffle_ps(a, b, kImm); }
 #else
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -50,7 +52,67 @@ inline float vsum(Vec v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+template <int kImm>  // within each 128-bit lane: 2 lanes of a, 2 of b, as kImm picks
+inline Vec vshuffle(Vec a, Vec b) { return _mm256_shuffle_ps(a, b, kImm); }
 #endif
+
+// The sums of kLanes registers as one register, lane i that of r[i], each bit for bit vsum's (the
+// same pairs added in the same order: halves, quarters, pairs of lanes, lanes), in a transposing tree
+// of 2 shuffles and an add a step: on AVX-512 45 instructions against ~130 for 16 vsums, and no
+// scalar stores. For a GEMV's last step over short rows (K = 576: 16 sums after 288 dot products at
+// 8 rows of x) and attention's scores.
+inline Vec lane_sums(const Vec* r) {
+#ifdef PRELOAD_AVX512
+  // The tree leaves the sum of register 4k + e in lane k + 4e: fed transposed, lane i gets r[i]'s.
+  auto in = [r](int x) { return r[4 * (x % 4) + x / 4]; };
+  Vec halves[8], quarters[4], pairs[2];
+  for (int i = 0; i < 8; ++i) {
+    const Vec a = in(2 * i), b = in(2 * i + 1);
+    halves[i] = vadd(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const Vec a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = vadd(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512d a = _mm512_castps_pd(quarters[2 * i]), b = _mm512_castps_pd(quarters[2 * i + 1]);
+    pairs[i] = vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+#else
+  // The tree leaves the sum of register 4h + e in lane h + 2e: fed transposed, lane i gets r[i]'s.
+  auto in = [r](int x) { return r[4 * (x % 2) + x / 2]; };
+  Vec halves[4], pairs[2];
+  for (int i = 0; i < 4; ++i) {
+    const Vec a = in(2 * i), b = in(2 * i + 1);
+    halves[i] = vadd(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(halves[2 * i]), b = _mm256_castps_pd(halves[2 * i + 1]);
+    pairs[i] = vadd(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+#endif
+  return vadd(vshuffle<0x88>(pairs[0], pairs[1]), vshuffle<0xDD>(pairs[0], pairs[1]));
+}
+
+// out[i] = vsum(r[i]) for i < N, bit for bit: lane_sums for 4 or more.
+template <int N>
+inline void vsums(const Vec* r, float* out) {
+  if constexpr (N < 4) {
+    for (int i = 0; i < N; ++i) out[i] = vsum(r[i]);
+  } else {
+    for (int i0 = 0; i0 < N; i0 += kLanes) {
+      Vec group[kLanes];
+      for (int i = 0; i < kLanes; ++i) group[i] = i0 + i < N ? r[i0 + i] : vzero();
+      if (N - i0 >= kLanes) {
+        vstore(out + i0, lane_sums(group));
+      } else {
+        alignas(64) float lanes[kLanes];
+        vstore(lanes, lane_sums(group));
+        for (int i = i0; i < N; ++i) out[i] = lanes[i - i0];
+      }
+    }
+  }
+}
 
 constexpr int kChunk = 32;               // elements decoded per step; a 16-element tail after the last
 constexpr int kVecs = kChunk / kLanes;   // registers a chunk fills
