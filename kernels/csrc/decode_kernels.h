@@ -100,49 +100,103 @@ inline void softmax_row(float* row, int64_t length) {
   for (int64_t s = full; s < length; ++s) row[s] *= inverse;
 }
 
+// Heads [g0, g0 + G) of the group, output registers [e0, e0 + B registers): the positions' values
+// weighted by each head's probabilities, each value register widened once for the G heads, each
+// output lane summed over the positions in order.
+template <bool kBF16, int G, int B>
+void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0) {
+  Vec acc[G][B];
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < B; ++i) acc[h][i] = vzero();
+  for (int64_t s = 0; s < a.length; ++s) {
+    Vec v[B];
+    for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.position_stride + e0 + i * kLanes);
+    for (int h = 0; h < G; ++h) {
+      const Vec weight = vset(probs[(g0 + h) * a.length + s]);
+      for (int i = 0; i < B; ++i) acc[h][i] = vfma(weight, v[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < B; ++i) {
+      const int64_t at = (g0 + h) * a.d + e0 + i * kLanes;
+      if constexpr (kBF16) store_bf16(static_cast<uint16_t*>(a.out) + at, acc[h][i]);
+      else vstore(static_cast<float*>(a.out) + at, acc[h][i]);
+    }
+}
+
+// Registers of output (of d / kLanes) and heads that weigh_values takes at once: G * B accumulators
+// and B values in registers.
+constexpr int kValueRegisters = 4;
+constexpr int kValueHeads = kLanes == 16 ? 4 : 2;
+
+template <bool kBF16, int G>
+void weigh_heads(const AttendJob& a, const float* probs, int64_t g0) {
+  const int64_t full = a.d / kLanes * kLanes;
+  int64_t e0 = 0;
+  for (; e0 + kValueRegisters * kLanes <= full; e0 += kValueRegisters * kLanes)
+    weigh_values<kBF16, G, kValueRegisters>(a, probs, g0, e0);
+  const int64_t left = (full - e0) / kLanes;
+  if (left == 1) weigh_values<kBF16, G, 1>(a, probs, g0, e0);
+  if (left == 2) weigh_values<kBF16, G, 2>(a, probs, g0, e0);
+  if (left == 3) weigh_values<kBF16, G, 3>(a, probs, g0, e0);
+  static_assert(kValueRegisters == 4, "weigh_heads takes the registers left one count at a time");
+}
+
+// Scores a block of kLanes positions at a time: the block's keys widened once for the group's heads;
+// per head, each position's dot product in a register, summed in two chains (even and odd registers
+// of d), then the block's kLanes registers summed at once (lane_sums: each bit for bit vsum).
+// Probabilities by softmax_row, then the values weighed for several heads at once (weigh_values).
 template <bool kBF16>
 void attend_job(const AttendJob& a) {
   const int64_t group = a.group, length = a.length, d = a.d, full = d / kLanes * kLanes;
   float* scores = a.scratch;               // [group, length]
   float* query = scores + group * length;  // [group, d]
-  float* key = query + group * d;          // [d]
+  float* keys = query + group * d;         // [kLanes, d]: a block of positions' keys
+  static_assert(kLanes <= kAttendBlock, "attend_floats leaves room for kAttendBlock keys");
   for (int64_t i = 0; i < group * d; ++i) query[i] = widened<kBF16>(a.q, i);
-  for (int64_t s = 0; s < length; ++s) {
-    const int64_t row = s * a.position_stride;
-    for (int64_t e = 0; e < full; e += kLanes) vstore(key + e, load_widened<kBF16>(a.keys, row + e));
-    for (int64_t e = full; e < d; ++e) key[e] = widened<kBF16>(a.keys, row + e);
+  for (int64_t s0 = 0; s0 < length; s0 += kLanes) {
+    const int64_t block = std::min<int64_t>(kLanes, length - s0);
+    for (int64_t p = 0; p < block; ++p) {
+      const int64_t row = (s0 + p) * a.position_stride;
+      for (int64_t e = 0; e < full; e += kLanes) vstore(keys + p * d + e, load_widened<kBF16>(a.keys, row + e));
+      for (int64_t e = full; e < d; ++e) keys[p * d + e] = widened<kBF16>(a.keys, row + e);
+    }
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = query + g * d;
-      Vec even = vzero(), odd = vzero();
-      int64_t e = 0;
-      for (; e + 2 * kLanes <= full; e += 2 * kLanes) {
-        even = vfma(vload(qg + e), vload(key + e), even);
-        odd = vfma(vload(qg + e + kLanes), vload(key + e + kLanes), odd);
+      Vec dots[kLanes];
+#pragma GCC unroll 16
+      for (int p = 0; p < kLanes; ++p) {
+        const float* key = keys + p * d;
+        Vec even = vzero(), odd = vzero();
+        if (p < block) {
+          int64_t e = 0;
+          for (; e + 2 * kLanes <= full; e += 2 * kLanes) {
+            even = vfma(vload(qg + e), vload(key + e), even);
+            odd = vfma(vload(qg + e + kLanes), vload(key + e + kLanes), odd);
+          }
+          if (e < full) even = vfma(vload(qg + e), vload(key + e), even);
+        }
+        dots[p] = vadd(even, odd);
       }
-      if (e < full) even = vfma(vload(qg + e), vload(key + e), even);
-      float dot = vsum(vadd(even, odd));
-      for (e = full; e < d; ++e) dot += qg[e] * key[e];
-      scores[g * length + s] = dot * a.scale;
+      alignas(64) float sums[kLanes];
+      vstore(sums, lane_sums(dots));
+      for (int64_t p = 0; p < block; ++p) {
+        float dot = sums[p];
+        for (int64_t e = full; e < d; ++e) dot += qg[e] * keys[p * d + e];
+        scores[g * length + s0 + p] = dot * a.scale;
+      }
     }
   }
   for (int64_t g = 0; g < group; ++g) softmax_row(scores + g * length, length);
-  constexpr int kBlock = 4;  // registers of output summed at once
+  for (int64_t g0 = 0; g0 < group; g0 += kValueHeads) {
+    const int64_t heads = std::min<int64_t>(kValueHeads, group - g0);
+    if (heads == kValueHeads) weigh_heads<kBF16, kValueHeads>(a, scores, g0);
+    else if (heads == 1) weigh_heads<kBF16, 1>(a, scores, g0);
+    else if constexpr (kValueHeads == 4) heads == 2 ? weigh_heads<kBF16, 2>(a, scores, g0)
+                                                    : weigh_heads<kBF16, 3>(a, scores, g0);
+  }
   for (int64_t g = 0; g < group; ++g) {
     const float* p = scores + g * length;
-    for (int64_t e0 = 0; e0 < full; e0 += kBlock * kLanes) {
-      const int blocks = static_cast<int>(std::min<int64_t>(kBlock, (full - e0) / kLanes));
-      Vec acc[kBlock] = {vzero(), vzero(), vzero(), vzero()};
-      for (int64_t s = 0; s < length; ++s) {
-        const Vec weight = vset(p[s]);
-        const int64_t row = s * a.position_stride + e0;
-        for (int i = 0; i < blocks; ++i) acc[i] = vfma(weight, load_widened<kBF16>(a.values, row + i * kLanes), acc[i]);
-      }
-      for (int i = 0; i < blocks; ++i) {
-        alignas(64) float lanes[kLanes];
-        vstore(lanes, acc[i]);
-        for (int l = 0; l < kLanes; ++l) store_out<kBF16>(a.out, g * d + e0 + i * kLanes + l, lanes[l]);
-      }
-    }
     for (int64_t e = full; e < d; ++e) {
       float sum = 0.0f;
       for (int64_t s = 0; s < length; ++s) sum += p[s] * widened<kBF16>(a.values, s * a.position_stride + e);

@@ -50,7 +50,10 @@ struct AttendJob {
   float* scratch;     // attend_floats(group, length, d) floats
 };
 
-inline int64_t attend_floats(int64_t group, int64_t length, int64_t d) { return group * (length + d) + d; }
+constexpr int64_t kAttendBlock = 16;  // positions whose keys a step widens at once (at most: AVX2 takes 8)
+inline int64_t attend_floats(int64_t group, int64_t length, int64_t d) {
+  return group * (length + d) + kAttendBlock * d;
+}
 
 // Entry points of one instruction set. Rows [begin, end) of the output; begin and end need not
 // fall on any step, so callers may split N between threads however they like.

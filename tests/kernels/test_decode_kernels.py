@@ -146,6 +146,27 @@ def test_decode_attention_reads_each_row_s_slot_and_length_in_place(dtype):
         torch.testing.assert_close(out[row], expected.reshape(-1), rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim, kv_heads, heads", [(64, 3, 9), (128, 2, 16), (80, 1, 5), (72, 2, 4),
+                                                       (24, 1, 7)])
+def test_decode_attention_on_every_variant_head_size_and_group(variant, dtype, head_dim, kv_heads, heads):
+    """Each variant's kernel scores keys a register's width of positions at a time and weighs values
+    for several heads at once: lengths on and off those blocks (1 to 2 blocks and one more), head
+    sizes with a partial block of output registers (80) and elements past the last register (72,
+    24), groups of 1 to 8 heads, against the plain reference."""
+    cache = torch.randn(4, 40, 2, kv_heads, head_dim).to(dtype)
+    slots, lengths = torch.tensor([1, 3, 0, 2]), torch.tensor([1, 16, 17, 33])
+    q = torch.randn(4, heads, head_dim).to(dtype)
+    with native.using(variant):
+        out = decode_attention(q, cache, slots, lengths)
+    for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
+        keys, values = cache[slot, :length].permute(1, 2, 0, 3)[:, None]
+        expected = attention_reference(q[row, None, :, None], keys, values, torch.tensor([[length - 1]]))
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[row], expected.reshape(-1), rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.skipif(not has_decode_attention(), reason="the native kernels are not built or not chosen")
 @pytest.mark.parametrize("slots, lengths, message", [
     ([5], [3], "slot 5 or length 3 is outside"), ([0], [41], "length 41 is outside"), ([0], [0], "length 0"),
