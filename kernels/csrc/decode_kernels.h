@@ -142,14 +142,13 @@ void weigh_heads(const AttendJob& a, const float* probs, int64_t g0) {
   static_assert(kValueRegisters == 4, "weigh_heads takes the registers left one count at a time");
 }
 
-// Scores a block of kLanes positions at a time: the block's keys widened once for the group's heads;
-// per head, each position's dot product in a register, summed in two chains (even and odd registers
-// of d), then the block's kLanes registers summed at once (lane_sums: each bit for bit vsum).
-// Probabilities by softmax_row, then the values weighed for several heads at once (weigh_values).
+// scores[g][s] = q[g] . key[s] * scale for every head and position, a block of kLanes positions at
+// a time: the block's keys widened once for the group's heads; per head, each position's dot product
+// in a register, summed in two chains (even and odd registers of d), then the block's kLanes
+// registers summed at once (lane_sums: each bit for bit vsum).
 template <bool kBF16>
-void attend_job(const AttendJob& a) {
+void score_widened(const AttendJob& a, float* scores) {
   const int64_t group = a.group, length = a.length, d = a.d, full = d / kLanes * kLanes;
-  float* scores = a.scratch;               // [group, length]
   float* query = scores + group * length;  // [group, d]
   float* keys = query + group * d;         // [kLanes, d]: a block of positions' keys
   static_assert(kLanes <= kAttendBlock, "attend_floats leaves room for kAttendBlock keys");
@@ -187,6 +186,57 @@ void attend_job(const AttendJob& a) {
       }
     }
   }
+}
+
+#ifdef PRELOAD_BF16DOT
+// score_widened for bfloat16 q and keys with d = 32 C, on AVX512-BF16's dot product: each key
+// multiplied as it is stored, C dot products a position (a head's query held in C registers), no
+// widening (a sixth of the instructions at d = 64). The products are exact, as widened; the float32
+// sums run in another order (the dot product's pairs), so scores differ from the other variants'
+// in their last bits.
+template <int C>
+void score_bf16dot(const AttendJob& a, float* scores) {
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  const uint16_t* keys = static_cast<const uint16_t*>(a.keys);
+  for (int64_t g = 0; g < a.group; ++g) {
+    __m512bh qg[C];
+    for (int c = 0; c < C; ++c) qg[c] = (__m512bh)_mm512_loadu_si512(q + g * a.d + 32 * c);
+    for (int64_t s0 = 0; s0 < a.length; s0 += kLanes) {
+      const int64_t block = std::min<int64_t>(kLanes, a.length - s0);
+      Vec dots[kLanes];
+#pragma GCC unroll 16
+      for (int p = 0; p < kLanes; ++p) {
+        Vec acc = vzero();
+        if (p < block) {
+          const uint16_t* key = keys + (s0 + p) * a.position_stride;
+          for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qg[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+        }
+        dots[p] = acc;
+      }
+      alignas(64) float sums[kLanes];
+      vstore(sums, lane_sums(dots));
+      for (int64_t p = 0; p < block; ++p) scores[g * a.length + s0 + p] = sums[p] * a.scale;
+    }
+  }
+}
+#endif
+
+// softmax(q . K^T * scale) V for one kv head's group of query heads: the scores (on the dot product
+// where AVX512-BF16 takes the head size), the probabilities by softmax_row, then the values weighed
+// for several heads at once (weigh_values).
+template <bool kBF16>
+void attend_job(const AttendJob& a) {
+  const int64_t group = a.group, length = a.length, d = a.d, full = d / kLanes * kLanes;
+  float* scores = a.scratch;  // [group, length]
+#ifdef PRELOAD_BF16DOT
+  if (kBF16 && d == 64) score_bf16dot<2>(a, scores);
+  else if (kBF16 && d == 128) score_bf16dot<4>(a, scores);
+  else if (kBF16 && d == 96) score_bf16dot<3>(a, scores);
+  else if (kBF16 && d == 32) score_bf16dot<1>(a, scores);
+  else score_widened<kBF16>(a, scores);
+#else
+  score_widened<kBF16>(a, scores);
+#endif
   for (int64_t g = 0; g < group; ++g) softmax_row(scores + g * length, length);
   for (int64_t g0 = 0; g0 < group; g0 += kValueHeads) {
     const int64_t heads = std::min<int64_t>(kValueHeads, group - g0);
