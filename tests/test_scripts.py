@@ -153,10 +153,12 @@ def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tin
 
 @pytest.mark.slow
 def test_bench_decode_produces_json(default_model):
-    out = run_preload("bench", "decode", "--new-tokens", "4", "--repeats", "1", "--batch", "2", "--json", timeout=600)
+    out = run_preload("bench", "decode", "--new-tokens", "4", "--prompt-tokens", "20", "--repeats", "1", "--batch", "2",
+                      "--json", timeout=600)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["ratios"]["logprobs_on_over_off"] > 0 and doc["medians"]["preload engine, 1 request"] > 0
+    assert doc["prompt_tokens"] == 20
 
 
 @pytest.mark.slow

@@ -5,7 +5,11 @@ measured in the same run, against which the weight bytes a token reads are set. 
 the tokens after the first over the time from the first to the last (the prefill, whose time to
 the first token is shown beside, is not decode); llama.cpp's count its steps after the prompt.
 
-    preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--repeats 5] [--batch 8] [--json]
+    preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--prompt-tokens N] [--repeats 5] [--batch 8]
+                         [--json]
+
+--prompt-tokens repeats the prompt's tokens to N, so that each decode step attends over N to N + 64
+positions: what attention costs at a longer context (the default prompt has 8 tokens).
 """
 
 import argparse
@@ -101,6 +105,8 @@ def run(args) -> int:
 
     model_path = pathlib.Path(args.model).resolve() if args.model else default_model_path()
     ids = Tokenizer(model_path).encode(PROMPT)
+    if args.prompt_tokens:
+        ids = (ids * -(-args.prompt_tokens // len(ids)))[:args.prompt_tokens]
     n = args.new_tokens
     weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(model_path), quantization=args.quantization)))
     model = CausalLM.from_config(weights.config, weights.tensors)
@@ -185,12 +191,14 @@ def run(args) -> int:
         ratios["ours_over_llama_cpp"] = medians[single] / llama
     if args.json:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
+                          "prompt_tokens": len(ids),
                           "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
                           "targets": TARGETS, "weight_bytes_per_token": weight_bytes,
                           "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
                           "llama_cpp": llama_note, "threads": threads}, indent=2))
         return 0
-    print(f"preload bench decode — {model_path.name} ({args.quantization}), {n} new tokens, greedy, median of "
+    print(f"preload bench decode — {model_path.name} ({args.quantization}), {len(ids)} prompt tokens, {n} new "
+          f"tokens, greedy, median of "
           f"{args.repeats}, {threads} threads; decode tokens/s after the first token, and the time to it")
     for name, value in medians.items():
         extra = f"   first token {ttft[name] * 1e3:6.0f} ms" if name in ttft else ""
@@ -211,9 +219,21 @@ def run(args) -> int:
     return 0
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; give a whole number, 1 or more") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a token count; give 1 or more")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=_count, default=0,
+                        help="repeat the prompt's tokens to this many (decode at a longer context); default: the prompt's")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
