@@ -191,9 +191,10 @@ void score_widened(const AttendJob& a, float* scores) {
 #ifdef PRELOAD_BF16DOT
 // score_widened for bfloat16 q and keys with d = 32 C, on AVX512-BF16's dot product: each key
 // multiplied as it is stored, C dot products a position (a head's query held in C registers), no
-// widening (a sixth of the instructions at d = 64). The products are exact, as widened; the float32
-// sums run in another order (the dot product's pairs), so scores differ from the other variants'
-// in their last bits.
+// widening (a sixth of the instructions at d = 64). The products are exact, as widened, but for
+// subnormal bfloat16 inputs, which the dot product reads as zero (as it flushes subnormal sums);
+// the float32 sums run in another order (the dot product's pairs), so scores differ from the other
+// variants' in their last bits.
 template <int C>
 void score_bf16dot(const AttendJob& a, float* scores) {
   const uint16_t* q = static_cast<const uint16_t*>(a.q);

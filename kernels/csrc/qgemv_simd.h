@@ -63,7 +63,7 @@ inline Vec vshuffle(Vec a, Vec b) { return _mm256_shuffle_ps(a, b, kImm); }
 // 8 rows of x) and attention's scores.
 inline Vec lane_sums(const Vec* r) {
 #ifdef PRELOAD_AVX512
-  // The tree leaves the sum of register 4k + e in lane k + 4e: fed transposed, lane i gets r[i]'s.
+  // The tree leaves the sum of register k + 4e in lane 4k + e: fed transposed, lane i gets r[i]'s.
   auto in = [r](int x) { return r[4 * (x % 4) + x / 4]; };
   Vec halves[8], quarters[4], pairs[2];
   for (int i = 0; i < 8; ++i) {
@@ -79,7 +79,7 @@ inline Vec lane_sums(const Vec* r) {
     pairs[i] = vadd(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
 #else
-  // The tree leaves the sum of register 4h + e in lane h + 2e: fed transposed, lane i gets r[i]'s.
+  // The tree leaves the sum of register h + 2e in lane 4h + e: fed transposed, lane i gets r[i]'s.
   auto in = [r](int x) { return r[4 * (x % 2) + x / 2]; };
   Vec halves[4], pairs[2];
   for (int i = 0; i < 4; ++i) {
