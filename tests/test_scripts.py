@@ -35,6 +35,9 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     summary = result["summary"]
     assert summary["warm (ipc_cache)"]["n"] == 1 and summary["ratios"]["weights_cold_over_warm"] > 0
     assert result["imports"]["engine_over_torch"] > 0
+    machine = result["machine"]  # the machine beside the figures: its bandwidths measured in the same run
+    assert "cores" in machine["machine"] and machine["memory_bandwidth_bytes_per_s"] > 0
+    assert machine["read_bandwidth_bytes_per_s"] > 0 and machine["read_bytes"] > 0
     if CAN_SNAPSHOT:  # the snapshot column: restores of a snapshot of a warm engine
         assert summary["snapshot restore"]["n"] == 1 and summary["ratios"]["start_to_ready_warm_over_restore"] > 0
         image = result["snapshot"]["manifest"]["image"]
@@ -48,6 +51,20 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     assert small["attach_ms_median"] > 0 and many["num_tensors"] >= 290
     assert small["cold_share_disk"] > 0 and small["cold_share_cached"] > 0 and small["cold_share_fresh"] > 0
     assert small["fresh_cached_GBps"] > 0
+    assert "kernels" in result["machine"]["machine"] and result["machine"]["memory_bandwidth_bytes_per_s"] > 0
+
+
+def test_machine_read_bandwidth_reads_at_most_its_bound(tmp_path, monkeypatch):
+    from preload_cli.bench import machine
+    files = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for f in files:
+        f.write_bytes(b"x" * (3 << 20))
+    monkeypatch.setattr(machine, "READ_BUFFER", 1 << 20)
+    monkeypatch.setattr(machine, "READ_BYTES", (4 << 20) + 5)
+    rate, total = machine.read_bandwidth(files, repeats=1)
+    assert total == (4 << 20) + 5 and rate > 0
+    monkeypatch.setattr(machine, "READ_BYTES", 1 << 30)
+    assert machine.read_bandwidth(files, repeats=1)[1] == 6 << 20
 
 
 def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
@@ -159,6 +176,8 @@ def test_bench_decode_produces_json(default_model):
     doc = json.loads(out.stdout)
     assert doc["ratios"]["logprobs_on_over_off"] > 0 and doc["medians"]["preload engine, 1 request"] > 0
     assert doc["prompt_tokens"] == 20
+    assert doc["machine"]["memory_bandwidth_bytes_per_s"] == doc["bandwidth_bytes_per_s"] > 0
+    assert doc["machine"]["read_bandwidth_bytes_per_s"] > 0
 
 
 @pytest.mark.slow

@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 
+from preload_cli.bench import machine
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ATTACH_FIXED_MS, ATTACH_PER_TENSOR_MS, COLD_SHARE = 5.0, 0.005, 0.85
 
@@ -205,7 +207,7 @@ def run(args) -> int:
     finally:
         daemon.terminate()
         daemon.wait()
-    result = {"machine": machine(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
+    result = {"machine": machine.measure(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
               "targets": {"attach_ms": f"{ATTACH_FIXED_MS:g} + {ATTACH_PER_TENSOR_MS * 1e3:g} us x tensors",
                           "cold_share": COLD_SHARE}, "digest_GBps": digest_throughput()}
     if args.json:
@@ -229,7 +231,8 @@ def tp2(path: pathlib.Path, repeats: int, row: dict) -> dict:
 
 
 def report(result: dict) -> None:
-    print(f"preload bench attach — {result['machine']}, median of {result['repeats']}, each sample a new process")
+    print(f"preload bench attach — median of {result['repeats']}, each sample a new process")
+    print(machine.line(result["machine"]))
     print(f"{'checkpoint':>24} {'tensors':>7} {'attach':>9} {'target':>8} {'+views':>9} │ "
           f"{'cold GB/s':>9} {'raw GB/s':>8} {'share':>6} │ {'cached':>6} {'raw':>6} {'share':>6} {'fresh':>6} "
           f"{'share':>6} │ {'cold/attach':>11}")
@@ -256,21 +259,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-gb", type=float, default=1.0, help="size whose TP=2 row to add (0: none)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
-
-
-def machine() -> str:
-    """The machine a figure was measured on: architecture, cores, widest SIMD, memory."""
-    import platform
-    import psutil
-    flags = set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} cores, {simd}, " \
-           f"{psutil.virtual_memory().total / 2**30:.0f} GiB"
 
 
 if __name__ == "__main__":  # one sample in a fresh process: `python -m preload_cli.bench.attach --child KIND ARGS`

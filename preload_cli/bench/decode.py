@@ -20,37 +20,11 @@ import tempfile
 import threading
 import time
 
+from preload_cli.bench import machine
+
 PROMPT = "The history of the printing press begins"
-BANDWIDTH_BYTES = 1 << 29  # at least, and 4x the last-level cache (480 MiB on some Xeons): a read streams from memory
 TARGETS = {"bandwidth_share": 0.6, "ours_over_transformers": 2.0, "batch_over_single": 4.0}
 LLAMA_FTYPES = {"none": ("BF16", 32), "int8": ("Q8_0", 7)}  # llama.cpp's file types with the same weight bits
-
-
-CACHE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "48K", "491520K"
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache sysfs lists for CPU 0 (0 where it lists none)."""
-    largest = 0
-    for size in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = size.read_text().strip()
-        if text[:-1].isdigit() and text[-1] in CACHE_UNITS:
-            largest = max(largest, int(text[:-1]) * CACHE_UNITS[text[-1]])
-    return largest
-
-
-def measure_bandwidth(repeats: int = 5) -> tuple[float, int]:
-    """(bytes/s that summing a buffer far larger than the caches reads, best of `repeats`; its size)."""
-    import torch
-
-    size = max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
-    buffer = torch.ones(size // 4)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass also faults the pages in
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return size / best, size
 
 
 def llama_cpp_tokens_per_s(args, model_path: pathlib.Path, ids: list[int], threads: int) -> tuple[float | None, str]:
@@ -178,7 +152,8 @@ def run(args) -> int:
         llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
     except Exception as e:  # an optional comparison: llama-cpp-python's API moves between releases
         llama, llama_note = None, f"failed: {type(e).__name__}: {e}"
-    bandwidth, summed = measure_bandwidth()
+    measured = machine.measure(model_path)
+    bandwidth, summed = measured["memory_bandwidth_bytes_per_s"], measured["memory_bytes_summed"]
     medians = {k: statistics.median(v) for k, v in rows.items()}
     ttft = {k: statistics.median(v) for k, v in first_token.items()}
     weight_bytes = model.weight_bytes_per_token()
@@ -195,11 +170,12 @@ def run(args) -> int:
                           "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
                           "targets": TARGETS, "weight_bytes_per_token": weight_bytes,
                           "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
-                          "llama_cpp": llama_note, "threads": threads}, indent=2))
+                          "llama_cpp": llama_note, "threads": threads, "machine": measured}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {len(ids)} prompt tokens, {n} new "
           f"tokens, greedy, median of "
           f"{args.repeats}, {threads} threads; decode tokens/s after the first token, and the time to it")
+    print(machine.line(measured))
     for name, value in medians.items():
         extra = f"   first token {ttft[name] * 1e3:6.0f} ms" if name in ttft else ""
         print(f"{name:<40} {value:>8.1f} tokens/s{extra}")

@@ -87,7 +87,7 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
     from kernels.dense import Dense
     from kernels.linear import quantized_linear
     from kernels.quant import SCHEMES, quantize
-    from preload_cli.bench.decode import BANDWIDTH_BYTES, last_level_cache_bytes
+    from preload_cli.bench.machine import BANDWIDTH_BYTES, last_level_cache_bytes
 
     def timed(fn) -> float:
         start = time.perf_counter()

@@ -12,7 +12,7 @@ import json
 import pathlib
 import statistics
 
-from preload_cli.bench.attach import machine
+from preload_cli.bench.machine import describe as machine
 from preload_cli.bench.restart import Engine, with_daemon
 
 MiB = 2**20

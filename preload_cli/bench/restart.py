@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from preload_cli.bench import machine
 from preload_cli.bench.attach import drop_page_cache
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -250,16 +251,19 @@ def run(args) -> int:
                           daemon.devices)
     summary = summarise(samples)
     imports = measure_imports(args.repeats)
+    measured = machine.measure(model)
     slab_bytes = sum(info.slab_bytes for info in daemon.infos)
     if args.json:
         print(json.dumps({"model": str(model), "slab_bytes": slab_bytes, "tp_size": args.tp_size,
                           "devices": daemon.devices,
                           "repeats": args.repeats, "summary": summary, "samples": samples, "imports": imports,
+                          "machine": measured,
                           "snapshot": {k: v for k, v in (snapshot or {}).items() if k != "dir"} or None},
                          indent=2, default=str))
     else:
         print(f"preload bench restart — {model.name} ({slab_bytes / 2**30:.2f} GiB over {args.tp_size} rank(s) on "
               f"{daemon.devices}), TP={args.tp_size}, median of {args.repeats}")
+        print(machine.line(measured))
         print(table(summary))
         if snapshot is not None:
             print(snapshot_lines(snapshot))

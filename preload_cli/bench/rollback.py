@@ -36,7 +36,7 @@ import statistics
 import tempfile
 import time
 
-from preload_cli.bench.attach import machine
+from preload_cli.bench.machine import describe as machine
 from preload_cli.bench.restart import Engine, with_daemon
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
 

@@ -196,7 +196,7 @@ def table(doc: dict) -> str:
 
 
 def run(args) -> int:
-    from preload_cli.bench.attach import machine
+    from preload_cli.bench.machine import describe as machine
     from preload_daemon.default_model import default_model_path
 
     source = pathlib.Path(args.model).resolve() if args.model else default_model_path()
