@@ -9,7 +9,7 @@ the first token is shown beside, is not decode); llama.cpp's count its steps aft
                          [--json]
 
 --prompt-tokens repeats the prompt's tokens to N, so that each decode step attends over N to N + 64
-positions: what attention costs at a longer context (the default prompt has 8 tokens).
+positions: what attention costs at a longer context (the default prompt has 7 tokens).
 """
 
 import argparse
@@ -173,8 +173,8 @@ def run(args) -> int:
                           "llama_cpp": llama_note, "threads": threads, "machine": measured}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {len(ids)} prompt tokens, {n} new "
-          f"tokens, greedy, median of "
-          f"{args.repeats}, {threads} threads; decode tokens/s after the first token, and the time to it")
+          f"tokens, greedy, median of {args.repeats}, {threads} threads; decode tokens/s after the first token, "
+          f"and the time to it")
     print(machine.line(measured))
     for name, value in medians.items():
         extra = f"   first token {ttft[name] * 1e3:6.0f} ms" if name in ttft else ""
