@@ -3,10 +3,12 @@
 // qgemv_kernels.cpp inside its unnamed namespace, so that each of its compilations (AVX2, AVX-512,
 // AMX) has a copy for its instruction set (Kernels::attend, Kernels::silu_mul).
 //
-// Per position the key row is widened once for the group's heads and each head's dot product is
-// summed in two vector registers; the softmax's exp runs a register at a time (a polynomial within
-// ~2 ulp of the C library's); each output is summed over the positions in order, in registers. The
-// plain C++ this replaced (compiled for any x86-64) spent ~55 ns a position on three heads of 64.
+// Scores a block of positions at a time (their keys widened once for the group's heads, or on
+// AVX512-BF16 multiplied as stored), each block's sums out of their registers at once; the
+// softmax's exp a register at a time (a polynomial within ~2 ulp of the C library's); each output
+// summed over the positions in order, in registers, the values widened once for several heads. The
+// plain C++ this replaced (compiled for any x86-64) spent ~55 ns a position on three heads of 64;
+// this spends ~7.5 (8 sequences of 500 positions, 2-core Zen 5, avx512bf16).
 
 template <bool kBF16>
 inline Vec load_widened(const void* p, int64_t at) {
