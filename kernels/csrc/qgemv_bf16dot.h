@@ -21,18 +21,25 @@
 //
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
 // element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
-// values (bfloat16 activations: packing is then exact). Float32 activations (which also have
-// float32 outputs: everything here writes bfloat16), FP8's float32 block scales, MXFP8 and K not a
-// multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's scale, one per 32 elements, folded
-// into the weight here cost more than it saved: 1.2-1.6x the AVX-512 kernels' time with K = 576 or
-// 4 rows of x, about even at 4096x4096 and one row, on a 2-core Zen 5.)
+// values (bfloat16 activations: packing is then exact). FP8's float32 scales per 128 x 128 block
+// multiply each block's float32 sums (block128_row_bf16), up to kBlock128DotRows rows of x. Float32
+// activations (which also have float32 outputs: everything here writes bfloat16), FP8 blocks with
+// more rows of x, MXFP8 and K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's
+// scale, one per 32 elements, folded into the weight here cost more than it saved: 1.2-1.6x the
+// AVX-512 kernels' time with K = 576 or 4 rows of x, about even at 4096x4096 and one row, on a
+// 2-core Zen 5.)
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
+// Most rows of x an FP8 block-scaled weight takes here: each block's sums need registers of their
+// own, so a pass reads a weight row at a time and each load of x serves one row, where the AVX-512
+// kernels step 4 rows; from memory on a 2-core Zen 5 (4096x4096) this took 0.51x bf16's time at one
+// row against 0.61x there, 0.56x against 0.61x at two, and more than they did from 4 rows on.
+constexpr int kBlock128DotRows = 2;
 
 inline bool bf16dot_layout(const Weight& w) {
   const bool mxfp8 = w.element == kE4M3 && w.kind == kE8M0Per32;
-  return w.kind != kBlock128 && !mxfp8 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+  return !mxfp8 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
@@ -189,6 +196,40 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
   reduce_banks(acc, sums);
 }
 
+// Row n of e4m3 with float32 scales per 128 x 128 block (FP8 block) times the M rows of packed x:
+// sums[m], scaled but for kFactor. Each block's 4 chunks are summed apart, over kParts banks (one a
+// chunk where the registers allow: the dot product's latency), then scaled into the row's sums.
+template <int M>
+void block128_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+  constexpr int kBlockChunks = 128 / kChunk, kParts = M <= 4 ? kBlockChunks : 1;
+  constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
+  const uint8_t* row = w.data + n * w.row_bytes;
+  const int64_t chunks = w.k / kChunk;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = vzero();
+  auto step = [&](int64_t c, __m512(&bank)[M]) __attribute__((always_inline)) {
+    const uint8_t* p = row + c * kChunkBytes<kE4M3>;
+    if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+    const __m512bh v = decode32_bf16<kE4M3>(p);
+    for (int m = 0; m < M; ++m)
+      bank[m] = _mm512_dpbf16_ps(bank[m], v, (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk));
+  };
+  for (int64_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
+    __m512 part[kParts][M];
+    zero(part);
+    if (c0 + kBlockChunks <= chunks)
+      unrolled<kBlockChunks>([&]<int b>() __attribute__((always_inline)) { step(c0 + b, part[b % kParts]); });
+    else
+      for (int64_t c = c0; c < chunks; ++c) step(c, part[0]);  // a last block narrower than 128
+    const __m512 scale = vset(block_scale(w, n, c0 / kBlockChunks));
+    for (int m = 0; m < M; ++m) {
+      for (int b = 1; b < kParts; ++b) part[0][m] = vadd(part[0][m], part[b][m]);
+      acc[m] = vfma(part[0][m], scale, acc[m]);
+    }
+  }
+  vsums<M>(acc, sums);
+}
+
 // Rows [n, n + R) times the M rows of packed x into y (bfloat16).
 template <int kElem, int kMode, int M, int R>
 inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_t* y, int64_t y_stride) {
@@ -196,6 +237,9 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_
   if constexpr (kElem == kE2M1) {
     static_assert(R == 1, "e2m1 runs a row at a time");
     e2m1_row_bf16<kMode == kBlock16Scale ? 4 : 2, M>(w, xp, n, sums);
+  } else if constexpr (kMode == kBlock128Scale) {
+    static_assert(R == 1, "FP8 blocks run a row at a time");
+    block128_row_bf16<M>(w, xp, n, sums);
   } else {
     plain_rows_bf16<kElem, M, R>(w, xp, n, sums);
   }
@@ -211,7 +255,7 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_
 // however the work is split, as the AVX-512 kernels' are.
 template <int kElem, int kMode, int M>
 void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y, int64_t y_stride) {
-  constexpr int R = kElem != kE2M1 && M >= 4 ? 2 : 1;
+  constexpr int R = kElem != kE2M1 && kMode != kBlock128Scale && M >= 4 ? 2 : 1;
   int64_t n = begin;
   for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, xp, n, y, y_stride);
   for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, xp, n, y, y_stride);
@@ -228,12 +272,13 @@ Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
 // More than kDotMaxM activation rows take several passes, as gemv's.
 void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                   int64_t y_stride, bool bf16) {
-  if (!bf16 || !bf16dot_layout(w)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (!bf16 || !bf16dot_layout(w) || (w.kind == kBlock128 && m_rows > kBlock128DotRows))
+    return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() -> Bf16DotFn {
-      if constexpr (kMode == kBlock128Scale || (kElem == kE4M3 && kMode == kBlock32Scale))
-        return nullptr;  // FP8's 128-blocks and MXFP8 never come here (bf16dot_layout)
+      if constexpr (kElem == kE4M3 && kMode == kBlock32Scale)
+        return nullptr;  // MXFP8 never comes here (bf16dot_layout)
       else
         return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });

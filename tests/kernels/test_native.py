@@ -163,8 +163,8 @@ def test_batched_products_on_the_matrix_units_match_the_reference(rows):
     """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
     int8, FP8, MX and NVFP4 weights: N off the 16-row tiles (the tail runs the AVX-512 kernels), x
     strided, and the same rows one at a time (AVX-512) agree up to the output's bfloat16 rounding.
-    Float32 activations, fewer or more rows, and FP8's float32 block scales take the AVX-512
-    kernels, as exactly as there."""
+    Float32 activations, more rows, and FP8's float32 block scales from 3 rows on take the AVX-512
+    kernels, as exactly as there; fewer rows run on the bfloat16 dot product."""
     torch.manual_seed(rows)
     w = torch.randn(203, 320)
     x = torch.randn(rows, 2 * 320)[:, ::2].bfloat16()
@@ -190,17 +190,18 @@ DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
 @pytest.mark.parametrize("variant", DOT_VARIANTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("k", [320, 336])
-def test_the_4bit_gemv_on_the_bfloat16_dot_product_matches_the_reference(variant, rows, k):
-    """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64 run on AVX512-BF16's dot
+def test_the_4bit_and_fp8_block_gemv_on_the_bfloat16_dot_product_matches_the_reference(variant, rows, k):
+    """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, and FP8 with 128 x 128 block
+    scales and K a multiple of 32 (320: a last block of 64) up to 2 rows, run on AVX512-BF16's dot
     product (qgemv_bf16dot.h; amx for the rows its tiles do not take), in passes of up to 8 rows: N
-    off the 4- and 2-row steps, x strided; and they agree with the AVX-512 kernels row by row up to
-    the output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 64) and float32 x run the
-    AVX-512 kernels, exactly as there."""
+    off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the AVX-512
+    kernels row by row up to the output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 32) and
+    float32 x run the AVX-512 kernels, exactly as there."""
     torch.manual_seed(rows * k)
     w = torch.randn(203, k)
     x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
     op = getattr(torch.ops.preload, f"qgemv_{variant}")
-    for name in ("mxfp4", "nvfp4"):
+    for name in ("mxfp4", "nvfp4", "fp8_block"):
         q = quantize(w, name)
         weight, *operands = scheme(name).native_operands(q)
         expected = x.float() @ dequantize(q, torch.float32)[:, :k].T
