@@ -37,9 +37,11 @@ constexpr int kDotMaxM = 8;        // activation rows per pass: more take more p
 // row against 0.61x there, 0.56x against 0.61x at two, and more than they did from 4 rows on.
 constexpr int kBlock128DotRows = 2;
 
-inline bool bf16dot_layout(const Weight& w) {
+// Whether m_rows of x times w run here (then x gets its packed copy), or on the AVX-512 kernels.
+inline bool bf16dot_takes(const Weight& w, int64_t m_rows) {
   const bool mxfp8 = w.element == kE4M3 && w.kind == kE8M0Per32;
-  return !mxfp8 && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+  const bool fp8_blocks_past_rows = w.kind == kBlock128 && m_rows > kBlock128DotRows;
+  return !mxfp8 && !fp8_blocks_past_rows && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
@@ -47,7 +49,7 @@ inline bool bf16dot_layout(const Weight& w) {
 // e2m1 each group of 16 as its 8 even-indexed elements, then its 8 odd ones, so each quarter of a
 // group is one conversion and two stores; the others in order.
 void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (!bf16dot_layout(w)) return;
+  if (!bf16dot_takes(w, m_rows)) return;
   static_assert(kE2M1Order[1] == 2 && kE2M1Order[8] == 1 && !kBF16Order, "pack_bf16dot reads x in AVX-512's orders");
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
   for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
@@ -272,13 +274,12 @@ Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
 // More than kDotMaxM activation rows take several passes, as gemv's.
 void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                   int64_t y_stride, bool bf16) {
-  if (!bf16 || !bf16dot_layout(w) || (w.kind == kBlock128 && m_rows > kBlock128DotRows))
-    return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (!bf16 || !bf16dot_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() -> Bf16DotFn {
       if constexpr (kElem == kE4M3 && kMode == kBlock32Scale)
-        return nullptr;  // MXFP8 never comes here (bf16dot_layout)
+        return nullptr;  // MXFP8 never comes here (bf16dot_takes)
       else
         return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });
