@@ -87,10 +87,10 @@ inline __attribute__((always_inline)) void decode_chunk(const uint8_t* row, int6
 template <int kMode>
 constexpr int kSlots = kMode == kBlock16Scale ? 2 : 1;
 
-// Rows [n, n + R) times activation rows [0, M): sums[m][r], before the row scale and kFactor. Each
+// Rows [n, n + R) times activation rows [0, M): sums[r * M + m], before the row scale and kFactor. Each
 // row's chunk is decoded and used before the next row's, so that few registers hold decoded weights.
 template <int kElem, int kMode, int M, int R>
-void dot_rows(const Weight& w, const float* x, int64_t n, float (*sums)[4]) {
+void dot_rows(const Weight& w, const float* x, int64_t n, float* sums) {
   Vec acc[R][M];
   zero(acc);
   const uint8_t* row[R];
@@ -176,10 +176,7 @@ void dot_rows(const Weight& w, const float* x, int64_t n, float (*sums)[4]) {
       madd<M>(v, x, w.k, at, acc[r]);
     }
   }
-  float flat[R * M];
-  vsums<R * M>(&acc[0][0], flat);
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) sums[m][r] = flat[r * M + m];
+  vsums<R * M>(&acc[0][0], sums);
 }
 
 // Weight rows per step for M activation rows: enough independent chains, no spilled accumulators.
@@ -190,11 +187,11 @@ constexpr int rows_for(int m) {
 template <int kElem, int kMode, int M>
 void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void* y, int64_t y_stride, bool bf16) {
   constexpr int R = rows_for(M);
-  float sums[M][4];
+  float sums[R * M];
   auto store = [&](int64_t n, int rows) {
     for (int r = 0; r < rows; ++r) {
       float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[m][r] * scale, bf16);
+      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scale, bf16);
     }
   };
   int64_t n = begin;
