@@ -215,7 +215,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const auto& list = phases_[phase];
     int64_t n = 0;
     for (const auto& p : list) n += p.w.n;
-    out.rows = preload::gemv_block_rows(kernels, list[0].w.k, n, at::get_num_threads());
+    out.rows = preload::gemv_block_rows(kernels, list[0].w, n, at::get_num_threads());
     int64_t total = 0;
     for (const auto& p : list) {
       out.first.push_back(total);

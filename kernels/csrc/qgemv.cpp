@@ -85,7 +85,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   bool bf16 = x.scalar_type() == at::kBFloat16;
   at::Tensor y = at::empty({m_rows, w.n}, x.options());
   void* yp = y.data_ptr();
-  const int64_t rows = preload::gemv_block_rows(K, w.k, w.n, at::get_num_threads());
+  const int64_t rows = preload::gemv_block_rows(K, w, w.n, at::get_num_threads());
   int64_t blocks = (w.n + rows - 1) / rows;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(blocks, at::get_num_threads()), 1, [&](int64_t, int64_t) {

@@ -150,17 +150,19 @@ void kernel_row(const T* src, int64_t stride, int64_t width, int64_t k, const ui
 // A GEMV hands its threads blocks of rows taken from a shared counter, not one share each: on a
 // busy machine a thread that runs late takes fewer blocks instead of holding up the call. A block
 // is a multiple of the kernels' block_unit rows (every step of the kernels divides it) of about
-// kGemvElements weight elements, whatever the rows of x: each block starts a new stream of reads,
-// whose first bytes no prefetch has asked for yet. (Blocks of 64K multiply-adds shrank as x's rows
-// grew, to 16 rows of 576 at 8 rows of x, and two threads then ran a 49152x576 bfloat16 GEMV from
-// memory little faster than one: 2.6 ms against 1.3-1.5 with these, a 2-core Zen 5.) Each thread
-// gets at least kGemvBlocksPerThread blocks where the weight has the rows.
-constexpr int64_t kGemvElements = int64_t(1) << 18;
+// kGemvBytes of weight, whatever the rows of x or the element format: each block starts a new stream
+// of reads, whose first bytes no prefetch has asked for yet. (Blocks of 64K multiply-adds shrank as
+// x's rows grew, to 16 rows of 576 at 8 rows of x, and two threads then ran a 49152x576 bfloat16
+// GEMV from memory little faster than one: 2.6 ms against 1.3-1.5 with 512 KiB blocks, a 2-core
+// Zen 5. Blocks of 256K elements, as they were, gave 4-bit weights 128 KiB blocks, and their one-row
+// GEMV from memory took 5-10% longer than with 512 KiB.) Each thread gets at least
+// kGemvBlocksPerThread blocks where the weight has the rows.
+constexpr int64_t kGemvBytes = int64_t(512) << 10;
 constexpr int64_t kGemvBlocksPerThread = 2;
 
-inline int64_t gemv_block_rows(const Kernels* kernels, int64_t k, int64_t n, int64_t threads) {
+inline int64_t gemv_block_rows(const Kernels* kernels, const Weight& w, int64_t n, int64_t threads) {
   const int64_t unit = kernels->block_unit;
-  const int64_t rows = std::min(kGemvElements / k, n / (std::max<int64_t>(threads, 1) * kGemvBlocksPerThread));
+  const int64_t rows = std::min(kGemvBytes / w.row_bytes, n / (std::max<int64_t>(threads, 1) * kGemvBlocksPerThread));
   return std::max<int64_t>(unit, rows / unit * unit);
 }
 
