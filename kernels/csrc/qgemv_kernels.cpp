@@ -45,17 +45,13 @@ inline __attribute__((always_inline)) void madd2(const Vec (&v)[N], const float*
     }
 }
 
-// sum_h v[h] . x[h vectors on] for h < N, in two chains.
+// sum_h v[h] . x[h vectors on] for h < N, in one chain (a block's few registers: the rows and
+// chunks in flight give the parallelism, and one chain saves the add of two).
 template <int N>
 inline __attribute__((always_inline)) Vec dot(const Vec* v, const float* x) {
-  Vec even = vmul(v[0], vload(x));
-  if constexpr (N == 1) return even;
-  Vec odd = vmul(v[1], vload(x + kLanes));
-  for (int h = 2; h < N; ++h) {
-    Vec& a = h % 2 ? odd : even;
-    a = vfma(v[h], vload(x + h * kLanes), a);
-  }
-  return vadd(even, odd);
+  Vec sum = vmul(v[0], vload(x));
+  for (int h = 1; h < N; ++h) sum = vfma(v[h], vload(x + h * kLanes), sum);
+  return sum;
 }
 
 template <int M, int R>
