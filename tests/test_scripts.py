@@ -49,8 +49,9 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     result = json.loads(out.stdout)
     small, many = result["rows"]
     assert small["attach_ms_median"] > 0 and many["num_tensors"] >= 290
-    assert small["cold_share_disk"] > 0 and small["cold_share_cached"] > 0 and small["cold_share_fresh"] > 0
-    assert small["fresh_cached_GBps"] > 0
+    for cache in ("disk", "cached"):
+        assert small[f"cold_share_{cache}"] > 0 and small[f"cold_share_fresh_{cache}"] > 0
+        assert small[f"fresh_{cache}_GBps"] > 0
     assert "kernels" in result["machine"]["machine"] and result["machine"]["memory_bandwidth_bytes_per_s"] > 0
 
 

@@ -7,9 +7,10 @@ Every sample runs in its own new process (imports not timed). "disk" samples fir
 from the page cache (posix_fadvise DONTNEED); "cached" samples read them once first. One daemon
 holds all sizes. Targets: attach <= 5 ms + 5 us per tensor; cold load >= 85% of the raw read's
 throughput; each TP=2 rank reads about half of the files. Beside the raw read into one reused
-buffer (the targets' reference) stands one into a new mapping of the files' whole size ("fresh"):
-a load writes into memory no one has touched yet, and what faulting that in costs varies widely
-between machines (on VMs whose host takes freed memory back it can exceed the read itself).
+buffer (the targets' reference) stands one into a new mapping of the files' whole size ("fresh"),
+from disk and from the page cache: a load writes into memory no one has touched yet, and what
+faulting that in costs varies widely between machines (on VMs whose host takes freed memory back
+it can exceed the read itself).
 
     preload bench attach [--sizes-gb 0.1,1,4] [--tensors 20000] [--tp-gb 1] [--repeats 5] [--json]
 """
@@ -190,16 +191,21 @@ def run(args) -> int:
             row["attach_target_ms"] = ATTACH_FIXED_MS + ATTACH_PER_TENSOR_MS * info.num_tensors
             client.evict(info.name, force=True)
             for cache in ("disk", "cached"):
-                cold = [sample("cold", str(path), cache) for _ in range(args.repeats)]
-                raw = [sample("raw", str(path), cache) for _ in range(args.repeats)]
+                # Interleaved, so that the machine's drift (this kind of VM's memory and disk swing
+                # 2x between minutes) falls on the three alike.
+                cold, raw, fresh = [], [], []
+                for _ in range(args.repeats):
+                    cold.append(sample("cold", str(path), cache))
+                    raw.append(sample("raw", str(path), cache))
+                    fresh.append(sample("raw", str(path), cache, "fresh"))
                 row[f"cold_{cache}_s"] = [s["seconds"] for s in cold]
                 row[f"raw_{cache}_s"] = [s["seconds"] for s in raw]
+                row[f"fresh_{cache}_s"] = [s["seconds"] for s in fresh]
                 row[f"cold_{cache}_GBps"] = info.slab_bytes / _median(cold) / 1e9
                 row[f"raw_{cache}_GBps"] = raw[0]["bytes"] / _median(raw) / 1e9
+                row[f"fresh_{cache}_GBps"] = fresh[0]["bytes"] / _median(fresh) / 1e9
                 row[f"cold_share_{cache}"] = row[f"cold_{cache}_GBps"] / row[f"raw_{cache}_GBps"]
-            fresh = [sample("raw", str(path), "cached", "fresh") for _ in range(args.repeats)]
-            row["fresh_cached_GBps"] = fresh[0]["bytes"] / _median(fresh) / 1e9
-            row["cold_share_fresh"] = row["cold_cached_GBps"] / row["fresh_cached_GBps"]
+                row[f"cold_share_fresh_{cache}"] = row[f"cold_{cache}_GBps"] / row[f"fresh_{cache}_GBps"]
             row["cold_over_attach"] = statistics.median(row["cold_disk_s"]) * 1e3 / row["attach_ms_median"]
             rows.append(row)
             if args.tp_gb and gb == args.tp_gb:
@@ -233,18 +239,19 @@ def tp2(path: pathlib.Path, repeats: int, row: dict) -> dict:
 def report(result: dict) -> None:
     print(f"preload bench attach — median of {result['repeats']}, each sample a new process")
     print(machine.line(result["machine"]))
+    print(f"{'':>24} {'':>7} {'':>9} {'':>8} {'':>9} │ {'from disk (GB/s)':^33} │ {'from the page cache (GB/s)':^33} │")
     print(f"{'checkpoint':>24} {'tensors':>7} {'attach':>9} {'target':>8} {'+views':>9} │ "
-          f"{'cold GB/s':>9} {'raw GB/s':>8} {'share':>6} │ {'cached':>6} {'raw':>6} {'share':>6} {'fresh':>6} "
-          f"{'share':>6} │ {'cold/attach':>11}")
+          f"{'cold':>6} {'raw':>6} {'share':>6} {'fresh':>6} {'share':>6} │ "
+          f"{'cold':>6} {'raw':>6} {'share':>6} {'fresh':>6} {'share':>6} │ {'cold/attach':>11}")
     for r in result["rows"]:
+        shares = " │ ".join(f"{r[f'cold_{c}_GBps']:>6.2f} {r[f'raw_{c}_GBps']:>6.2f} {r[f'cold_share_{c}']:>6.0%} "
+                           f"{r[f'fresh_{c}_GBps']:>6.2f} {r[f'cold_share_fresh_{c}']:>6.0%}" for c in ("disk", "cached"))
         print(f"{r['name']:>24} {r['num_tensors']:>7} {r['attach_ms_median']:>7.2f}ms {r['attach_target_ms']:>6.1f}ms "
-              f"{r['all_views_ms_median']:>7.2f}ms │ {r['cold_disk_GBps']:>9.2f} {r['raw_disk_GBps']:>8.2f} "
-              f"{r['cold_share_disk']:>6.0%} │ {r['cold_cached_GBps']:>6.2f} {r['raw_cached_GBps']:>6.2f} "
-              f"{r['cold_share_cached']:>6.0%} {r['fresh_cached_GBps']:>6.2f} {r['cold_share_fresh']:>6.0%} │ "
-              f"{r['cold_over_attach']:>10.0f}x")
+              f"{r['all_views_ms_median']:>7.2f}ms │ {shares} │ {r['cold_over_attach']:>10.0f}x")
     print(f"targets: attach <= {result['targets']['attach_ms']}; cold load share of the raw read >= "
-          f"{COLD_SHARE:.0%} (disk and cached); +views: attach plus a view of every tensor; fresh: the raw read "
-          "into new memory of the files' size (what faulting memory in costs here), and the cold load's share of it")
+          f"{COLD_SHARE:.0%} (disk and cached); +views: attach plus a view of every tensor; raw: one thread reading "
+          "the files into one reused buffer; fresh: the same into new memory of the files' size (what faulting "
+          "memory in costs here), and the cold load's share of it")
     tp = result["tp2"]
     if tp:
         print(f"TP=2, {tp['name']}, both ranks at once: disk {tp['disk_GBps']:.2f} GB/s ({tp['share_disk']:.0%} of "
