@@ -70,6 +70,7 @@ DECODE_M = (1, 2, 4, 8, 16)
 TARGET_MARGIN = 1.2  # over the bytes ratio: a memory-bound kernel's time follows the bytes it reads
 MIN_SECONDS = 0.2    # per timing: small calls repeat until they add up to this
 MAX_COPIES = 1024    # of a weight for the rows from memory (small weights: the calls' own cost dominates)
+ROUNDS = 10          # turns of side_by_side, at least
 
 
 def _copies(q, count: int) -> list:
@@ -81,6 +82,28 @@ def _copies(q, count: int) -> list:
                             None if q.global_scale is None else q.global_scale.clone(), q.shape) for _ in range(count)]
 
 
+def side_by_side(calls: dict, repeats: int) -> dict:
+    """The median seconds of a call of each function, timed in turns: every round calls each in
+    order, a few times (small calls until they add up to about MIN_SECONDS over all rounds), so that
+    a machine whose speed drifts between seconds (a VM's memory bandwidth swings 2x here) weighs on
+    every ratio alike instead of on whichever function ran then."""
+    rounds = max(repeats, ROUNDS)
+    per_round = {}
+    for name, fn in calls.items():
+        start = time.perf_counter()
+        fn()
+        first = time.perf_counter() - start
+        per_round[name] = max(1, min(1000 // rounds, int(MIN_SECONDS / rounds / max(first, 1e-6))))
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, fn in calls.items():
+            for _ in range(per_round[name]):
+                start = time.perf_counter()
+                fn()
+                samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
     import torch
 
@@ -88,17 +111,6 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
     from kernels.linear import quantized_linear
     from kernels.quant import SCHEMES, quantize
     from preload_cli.bench.machine import BANDWIDTH_BYTES, last_level_cache_bytes
-
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        first = time.perf_counter() - start
-        samples = []
-        for _ in range(min(1000, max(repeats, int(MIN_SECONDS / max(first, 1e-6))))):
-            start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
 
     rows, targets, dense = [], {}, Dense()
     for n in sizes:
@@ -108,22 +120,24 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
         targets[f"{n}x{n}"] = {s: q.nbytes / (2 * n * n) * TARGET_MARGIN for s, q in quantized.items()}
         for m in DECODE_M + (512,):
             x = torch.randn(m, n).bfloat16()
-            base = timed(lambda: dense(x, base_w))
-            row = {"shape": f"{n}x{n}", "m": m, "bf16_ms": base * 1e3}
-            for scheme, q in quantized.items():
-                row[scheme] = timed(lambda: quantized_linear(x, q)) / base
-            rows.append(row)
+            calls = {"bf16_ms": lambda: dense(x, base_w)}
+            calls.update({s: lambda q=q: quantized_linear(x, q) for s, q in quantized.items()})
+            seconds = side_by_side(calls, repeats)
+            base = seconds.pop("bf16_ms")
+            rows.append({"shape": f"{n}x{n}", "m": m, "bf16_ms": base * 1e3,
+                         **{s: t / base for s, t in seconds.items()}})
             print(f"  {n}x{n} M={m}: done", file=sys.stderr, flush=True)
         count = min(MAX_COPIES, -(-max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes()) // (2 * n * n)))
-        memory = {m: {"shape": f"{n}x{n}", "m": m, "memory": True} for m in DECODE_M}
-        for scheme, q in {"bf16_ms": base_w, **quantized}.items():  # one set of copies at a time
-            copies = _copies(q, count)
-            linear = dense if scheme == "bf16_ms" else quantized_linear
-            for m, row in memory.items():
-                x = torch.randn(m, n).bfloat16()
-                ms = timed(lambda: [linear(x, c) for c in copies]) / count * 1e3
-                row[scheme] = ms if scheme == "bf16_ms" else ms / row["bf16_ms"]
-        rows.extend(memory.values())
+        copies = {s: _copies(q, count) for s, q in {"bf16_ms": base_w, **quantized}.items()}
+        for m in DECODE_M:
+            x = torch.randn(m, n).bfloat16()
+            calls = {"bf16_ms": lambda: [dense(x, c) for c in copies["bf16_ms"]]}
+            calls.update({s: lambda s=s: [quantized_linear(x, c) for c in copies[s]] for s in quantized})
+            seconds = side_by_side(calls, repeats)
+            base = seconds.pop("bf16_ms")
+            rows.append({"shape": f"{n}x{n}", "m": m, "memory": True, "bf16_ms": base / count * 1e3,
+                         **{s: t / base for s, t in seconds.items()}})
+        del copies
         print(f"  {n}x{n} from memory ({count} copies): done", file=sys.stderr, flush=True)
     return {"rows": rows, "targets": targets}
 
@@ -156,7 +170,7 @@ def run(args) -> int:
         rows, targets = result["speed"]["rows"], result["speed"]["targets"]
         schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms", "memory")]
         print(f"\nquantized linear time / the engine's bf16 linear time on CPU ({result['threads']} threads, kernels: "
-              f"{result['kernels']}, median of at least {args.repeats}); target at M <= {DECODE_M[-1]}: the "
+              f"{result['kernels']}, timed in turns, median of at least {max(args.repeats, ROUNDS)}); target at M <= {DECODE_M[-1]}: the "
               f"bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
         print(f"{'weight':<10} {'M':>8} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))
         for shape, target in targets.items():
