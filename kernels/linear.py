@@ -3,7 +3,7 @@
 CPU: the native kernels where they were built and this CPU runs them (kernels/native.py picks the
 variant): a fused dequantize-and-multiply GEMV for up to a few activation rows, and dequantized
 cache-sized tiles fed to torch's GEMM for more. int8 takes torch's own fused weight-only int8
-kernel instead where that is the faster (_POLICY), and wherever the native kernels are missing.
+kernel wherever the native kernels are missing.
 Without them, the weight is dequantized in row tiles that stay in cache and each tile is
 multiplied, or dequantized once per call when the activation has many rows (prefill). GPU: FP8
 per-tensor and per-channel use torch._scaled_mm on SM89+ with dynamically quantized activations;
@@ -17,16 +17,17 @@ from kernels.quant import E4M3, E4M3_MAX, QuantizedWeight, Scheme, dequantize, s
 
 TILE_BYTES = 1 << 20  # a dequantized tile this size stays in L2 while it is multiplied
 LARGE_M = 64          # from this many activation rows on, one full dequantization is cheaper
-# native variant -> (most activation rows the fused GEMV takes before tiles + GEMM win, whether int8
-# below LARGE_M rows runs torch._weight_int8pack_mm instead). Measured on AVX2 (2 cores): the GEMV
-# beats both torch's int8 kernel and the tiles up to 16 rows (about even to 32), and the tiles beat
-# torch's int8 kernel above. On AVX-512 (a 2-core Xeon with AMX, `preload bench quant`): the GEMV,
-# in passes of 4 rows, beats the bf16 tiles on AMX up to 16 rows as well (M=8: 1.3-1.8x bf16's time
-# against 2.4-3.9x through the tiles); int8 keeps torch's kernel there (about even: 0.9-1.2x). On
-# amx the GEMV's tiles beat torch's int8 kernel at every row count (4096x4096: M=1 0.35 against
-# 0.45 ms, M=8 0.59 against 1.53 ms). On avx512bf16 (a 2-core Zen 5) the GEMV on the bfloat16 dot
-# product beats torch's int8 kernel as well (4096x4096, M=1: 0.18 against 0.22 ms in cache).
-_POLICY = {"avx2": (16, False), "avx512": (16, True), "avx512bf16": (16, False), "amx": (16, False)}
+# Most activation rows the fused GEMV takes before dequantized tiles + torch's GEMM win, on every
+# variant. Measured on AVX2 (2 cores): the GEMV beats both torch's int8 kernel and the tiles up to 16
+# rows (about even to 32), and the tiles beat torch's int8 kernel above. On a 2-core Xeon with AMX
+# running the avx512 variant, the GEMV in passes of 4 rows beat the bf16 tiles up to 16 rows as well
+# (M=8: 1.3-1.8x bf16's time against 2.4-3.9x through the tiles), and was about even with torch's
+# int8 kernel (0.9-1.2x); on a 2-core Zen 5 running the avx512 variant it took 0.55-0.8x of that
+# kernel's time at 1-16 rows from memory (4096x4096, M=1: 456 against 576 us). On amx the GEMV's
+# tiles beat torch's int8 kernel at every row count (4096x4096: M=1 0.35 against 0.45 ms, M=8 0.59
+# against 1.53 ms), and on avx512bf16 (Zen 5) the GEMV on the bfloat16 dot product does (M=1: 0.18
+# against 0.22 ms in cache). So int8 runs the native kernels wherever they are built.
+GEMV_MAX_M = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -63,22 +64,20 @@ def quantized_linear(x: torch.Tensor, q: QuantizedWeight) -> torch.Tensor:
 def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight, found: Scheme) -> torch.Tensor | None:
     """The fastest fused CPU kernel for x and q, or None where the pure torch path is all there is."""
     if native.qgemv is not None:
-        gemv_max_m, int8_in_torch = _POLICY[native.VARIANT]
-        if not (found.torch_int8_mm and int8_in_torch and x.shape[0] < LARGE_M):
-            out = _native(x, q, found, gemv_max_m)
-            if out is not None:
-                return out
+        out = _native(x, q, found)
+        if out is not None:
+            return out
     if found.torch_int8_mm and (x.shape[0] < LARGE_M or native.qgemm is None):
         return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
     return None
 
 
-def _native(x: torch.Tensor, q: QuantizedWeight, found: Scheme, gemv_max_m: int) -> torch.Tensor | None:
+def _native(x: torch.Tensor, q: QuantizedWeight, found: Scheme) -> torch.Tensor | None:
     """The native kernels, or None for what they do not take (K not a multiple of 16, other dtypes)."""
     operands = found.native_operands(q)
     if x.dtype not in (torch.float32, torch.bfloat16) or operands is None:
         return None
-    op = native.qgemv if x.shape[0] <= gemv_max_m else native.qgemm
+    op = native.qgemv if x.shape[0] <= GEMV_MAX_M else native.qgemm
     return op(x, *operands)
 
 

@@ -11,7 +11,7 @@ import torch
 from kernels import native
 from kernels.decode_layer import MATRIX_UNIT_ROWS, MAX_ROWS, fused_layer
 from kernels.dense import native_rows, reduced_gemm_is_slow
-from kernels.linear import _POLICY
+from kernels.linear import GEMV_MAX_M
 from kernels.rope import rope_table
 from preload_cli.models import tiny_model
 from preload_daemon.plan import LoadSpec
@@ -72,8 +72,7 @@ def exact(model, rows: int, scheme: str, variant: str) -> bool:
     with native.using(variant):
         if scheme == "none":
             return rows <= max(1, native_rows())
-        gemv_rows, int8_in_torch = _POLICY[variant]
-        return rows <= gemv_rows and not (scheme == "int8" and int8_in_torch)
+        return rows <= GEMV_MAX_M
 
 
 def same(fused, ops, bits: bool):
