@@ -137,9 +137,15 @@ void dot_rows(const Weight& w, const float* x, int64_t n, float* sums) {
     constexpr int kBlocksPerChunk = kMode == kBlock16Scale ? 2 : 1;
     constexpr bool kScaleRegisters = kSlotCount * M > kVecs;
     alignas(32) float scales[R][8];
+    const int64_t ahead_rows = ahead / w.row_bytes;
     for (int64_t c0 = 0; c0 < chunks; c0 += 8 / kBlocksPerChunk) {
       const int64_t c1 = lesser(c0 + 8 / kBlocksPerChunk, chunks);
-      for (int r = 0; r < R; ++r) block_scales(w, n + r, c0 * kBlocksPerChunk, (c1 - c0) * kBlocksPerChunk, scales[r]);
+      for (int r = 0; r < R; ++r) {
+        const int64_t b = c0 * kBlocksPerChunk;
+        if (b % 64 == 0 && n + r + ahead_rows < w.n)  // the scales a row `ahead` bytes on will read
+          _mm_prefetch(static_cast<const char*>(w.scale) + (n + r + ahead_rows) * w.scale_cols + b, _MM_HINT_T0);
+        block_scales(w, n + r, b, (c1 - c0) * kBlocksPerChunk, scales[r]);
+      }
       for (int64_t c = c0; c < c1; ++c) {
         for (int r = 0; r < R; ++r) {
           Vec v[kVecs], scale[kSlotCount];
