@@ -239,13 +239,14 @@ def tp2(path: pathlib.Path, repeats: int, row: dict) -> dict:
 def report(result: dict) -> None:
     print(f"preload bench attach — median of {result['repeats']}, each sample a new process")
     print(machine.line(result["machine"]))
-    print(f"{'':>24} {'':>7} {'':>9} {'':>8} {'':>9} │ {'from disk (GB/s)':^33} │ {'from the page cache (GB/s)':^33} │")
+    print(f"{'':>61} │ {'from disk (GB/s)':^33} │ {'from the page cache (GB/s)':^33} │")
     print(f"{'checkpoint':>24} {'tensors':>7} {'attach':>9} {'target':>8} {'+views':>9} │ "
           f"{'cold':>6} {'raw':>6} {'share':>6} {'fresh':>6} {'share':>6} │ "
           f"{'cold':>6} {'raw':>6} {'share':>6} {'fresh':>6} {'share':>6} │ {'cold/attach':>11}")
     for r in result["rows"]:
         shares = " │ ".join(f"{r[f'cold_{c}_GBps']:>6.2f} {r[f'raw_{c}_GBps']:>6.2f} {r[f'cold_share_{c}']:>6.0%} "
-                           f"{r[f'fresh_{c}_GBps']:>6.2f} {r[f'cold_share_fresh_{c}']:>6.0%}" for c in ("disk", "cached"))
+                           f"{r[f'fresh_{c}_GBps']:>6.2f} {r[f'cold_share_fresh_{c}']:>6.0%}"
+                           for c in ("disk", "cached"))
         print(f"{r['name']:>24} {r['num_tensors']:>7} {r['attach_ms_median']:>7.2f}ms {r['attach_target_ms']:>6.1f}ms "
               f"{r['all_views_ms_median']:>7.2f}ms │ {shares} │ {r['cold_over_attach']:>10.0f}x")
     print(f"targets: attach <= {result['targets']['attach_ms']}; cold load share of the raw read >= "

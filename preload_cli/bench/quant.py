@@ -170,8 +170,8 @@ def run(args) -> int:
         rows, targets = result["speed"]["rows"], result["speed"]["targets"]
         schemes = [k for k in rows[0] if k not in ("shape", "m", "bf16_ms", "memory")]
         print(f"\nquantized linear time / the engine's bf16 linear time on CPU ({result['threads']} threads, kernels: "
-              f"{result['kernels']}, timed in turns, median of at least {max(args.repeats, ROUNDS)}); target at M <= {DECODE_M[-1]}: the "
-              f"bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
+              f"{result['kernels']}, medians, all timed in turns over {max(args.repeats, ROUNDS)} rounds); target at "
+              f"M <= {DECODE_M[-1]}: the bytes ratio + {TARGET_MARGIN - 1:.0%}, ! = over it")
         print(f"{'weight':<10} {'M':>8} {'bf16 ms':>8} " + " ".join(f"{s:>15}" for s in schemes))
         for shape, target in targets.items():
             print(f"{shape:<10} {'target':>17} " + " ".join(f"{target[s]:>13.2f}x " for s in schemes))
