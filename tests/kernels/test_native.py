@@ -212,3 +212,29 @@ def test_the_4bit_and_fp8_block_gemv_on_the_bfloat16_dot_product_matches_the_ref
         torch.testing.assert_close(got.float(), one_by_one.float(), rtol=1e-2, atol=1e-2)
         wide = op(x.float(), weight, *operands)
         torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
+@pytest.mark.parametrize("name", ["fp8_per_tensor", "fp8_per_channel", "fp8_block"])
+def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
+    """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
+    element, then the zeros and subnormals alone, at 1, 2 and 4 rows of bfloat16 x: each variant's
+    GEMV (avx512bf16 and amx look e4m3 up in a table of bfloat16 words) matches the float32 product
+    of the dequantized weight up to the output's bfloat16 rounding; subnormals are not flushed."""
+    torch.manual_seed(7)
+    n, k = 96, 512
+    q = quantize(torch.randn(n, k), name)
+    op = getattr(torch.ops.preload, f"qgemv_{variant}")
+    every = (torch.arange(n * k) % 256).view(n, k)
+    every[(every & 0x7F) == 0x7F] = 0x01  # NaN -> the smallest subnormal
+    subnormals = torch.where(every & 0x78 == 0, every, 0)  # exponent 0
+    for codes in (every, subnormals):
+        q.weight.view(torch.uint8).copy_(codes.to(torch.uint8))
+        weight, *operands = scheme(name).native_operands(q)
+        reference = dequantize(q, torch.float32)
+        for rows in (1, 2, 4):
+            x = torch.randn(rows, k).bfloat16()
+            expected = x.float() @ reference.T
+            assert expected.abs().max() > 0
+            torch.testing.assert_close(op(x, weight, *operands).float(), expected.bfloat16().float(), rtol=1e-2,
+                                       atol=1e-2 * expected.abs().max().item())
