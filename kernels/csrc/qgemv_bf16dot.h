@@ -157,8 +157,8 @@ void e2m1_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) 
 }
 
 // The bfloat16 bits of e4m3 magnitude code c (eeee.mmm) times 2^-8, as decode32 scales e4m3: exact,
-// subnormals included (3 significant bits fit in 8; the smallest, 2^-17, is a normal bfloat16, which
-// the dot product does not flush). Code 0x7F is NaN.
+// subnormals included (4 significant bits fit in bfloat16's 8; the smallest, 2^-17, is a normal
+// bfloat16, which the dot product does not flush). Code 0x7F is NaN.
 constexpr uint16_t e4m3_bf16_bits(int c) {
   const int e = c >> 3, m = c & 7;
   if (c == 0x7F) return 0x7FC0;
