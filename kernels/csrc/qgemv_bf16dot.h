@@ -22,12 +22,15 @@
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
 // element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
 // values (bfloat16 activations: packing is then exact). FP8's float32 scales per 128 x 128 block
-// multiply each block's float32 sums (block128_row_bf16), up to kBlock128DotRows rows of x. Float32
-// activations (which also have float32 outputs: everything here writes bfloat16), FP8 blocks with
-// more rows of x, MXFP8 and K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels. (MXFP8's
-// scale, one per 32 elements, folded into the weight here cost more than it saved: 1.2-1.6x the
-// AVX-512 kernels' time with K = 576 or 4 rows of x, about even at 4096x4096 and one row, on a
-// 2-core Zen 5.)
+// multiply each block's float32 sums (block128_row_bf16), up to kBlock128DotRows rows of x. MXFP8's
+// power-of-two scale per 32 elements is added to the exponents of its block's bfloat16 weights
+// (two instructions a block, no multiply-add a row of x), exact wherever the scaled weights stay
+// normal bfloat16: rows with a scale outside that range run the AVX-512 kernels (e8m0_within). A
+// 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's
+// time -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row as before. (Folding by multiplying
+// in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
+// (which also have float32 outputs: everything here writes bfloat16), FP8 blocks with more rows of
+// x, and K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels.
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
@@ -39,9 +42,8 @@ constexpr int kBlock128DotRows = 2;
 
 // Whether m_rows of x times w run here (then x gets its packed copy), or on the AVX-512 kernels.
 inline bool bf16dot_takes(const Weight& w, int64_t m_rows) {
-  const bool mxfp8 = w.element == kE4M3 && w.kind == kE8M0Per32;
   const bool fp8_blocks_past_rows = w.kind == kBlock128 && m_rows > kBlock128DotRows;
-  return !mxfp8 && !fp8_blocks_past_rows && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+  return !fp8_blocks_past_rows && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
@@ -82,6 +84,24 @@ inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
                                                      _mm512_slli_epi32(c, 23), _mm512_set1_epi32(0x00400000)));
 }
 
+// An e8m0 code's power of two, 2^(code - 127), as what adds it to a bfloat16's exponent, in every word.
+inline __m512i e8m0_exponent(uint8_t code) { return _mm512_set1_epi16(static_cast<int16_t>((code - 127) << 7)); }
+
+// Whether each of row n's e8m0 codes lies in [lo, hi], where its block's values times its scale are
+// normal bfloat16 (and the scale is not NaN, 255): then the scales fold into the weight exactly.
+inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
+  const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + n * w.scale_cols;
+  const int64_t count = w.k / w.block;
+  for (int64_t b = 0; b < count; b += 64) {
+    const __mmask64 live = count - b >= 64 ? ~__mmask64(0) : (__mmask64(1) << (count - b)) - 1;
+    const __m512i c = _mm512_maskz_loadu_epi8(live, codes + b);
+    if (_mm512_mask_cmplt_epu8_mask(live, c, _mm512_set1_epi8(char(lo))) |
+        _mm512_mask_cmpgt_epu8_mask(live, c, _mm512_set1_epi8(char(hi))))
+      return false;
+  }
+  return true;
+}
+
 // Below 4 rows of x, one weight row at a time, front to back, with the next kDotAhead bytes
 // prefetched: rows read side by side (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s
 // from memory on a 2-core Zen 4, a row at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a
@@ -89,6 +109,9 @@ inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
 // weight rows share each (plain_rows_bf16); a step then takes longer per byte, and kDotWideAhead
 // covers the memory's latency (a 2-core Zen 5, 49152x576 bfloat16 from memory, 2 threads: 4 rows of
 // x 1.37 -> 0.98 ms, 8 rows 1.55 -> 1.40; one thread, 8 rows, 0.42 -> 0.27 ns a dot product).
+// e2m1 rows pair up likewise (e2m1_rows_bf16; 4096x4096 MXFP4 and NVFP4 from memory, builds
+// alternated twice: 4 rows of x 0.59-0.66x bf16's time -> 0.32-0.34x, 8 rows 0.83-1.07x ->
+// 0.67-0.85x; in cache at 4 rows 448 -> 270 us).
 constexpr int64_t kDotAhead = 4096;
 constexpr int64_t kDotWideAhead = 4 * kDotAhead;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
@@ -116,40 +139,46 @@ inline void reduce_banks(__m512 (&acc)[kBanks][M], float* sums) {
   vsums<M>(acc[0], sums);
 }
 
-// Row n of e2m1 times the M rows of packed x: sums[m], scaled (MX and NVFP4 have no row scale).
-// kBlocks: scales per group of 64 (2 for MXFP4's blocks of 32, 4 for NVFP4's of 16).
-template <int kBlocks, int M>
-void e2m1_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+// Rows [n, n + R) of e2m1 times the M rows of packed x: sums[r * M + m], scaled (MX and NVFP4 have no
+// row scale). kBlocks: scales per group of 64 (2 for MXFP4's blocks of 32, 4 for NVFP4's of 16).
+template <int kBlocks, int M, int R>
+void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
   const __m512i table = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(kE2M1Bf16)));
   const __m512i nibble = _mm512_set1_epi16(0x0F);
   // Lane i of a group's sums is in the group's block i / (16 / kBlocks): group q of the 16 / kBlocks
   // groups whose scales one register holds takes its lanes' scales from spread[q]. Each group's dots
   // start from zero, so only the scaled sums chain from group to group (kBanks of them).
-  constexpr int kGroups = 16 / kBlocks, kBanks = M == 1 ? 4 : M <= 4 ? 2 : 1;
+  constexpr int kGroups = 16 / kBlocks, kBanks = M == 1 ? 4 : R * M <= 4 ? 2 : 1;
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512i spread[kGroups];
   for (int q = 0; q < kGroups; ++q)
     spread[q] = _mm512_add_epi32(_mm512_srli_epi32(lanes, kBlocks == 2 ? 3 : 2), _mm512_set1_epi32(q * kBlocks));
-  const uint8_t* row = w.data + n * w.row_bytes;
   const int64_t groups = w.k / kDotGroup;
-  __m512 acc[kBanks][M];
+  __m512 acc[kBanks][R * M];  // acc[b][r * M + m]
   zero(acc);
   for (int64_t g0 = 0; g0 < groups; g0 += kGroups) {
-    const __m512 scales = scales16(w, n, g0 * kBlocks);
+    __m512 scales[R];
+    for (int r = 0; r < R; ++r) scales[r] = scales16(w, n + r, g0 * kBlocks);
     unrolled<kGroups>([&]<int q>() __attribute__((always_inline)) {
       const int64_t g = g0 + q;
       if (g >= groups) return;
-      const uint8_t* p = row + g * (kDotGroup / 2);
-      if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), _MM_HINT_T0);
-      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-      const __m512bh even = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
-      const __m512bh odd = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
-      const __m512 scale = _mm512_permutexvar_ps(spread[q], scales);
+      __m512bh even[R], odd[R];
+      __m512 scale[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = w.data + (n + r) * w.row_bytes + g * (kDotGroup / 2);
+        if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), _MM_HINT_T0);
+        const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        even[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
+        odd[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
+        scale[r] = _mm512_permutexvar_ps(spread[q], scales[r]);
+      }
       for (int m = 0; m < M; ++m) {
         const uint16_t* x = xp + m * w.k + g * kDotGroup;
-        const __m512 dots = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vzero(), even, (__m512bh)_mm512_loadu_si512(x)), odd,
-                                             (__m512bh)_mm512_loadu_si512(x + kDotGroup / 2));
-        acc[q % kBanks][m] = _mm512_fmadd_ps(dots, scale, acc[q % kBanks][m]);
+        const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x), x1 = (__m512bh)_mm512_loadu_si512(x + kDotGroup / 2);
+        for (int r = 0; r < R; ++r) {
+          const __m512 dots = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vzero(), even[r], x0), odd[r], x1);
+          acc[q % kBanks][r * M + m] = _mm512_fmadd_ps(dots, scale[r], acc[q % kBanks][r * M + m]);
+        }
       }
     });
   }
@@ -184,14 +213,23 @@ constexpr E4M3Bf16Table kE4M3Bf16;
 // picks the half), the sign put back. (A 2-core Zen 5, 4096x4096 at one row of x in cache, builds
 // alternated twice: FP8 per channel 328 -> 205-260 us, FP8 blocks 379-382 -> 247-335; outputs bitwise
 // equal for every code but NaN.)
-inline __m512bh e4m3_bf16(const uint8_t* p) {
+// With kScaled, times an MX block's scale 2^e (e8m0_exponent: e << 7 in every word), added to the
+// exponent of every nonzero magnitude in two more instructions: exact where the scaled values stay
+// normal bfloat16 (e8m0_within).
+template <bool kScaled = false>
+inline __m512bh e4m3_bf16(const uint8_t* p, __m512i exponent = __m512i()) {
   const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i* table = reinterpret_cast<const __m512i*>(kE4M3Bf16.words);
   const __m512i low = _mm512_permutex2var_epi16(_mm512_load_si512(table), codes, _mm512_load_si512(table + 1));
   const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2), codes, _mm512_load_si512(table + 3));
-  const __m512i magnitude = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), high);
+  __m512i magnitude = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), high);
+  if constexpr (kScaled)
+    magnitude = _mm512_mask_add_epi16(magnitude, _mm512_test_epi16_mask(magnitude, magnitude), magnitude, exponent);
   return (__m512bh)_mm512_ternarylogic_epi32(magnitude, codes, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
 }
+
+// MXFP8 codes within which e4m3 (times 2^-8: 2^-17 to 1.75) times 2^(code - 127) is normal bfloat16.
+constexpr uint8_t kMxfp8Fold[2] = {18, 254};
 
 // 32 elements of a bfloat16, int8 or e4m3 row (e4m3 times 2^-8, as decode32 leaves it) as bfloat16,
 // in order.
@@ -208,22 +246,26 @@ inline __m512bh decode32_bf16(const uint8_t* p) {
   }
 }
 
-// Rows [n, n + R) of bfloat16, int8 or e4m3 (one scale per row) times the M rows of packed x:
-// sums[r * M + m], before the row scale and kFactor. R > 1 loads each x register once for R weight
-// rows: from 4 rows of x on, the loads (one per dot product at R = 1) bound a step, not memory.
-template <int kElem, int M, int R>
+// Rows [n, n + R) of bfloat16, int8 or e4m3 (one scale per row), or of MXFP8 whose scales fold into
+// the weight (e8m0_within), times the M rows of packed x: sums[r * M + m], before the row scale and
+// kFactor. R > 1 loads each x register once for R weight rows: from 4 rows of x on, the loads (one
+// per dot product at R = 1) bound a step, not memory.
+template <int kElem, int kMode, int M, int R>
 void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
   constexpr int kBanks = kDotBanks<M * R>;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
   const int64_t chunks = w.k / kChunk;
   __m512 acc[kBanks][R * M];  // acc[b][r * M + m]
   zero(acc);
+  const uint8_t* codes[R];  // MXFP8: each row's e8m0 codes, one a chunk
+  for (int r = 0; r < R; ++r) codes[r] = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols;
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
       if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-      v[r] = decode32_bf16<kElem>(p);
+      if constexpr (kMode == kBlock32Scale) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
+      else v[r] = decode32_bf16<kElem>(p);
     }
     for (int m = 0; m < M; ++m) {
       const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk);
@@ -271,18 +313,24 @@ void block128_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* su
   vsums<M>(acc, sums);
 }
 
-// Rows [n, n + R) times the M rows of packed x into y (bfloat16).
+// Rows [n, n + R) times the M rows of packed x into y (bfloat16). MXFP8 rows whose scales do not fold
+// into the weight (e8m0_within) run the AVX-512 kernels on x's float32 rows.
 template <int kElem, int kMode, int M, int R>
-inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_t* y, int64_t y_stride) {
+inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, uint16_t* y,
+                         int64_t y_stride) {
   float sums[R * M];
+  if constexpr (kElem == kE4M3 && kMode == kBlock32Scale) {
+    for (int r = 0; r < R; ++r)
+      if (!e8m0_within(w, n + r, kMxfp8Fold[0], kMxfp8Fold[1]))
+        return gemv_pass<kElem, kMode, M>(w, x, n, n + R, y, y_stride, true);
+  }
   if constexpr (kElem == kE2M1) {
-    static_assert(R == 1, "e2m1 runs a row at a time");
-    e2m1_row_bf16<kMode == kBlock16Scale ? 4 : 2, M>(w, xp, n, sums);
+    e2m1_rows_bf16<kMode == kBlock16Scale ? 4 : 2, M, R>(w, xp, n, sums);
   } else if constexpr (kMode == kBlock128Scale) {
     static_assert(R == 1, "FP8 blocks run a row at a time");
     block128_row_bf16<M>(w, xp, n, sums);
   } else {
-    plain_rows_bf16<kElem, M, R>(w, xp, n, sums);
+    plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, sums);
   }
   for (int r = 0; r < R; ++r) {
     const float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
@@ -295,14 +343,15 @@ inline void bf16dot_rows(const Weight& w, const uint16_t* xp, int64_t n, uint16_
 // split N at even rows (block_unit and in_passes' tiles are even), so every row's bits are the same
 // however the work is split, as the AVX-512 kernels' are.
 template <int kElem, int kMode, int M>
-void bf16dot_pass(const Weight& w, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y, int64_t y_stride) {
-  constexpr int R = kElem != kE2M1 && kMode != kBlock128Scale && M >= 4 ? 2 : 1;
+void bf16dot_pass(const Weight& w, const float* x, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y,
+                  int64_t y_stride) {
+  constexpr int R = kMode != kBlock128Scale && M >= 4 ? 2 : 1;
   int64_t n = begin;
-  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, xp, n, y, y_stride);
-  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, xp, n, y, y_stride);
+  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, x, xp, n, y, y_stride);
+  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, x, xp, n, y, y_stride);
 }
 
-using Bf16DotFn = void (*)(const Weight&, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
+using Bf16DotFn = void (*)(const Weight&, const float*, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
 
 template <int kElem, int kMode, int... Ms>
 Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
@@ -316,12 +365,9 @@ void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin
   if (!bf16 || !bf16dot_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
-    const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() -> Bf16DotFn {
-      if constexpr (kElem == kE4M3 && kMode == kBlock32Scale)
-        return nullptr;  // MXFP8 never comes here (bf16dot_takes)
-      else
-        return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
+    const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() {
+      return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });
-    pass(w, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride);
+    pass(w, x + m0 * w.k, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride);
   });
 }

@@ -190,18 +190,19 @@ DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
 @pytest.mark.parametrize("variant", DOT_VARIANTS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
 @pytest.mark.parametrize("k", [320, 336])
-def test_the_4bit_and_fp8_block_gemv_on_the_bfloat16_dot_product_matches_the_reference(variant, rows, k):
-    """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, and FP8 with 128 x 128 block
-    scales and K a multiple of 32 (320: a last block of 64) up to 2 rows, run on AVX512-BF16's dot
-    product (qgemv_bf16dot.h; amx for the rows its tiles do not take), in passes of up to 8 rows: N
-    off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the AVX-512
-    kernels row by row up to the output's bfloat16 rounding. K = 336 (a multiple of 16 but not of 32) and
-    float32 x run the AVX-512 kernels, exactly as there."""
+def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(variant, rows, k):
+    """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, MXFP8 (its scales folded into
+    the weight) with K a multiple of 32, and FP8 with 128 x 128 block scales and K a multiple of 32
+    (320: a last block of 64) up to 2 rows, run on AVX512-BF16's dot product (qgemv_bf16dot.h; amx for
+    the rows its tiles do not take), in passes of up to 8 rows, two weight rows at a time from 4 rows
+    of x on: N off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the
+    AVX-512 kernels row by row up to the output's bfloat16 rounding. K = 336 (a multiple of 16 but
+    not of 32) and float32 x run the AVX-512 kernels, exactly as there."""
     torch.manual_seed(rows * k)
     w = torch.randn(203, k)
     x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
     op = getattr(torch.ops.preload, f"qgemv_{variant}")
-    for name in ("mxfp4", "nvfp4", "fp8_block"):
+    for name in ("mxfp4", "nvfp4", "mxfp8", "fp8_block"):
         q = quantize(w, name)
         weight, *operands = scheme(name).native_operands(q)
         expected = x.float() @ dequantize(q, torch.float32)[:, :k].T
@@ -214,8 +215,43 @@ def test_the_4bit_and_fp8_block_gemv_on_the_bfloat16_dot_product_matches_the_ref
         torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not DOT_VARIANTS, reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("variant", DOT_VARIANTS)
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(variant, name):
+    """On the dot product MXFP8 adds each block's power of two to its bfloat16 weights' exponents:
+    rows whose codes would leave the normal bfloat16 range (MXFP8 below 18, 2^-109) run the AVX-512
+    kernels instead, bit for bit as there; the rest, down to the smallest code that folds, match the
+    float32 product of the dequantized weight. MXFP4 scales the sums and takes every code. Rows paired
+    (two at a time from 4 rows of x) with a row that cannot fold, and a row mixing codes, included."""
+    torch.manual_seed(11)
+    n, k = 17, 512
+    q = quantize(torch.randn(n, k), name)
+    codes = q.scale.view(torch.uint8)
+    lowest = 18 if name == "mxfp8" else 0
+    per_row = [0, 1, 17, lowest, lowest + 1, 100, 127, 140, 17, 200, 230, 3, 18, 127, 64, 0, 19]
+    codes.copy_(torch.tensor(per_row, dtype=torch.uint8)[:, None].expand_as(codes))
+    codes[5, 3] = 17  # one block below the range: the whole row runs the AVX-512 kernels
+    weight, *operands = scheme(name).native_operands(q)
+    reference = dequantize(q, torch.float64)
+    op = getattr(torch.ops.preload, f"qgemv_{variant}")
+    folds = (codes >= lowest).all(dim=1) if name == "mxfp8" else torch.ones(n, dtype=torch.bool)
+    assert 0 < folds.sum() < n or name == "mxfp4"
+    for rows in (1, 4, 5):
+        x = torch.randn(rows, k).bfloat16()
+        got = op(x, weight, *operands)
+        avx512 = torch.ops.preload.qgemv_avx512(x, weight, *operands)
+        expected = x.double() @ reference[:, :k].T
+        for r in range(n):
+            scale = expected[:, r].abs().max().item()
+            assert scale > 0
+            torch.testing.assert_close(got[:, r].double(), expected[:, r], rtol=1e-2, atol=1e-2 * scale)
+            if not folds[r]:
+                torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
-@pytest.mark.parametrize("name", ["fp8_per_tensor", "fp8_per_channel", "fp8_block"])
+@pytest.mark.parametrize("name", ["fp8_per_tensor", "fp8_per_channel", "fp8_block", "mxfp8"])
 def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
     """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
     element, then the zeros and subnormals alone, at 1, 2 and 4 rows of bfloat16 x: each variant's
