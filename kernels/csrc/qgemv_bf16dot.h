@@ -22,28 +22,24 @@
 // Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
 // element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
 // values (bfloat16 activations: packing is then exact). FP8's float32 scales per 128 x 128 block
-// multiply each block's float32 sums (block128_row_bf16), up to kBlock128DotRows rows of x. MXFP8's
+// multiply each block's float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share
+// each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
+// time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
 // power-of-two scale per 32 elements is added to the exponents of its block's bfloat16 weights
 // (two instructions a block, no multiply-add a row of x), exact wherever the scaled weights stay
 // normal bfloat16: rows with a scale outside that range run the AVX-512 kernels (e8m0_within). A
 // 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's
 // time -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row as before. (Folding by multiplying
 // in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
-// (which also have float32 outputs: everything here writes bfloat16), FP8 blocks with more rows of
-// x, and K not a multiple of 32 (64 for e2m1) run the AVX-512 kernels.
+// (which also have float32 outputs: everything here writes bfloat16) and K not a multiple of 32 (64
+// for e2m1) run the AVX-512 kernels.
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
-// Most rows of x an FP8 block-scaled weight takes here: each block's sums need registers of their
-// own, so a pass reads a weight row at a time and each load of x serves one row, where the AVX-512
-// kernels step 4 rows; from memory on a 2-core Zen 5 (4096x4096) this took 0.51x bf16's time at one
-// row against 0.61x there, 0.56x against 0.61x at two, and more than they did from 4 rows on.
-constexpr int kBlock128DotRows = 2;
 
-// Whether m_rows of x times w run here (then x gets its packed copy), or on the AVX-512 kernels.
-inline bool bf16dot_takes(const Weight& w, int64_t m_rows) {
-  const bool fp8_blocks_past_rows = w.kind == kBlock128 && m_rows > kBlock128DotRows;
-  return !fp8_blocks_past_rows && w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
+// Whether bfloat16 rows of x times w run here (then x gets its packed copy), or on the AVX-512 kernels.
+inline bool bf16dot_takes(const Weight& w) {
+  return w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
@@ -51,7 +47,7 @@ inline bool bf16dot_takes(const Weight& w, int64_t m_rows) {
 // e2m1 each group of 16 as its 8 even-indexed elements, then its 8 odd ones, so each quarter of a
 // group is one conversion and two stores; the others in order.
 void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (!bf16dot_takes(w, m_rows)) return;
+  if (!bf16dot_takes(w)) return;
   static_assert(kE2M1Order[1] == 2 && kE2M1Order[8] == 1 && !kBF16Order, "pack_bf16dot reads x in AVX-512's orders");
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
   for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
@@ -279,38 +275,45 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
   reduce_banks(acc, sums);
 }
 
-// Row n of e4m3 with float32 scales per 128 x 128 block (FP8 block) times the M rows of packed x:
-// sums[m], scaled but for kFactor. Each block's 4 chunks are summed apart, over kParts banks (one a
-// chunk where the registers allow: the dot product's latency), then scaled into the row's sums.
-template <int M>
-void block128_row_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
-  constexpr int kBlockChunks = 128 / kChunk, kParts = M <= 4 ? kBlockChunks : 1;
+// Rows [n, n + R) of e4m3 with float32 scales per 128 x 128 block (FP8 block) times the M rows of
+// packed x: sums[r * M + m], scaled but for kFactor. Each block's 4 chunks are summed apart, over
+// kParts banks (one a chunk where the registers allow: the dot product's latency), then scaled into
+// the rows' sums.
+template <int M, int R>
+void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+  constexpr int kBlockChunks = 128 / kChunk, kParts = R * M <= 4 ? kBlockChunks : R * M <= 8 ? 2 : 1;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
-  const uint8_t* row = w.data + n * w.row_bytes;
   const int64_t chunks = w.k / kChunk;
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = vzero();
-  auto step = [&](int64_t c, __m512(&bank)[M]) __attribute__((always_inline)) {
-    const uint8_t* p = row + c * kChunkBytes<kE4M3>;
-    if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-    const __m512bh v = decode32_bf16<kE4M3>(p);
-    for (int m = 0; m < M; ++m)
-      bank[m] = _mm512_dpbf16_ps(bank[m], v, (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk));
+  __m512 acc[R * M];  // acc[r * M + m]
+  for (int i = 0; i < R * M; ++i) acc[i] = vzero();
+  auto step = [&](int64_t c, __m512(&bank)[R * M]) __attribute__((always_inline)) {
+    __m512bh v[R];
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kE4M3>;
+      if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      v[r] = decode32_bf16<kE4M3>(p);
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk);
+      for (int r = 0; r < R; ++r) bank[r * M + m] = _mm512_dpbf16_ps(bank[r * M + m], v[r], x);
+    }
   };
   for (int64_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
-    __m512 part[kParts][M];
+    __m512 part[kParts][R * M];
     zero(part);
     if (c0 + kBlockChunks <= chunks)
       unrolled<kBlockChunks>([&]<int b>() __attribute__((always_inline)) { step(c0 + b, part[b % kParts]); });
     else
       for (int64_t c = c0; c < chunks; ++c) step(c, part[0]);  // a last block narrower than 128
-    const __m512 scale = vset(block_scale(w, n, c0 / kBlockChunks));
-    for (int m = 0; m < M; ++m) {
-      for (int b = 1; b < kParts; ++b) part[0][m] = vadd(part[0][m], part[b][m]);
-      acc[m] = vfma(part[0][m], scale, acc[m]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = vset(block_scale(w, n + r, c0 / kBlockChunks));
+      for (int m = 0; m < M; ++m) {
+        for (int b = 1; b < kParts; ++b) part[0][r * M + m] = vadd(part[0][r * M + m], part[b][r * M + m]);
+        acc[r * M + m] = vfma(part[0][r * M + m], scale, acc[r * M + m]);
+      }
     }
   }
-  vsums<M>(acc, sums);
+  vsums<R * M>(acc, sums);
 }
 
 // Rows [n, n + R) times the M rows of packed x into y (bfloat16). MXFP8 rows whose scales do not fold
@@ -327,8 +330,7 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
   if constexpr (kElem == kE2M1) {
     e2m1_rows_bf16<kMode == kBlock16Scale ? 4 : 2, M, R>(w, xp, n, sums);
   } else if constexpr (kMode == kBlock128Scale) {
-    static_assert(R == 1, "FP8 blocks run a row at a time");
-    block128_row_bf16<M>(w, xp, n, sums);
+    block128_rows_bf16<M, R>(w, xp, n, sums);
   } else {
     plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, sums);
   }
@@ -345,7 +347,7 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
 template <int kElem, int kMode, int M>
 void bf16dot_pass(const Weight& w, const float* x, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y,
                   int64_t y_stride) {
-  constexpr int R = kMode != kBlock128Scale && M >= 4 ? 2 : 1;
+  constexpr int R = M >= 4 ? 2 : 1;
   int64_t n = begin;
   for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, x, xp, n, y, y_stride);
   for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, x, xp, n, y, y_stride);
@@ -362,7 +364,7 @@ Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
 // More than kDotMaxM activation rows take several passes, as gemv's.
 void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                   int64_t y_stride, bool bf16) {
-  if (!bf16 || !bf16dot_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (!bf16 || !bf16dot_takes(w)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() {
