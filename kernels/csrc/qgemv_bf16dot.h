@@ -25,12 +25,13 @@
 // multiply each block's float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share
 // each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
 // time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
-// power-of-two scale per 32 elements is added to the exponents of its block's bfloat16 weights
-// (two instructions a block, no multiply-add a row of x), exact wherever the scaled weights stay
+// power-of-two scale per 32 elements multiplies each block's sums at one row of x (one multiply-add
+// a block); from 2 rows on it is added to the exponents of its block's bfloat16 weights (two
+// instructions a block, not a multiply-add a row of x), exact wherever the scaled weights stay
 // normal bfloat16: rows with a scale outside that range run the AVX-512 kernels (e8m0_within). A
-// 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's
-// time -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row as before. (Folding by multiplying
-// in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
+// 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's time
+// -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row in cache 293-311 -> 242-245 us. (Folding
+// by multiplying in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
 // (which also have float32 outputs: everything here writes bfloat16) and K not a multiple of 32 (64
 // for e2m1) run the AVX-512 kernels.
 
@@ -255,8 +256,17 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
   zero(acc);
   const uint8_t* codes[R];  // MXFP8: each row's e8m0 codes, one a chunk
   for (int r = 0; r < R; ++r) codes[r] = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols;
+  alignas(64) float scales[16];  // MXFP8 at one row of x: the next 16 chunks' scales
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
     __m512bh v[R];
+    if constexpr (kMode == kBlock32Scale && M == 1) {
+      const uint8_t* p = w.data + n * w.row_bytes + c * kChunkBytes<kElem>;
+      if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      if (c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
+      const __m512 dots = _mm512_dpbf16_ps(vzero(), decode32_bf16<kElem>(p), (__m512bh)_mm512_loadu_si512(xp + c * kChunk));
+      a[0] = vfma(dots, vset(scales[c % 16]), a[0]);
+      return;
+    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
       if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
@@ -322,7 +332,7 @@ template <int kElem, int kMode, int M, int R>
 inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, uint16_t* y,
                          int64_t y_stride) {
   float sums[R * M];
-  if constexpr (kElem == kE4M3 && kMode == kBlock32Scale) {
+  if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > 1) {
     for (int r = 0; r < R; ++r)
       if (!e8m0_within(w, n + r, kMxfp8Fold[0], kMxfp8Fold[1]))
         return gemv_pass<kElem, kMode, M>(w, x, n, n + R, y, y_stride, true);
