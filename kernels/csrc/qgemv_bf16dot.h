@@ -263,7 +263,8 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
       const uint8_t* p = w.data + n * w.row_bytes + c * kChunkBytes<kElem>;
       if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
       if (c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
-      const __m512 dots = _mm512_dpbf16_ps(vzero(), decode32_bf16<kElem>(p), (__m512bh)_mm512_loadu_si512(xp + c * kChunk));
+      const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + c * kChunk);
+      const __m512 dots = _mm512_dpbf16_ps(vzero(), decode32_bf16<kElem>(p), x);
       a[0] = vfma(dots, vset(scales[c % 16]), a[0]);
       return;
     }
