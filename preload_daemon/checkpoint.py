@@ -23,6 +23,7 @@ from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, op
 MAX_HEADER_BYTES = 100 << 20
 INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
+READ_VECTORS = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers one preadv fills
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
 
@@ -315,23 +316,53 @@ class Checkpoint:
     def read_into(self, name: str, out: torch.Tensor | memoryview, skip: int = 0) -> None:
         """Reads the stored bytes of `name`, from byte `skip` on, straight into `out` (a contiguous
         uint8 tensor, or a byte memoryview) with pread: one copy from the page cache, no mapping."""
-        info = self.tensors[name]
         view = memoryview(out.numpy()).cast("B") if isinstance(out, torch.Tensor) else out
-        if skip + len(view) > info.nbytes:
-            raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
-        fd = self._fds.get(info.file)
+        self.read_many([(name, view, skip)])
+
+    def read_many(self, reads: list[tuple[str, memoryview, int]]) -> None:
+        """read_into for each (name, byte view, skip) in turn; reads that continue one another in the
+        same file (tensors stored back to back, in order) go as one preadv of up to READ_VECTORS
+        buffers: one system call, not one a tensor, for runs of small tensors."""
+        i = 0
+        while i < len(reads):
+            name, view, skip = reads[i]
+            info = self.tensors[name]
+            if skip + len(view) > info.nbytes:
+                raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
+            offset, end, views = info.start + skip, info.start + skip + len(view), [view]
+            while i + len(views) < len(reads) and len(views) < READ_VECTORS:
+                next_name, next_view, next_skip = reads[i + len(views)]
+                following = self.tensors[next_name]
+                if following.file != info.file or following.start + next_skip != end \
+                        or next_skip + len(next_view) > following.nbytes:
+                    break
+                views.append(next_view)
+                end += len(next_view)
+            what = short_repr(name) + (f" and the {len(views) - 1} tensors after it" if len(views) > 1 else "")
+            self._preadv(info.file, views, offset, what)
+            i += len(views)
+
+    def _preadv(self, file: pathlib.Path, views: list[memoryview], offset: int, what: str) -> None:
+        """Fills `views` in turn from `file` at `offset`, whatever the reads return at a time (`what`
+        names the tensors in errors)."""
+        fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[info.file] = self._open(info.file)
-        done = 0
-        while done < len(view):
+            fd = self._fds[file] = self._open(file)
+        views, k = [v for v in views if len(v)], 0
+        while k < len(views):
             try:
-                n = os.preadv(fd, [view[done:]], info.start + skip + done)
+                n = os.preadv(fd, views[k:] if k else views, offset)
             except OSError as e:
-                raise CheckpointError(f"{info.file}: reading {short_repr(name)} failed ({e.strerror or e})") from e
+                raise CheckpointError(f"{file}: reading {what} failed ({e.strerror or e})") from e
             if n == 0:
-                raise CheckpointError(f"{info.file}: ends early while reading {short_repr(name)}; the file was "
+                raise CheckpointError(f"{file}: ends early while reading {what}; the file was "
                                       f"truncated after it was opened; {FIX}")
-            done += n
+            offset += n
+            while k < len(views) and n >= len(views[k]):
+                n -= len(views[k])
+                k += 1
+            if n:
+                views[k] = views[k][n:]
 
     def open_files(self) -> None:
         """Opens every weight file now (read_into opens them on first use), so that threads reading

@@ -4,7 +4,7 @@ the plan's tensors in order, reading each checkpoint tensor once and quantizing 
 Reads run on a few threads, each a large pread straight from the file into the tensor's place in
 the destination (a tensor larger than READ_CHUNK is split across threads), so the disk has several
 requests in flight and page-cache copies use every core; small tensors in a row are one job of up
-to BATCH_BYTES.
+to BATCH_BYTES, one preadv where they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
 row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
 thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak
@@ -54,7 +54,7 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
             nonlocal batch_bytes
             batch_bytes = 0
             if batch:
-                future = pool.submit(_run_all, list(batch))
+                future = pool.submit(checkpoint.read_many, list(batch))
                 for item in batch_items:
                     item[2].append(future)
                 batch.clear()
@@ -63,18 +63,19 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
         try:
             for group, next_offset in groups(plan):
                 item = (group, next_offset, [])
-                jobs, inline = _jobs(reader, group, dest, memory)
+                reads, jobs, inline = _jobs(reader, group, dest, memory)
                 if inline:  # through the scratch buffer, on this thread only (see the module doc)
                     for job in jobs:
                         job()
-                elif len(jobs) == 1 and group[0].nbytes < BATCH_BYTES:
-                    batch.append(jobs[0])
+                elif len(reads) == 1 and group[0].nbytes < BATCH_BYTES:
+                    batch.append(reads[0])
                     batch_items.append(item)
                     batch_bytes += group[0].nbytes
                     if batch_bytes >= BATCH_BYTES:
                         flush()
                 else:
                     flush()
+                    item[2].extend(pool.submit(checkpoint.read_many, [read]) for read in reads)
                     item[2].extend(pool.submit(job) for job in jobs)
                 pending.append(item)
                 in_flight += group[0].nbytes
@@ -91,11 +92,6 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 for future in futures:
                     future.cancel()
             raise
-
-
-def _run_all(jobs: list) -> None:
-    for job in jobs:
-        job()
 
 
 def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
@@ -129,25 +125,27 @@ def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
     return next_offset
 
 
-def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor, memory: memoryview) -> tuple[list, bool]:
-    """The reads that write one group, and whether they must run on the calling thread: direct
-    reads of at most READ_CHUNK bytes each or one read per row of a column shard (any thread), or
-    the whole group through the scratch buffer (conversion, quantization: the calling thread)."""
+def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
+          memory: memoryview) -> tuple[list, list, bool]:
+    """What writes one group: direct reads of at most READ_CHUNK bytes each, as (name, destination
+    bytes, skip) for Checkpoint.read_many (any thread); or jobs: one read per row of a column shard
+    (any thread), or the whole group through the scratch buffer (conversion, quantization: the
+    calling thread, which the last item says)."""
     entry, checkpoint = group[0], reader.checkpoint
     if entry.quantize:
-        return [lambda: write_group(reader, group, dest)], True
+        return [], [lambda: write_group(reader, group, dest)], True
     if not entry.nbytes:
-        return [], False
+        return [], [], False
     info = checkpoint.tensors[entry.source]
     rows, skip, _ = _row_range(info, entry.shard)
     if info.dtype == entry.dtype and entry.shard is rows:
         start, end = entry.offset, entry.offset + entry.nbytes
-        return [lambda at=at: checkpoint.read_into(entry.source, memory[at:min(at + READ_CHUNK, end)], skip + at - start)
-                for at in range(start, end, READ_CHUNK)], False
+        return [(entry.source, memory[at:min(at + READ_CHUNK, end)], skip + at - start)
+                for at in range(start, end, READ_CHUNK)], [], False
     out = dest[entry.offset:entry.offset + entry.nbytes]
     if info.dtype == entry.dtype and entry.shard.dim == 1 and len(info.shape) == 2:
-        return [lambda: reader.read_columns(entry, out)], False
-    return [lambda: reader.copy_into(entry, out)], True
+        return [], [lambda: reader.read_columns(entry, out)], False
+    return [], [lambda: reader.copy_into(entry, out)], True
 
 
 def write_group(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:

@@ -40,6 +40,43 @@ def test_reads_tensors_bitwise_equal_to_safetensors(tmp_path):
         assert torch.equal(got.view(torch.uint8) if got.numel() else got, tensor.view(torch.uint8) if got.numel() else tensor)
 
 
+def test_tensors_stored_back_to_back_are_read_in_one_call_whatever_each_call_returns(tmp_path, monkeypatch):
+    """read_many fills each destination with its tensor's bytes (from a skip on, too), reading a run
+    of tensors that follow one another in the file with one preadv, and resumes where a short read
+    stopped; a file cut short after it was opened is named, not read as zeros."""
+    tensors = {f"t{i:02}": torch.randn(3 + i) for i in range(40)}
+    make_dir(tmp_path, tensors)
+    ckpt = Checkpoint(tmp_path)
+    order = sorted(ckpt.tensors, key=lambda n: ckpt.tensors[n].start)
+    calls, real_preadv = [], os.preadv
+
+    def short_preadv(fd, buffers, offset):  # at most 7 bytes a call: every kind of partial read
+        calls.append(len(buffers))
+        first = memoryview(buffers[0])[:7]
+        return real_preadv(fd, [first], offset)
+
+    for preadv in (real_preadv, short_preadv):
+        monkeypatch.setattr(os, "preadv", preadv)
+        calls.clear()
+        outs = {name: bytearray(ckpt.tensors[name].nbytes - 4 * (name == "t05")) for name in order}
+        ckpt.read_many([(name, memoryview(outs[name]), 4 * (name == "t05")) for name in order])
+        for name in order:
+            expected = tensors[name].view(torch.uint8).numpy().tobytes()[4 * (name == "t05"):]
+            assert bytes(outs[name]) == expected, name
+    assert len(calls) > 40  # the short reads did run
+    counted = []
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (counted.append(len(buffers)),
+                                                                    real_preadv(fd, buffers, offset))[1])
+    ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order])
+    assert counted == [len(order)]  # back to back: one call for all 40
+    ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order[::2]])
+    assert counted[1:] == [1] * len(order[::2])  # gaps between them: one call each
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(ckpt.tensors[order[-1]].start + 2)
+    with pytest.raises(CheckpointError, match="ends early"):
+        ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order])
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     save_file({"x": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
