@@ -23,7 +23,7 @@ from preload_daemon.safepath import (check_no_nul, file_name_problem, inside, op
 MAX_HEADER_BYTES = 100 << 20
 INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
-READ_VECTORS = min(1024, os.sysconf("SC_IOV_MAX"))  # buffers one preadv fills
+READ_VECTORS = max(1, min(1024, os.sysconf("SC_IOV_MAX")))  # buffers one preadv fills
 FIX = "re-export it with safetensors.torch.save_file (or re-download it)"
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
 
@@ -327,13 +327,13 @@ class Checkpoint:
         while i < len(reads):
             name, view, skip = reads[i]
             info = self.tensors[name]
-            if skip + len(view) > info.nbytes:
+            if skip < 0 or skip + len(view) > info.nbytes:
                 raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
             offset, end, views = info.start + skip, info.start + skip + len(view), [view]
             while i + len(views) < len(reads) and len(views) < READ_VECTORS:
                 next_name, next_view, next_skip = reads[i + len(views)]
                 following = self.tensors[next_name]
-                if following.file != info.file or following.start + next_skip != end \
+                if following.file != info.file or following.start + next_skip != end or next_skip < 0 \
                         or next_skip + len(next_view) > following.nbytes:
                     break
                 views.append(next_view)

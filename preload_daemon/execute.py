@@ -3,8 +3,8 @@ the plan's tensors in order, reading each checkpoint tensor once and quantizing 
 
 Reads run on a few threads, each a large pread straight from the file into the tensor's place in
 the destination (a tensor larger than READ_CHUNK is split across threads), so the disk has several
-requests in flight and page-cache copies use every core; small tensors in a row are one job of up
-to BATCH_BYTES, one preadv where they lie back to back in the file (Checkpoint.read_many).
+requests in flight and page-cache copies use every core; small tensors in a row are one job of about
+BATCH_BYTES, one preadv where they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
 row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
 thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak
@@ -24,10 +24,11 @@ from preload_daemon.plan import LoadPlan, PlanEntry
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 READ_CHUNK = 16 << 20
-# Small tensors in a row are read as one job up to this many bytes: the threads then read neighbouring
-# ranges, which a disk takes about as one stream. Jobs of 16 MiB, one a thread, made two streams 16 MiB
-# apart (a 2-core VM's virtual disk, 0.1 GB of 1.1 MB tensors: 100-127 ms against 61-70 with 1 MiB;
-# 20,000 tensors from the page cache 467-516 -> 361-422 ms, from disk 581-658 -> 505-519).
+# Small tensors in a row are read as one job, which ends once it passes this many bytes (so holds under
+# twice as many): the threads then read neighbouring ranges, which a disk takes about as one stream.
+# Jobs of 16 MiB, one a thread, made two streams 16 MiB apart (a 2-core VM's virtual disk, 0.1 GB of
+# 1.1 MB tensors: 100-127 ms against 61-70 with 1 MiB; 20,000 tensors from the page cache 467-516 ->
+# 361-422 ms, from disk 581-658 -> 505-519).
 BATCH_BYTES = 1 << 20
 WINDOW = 4096  # groups in flight ahead of the one being hashed ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes

@@ -26,9 +26,12 @@
 // each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
 // time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
 // power-of-two scale per 32 elements multiplies each block's sums at one row of x (one multiply-add
-// a block); from 2 rows on it is added to the exponents of its block's bfloat16 weights (two
-// instructions a block, not a multiply-add a row of x), exact wherever the scaled weights stay
-// normal bfloat16: rows with a scale outside that range run the AVX-512 kernels (e8m0_within). A
+// a block); from 2 rows on it is added to the exponents of its block's bfloat16 weights (a
+// broadcast and two instructions a block, not a multiply-add a row of x). The scaled weights are
+// exact wherever they stay normal bfloat16; rows with a scale outside that range, and from 4 rows of
+// x the rows paired with one, run the AVX-512 kernels (e8m0_within). As everywhere on the dot
+// product, products and sums below 2^-126 are flushed to zero, which with a scale below 1 comes
+// sooner for folded weights than for sums scaled afterwards (the AVX-512 kernels flush nothing). A
 // 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's time
 // -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row in cache 293-311 -> 242-245 us. (Folding
 // by multiplying in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
@@ -212,7 +215,8 @@ constexpr E4M3Bf16Table kE4M3Bf16;
 // equal for every code but NaN.)
 // With kScaled, times an MX block's scale 2^e (e8m0_exponent: e << 7 in every word), added to the
 // exponent of every nonzero magnitude in two more instructions: exact where the scaled values stay
-// normal bfloat16 (e8m0_within).
+// normal bfloat16 (e8m0_within). A NaN code (0x7F) then reads as some other value (the AVX-512
+// kernels read it as 480): no quantizer writes one.
 template <bool kScaled = false>
 inline __m512bh e4m3_bf16(const uint8_t* p, __m512i exponent = __m512i()) {
   const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -327,8 +331,9 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
   vsums<R * M>(acc, sums);
 }
 
-// Rows [n, n + R) times the M rows of packed x into y (bfloat16). MXFP8 rows whose scales do not fold
-// into the weight (e8m0_within) run the AVX-512 kernels on x's float32 rows.
+// Rows [n, n + R) times the M rows of packed x into y (bfloat16). From 2 rows of x, MXFP8 rows whose
+// scales do not fold into the weight (e8m0_within) run the AVX-512 kernels on x's float32 rows, with
+// the row paired with them.
 template <int kElem, int kMode, int M, int R>
 inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, uint16_t* y,
                          int64_t y_stride) {
@@ -336,7 +341,7 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
   if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > 1) {
     for (int r = 0; r < R; ++r)
       if (!e8m0_within(w, n + r, kMxfp8Fold[0], kMxfp8Fold[1]))
-        return gemv_pass<kElem, kMode, M>(w, x, n, n + R, y, y_stride, true);
+        return gemv(w, x, M, n, n + R, y, y_stride, true);  // as the AVX-512 variant runs them: the same bits
   }
   if constexpr (kElem == kE2M1) {
     e2m1_rows_bf16<kMode == kBlock16Scale ? 4 : 2, M, R>(w, xp, n, sums);

@@ -41,36 +41,42 @@ def test_reads_tensors_bitwise_equal_to_safetensors(tmp_path):
 
 
 def test_tensors_stored_back_to_back_are_read_in_one_call_whatever_each_call_returns(tmp_path, monkeypatch):
-    """read_many fills each destination with its tensor's bytes (from a skip on, too), reading a run
-    of tensors that follow one another in the file with one preadv, and resumes where a short read
-    stopped; a file cut short after it was opened is named, not read as zeros."""
-    tensors = {f"t{i:02}": torch.randn(3 + i) for i in range(40)}
+    """read_many fills each destination with its tensor's bytes (from a skip on, too; an empty tensor
+    among them), reading a run of tensors that follow one another in the file with one preadv, and
+    resumes wherever a short read stopped, within a buffer or across several; a read past a tensor's
+    end is refused, and a file cut short after it was opened is named, not read as zeros."""
+    tensors = {f"t{i:02}": torch.randn(3 + i) for i in range(40)} | {"t20": torch.zeros(0)}
     make_dir(tmp_path, tensors)
     ckpt = Checkpoint(tmp_path)
-    order = sorted(ckpt.tensors, key=lambda n: ckpt.tensors[n].start)
-    calls, real_preadv = [], os.preadv
-
-    def short_preadv(fd, buffers, offset):  # at most 7 bytes a call: every kind of partial read
-        calls.append(len(buffers))
-        first = memoryview(buffers[0])[:7]
-        return real_preadv(fd, [first], offset)
-
-    for preadv in (real_preadv, short_preadv):
+    order = sorted(ckpt.tensors, key=lambda n: (ckpt.tensors[n].start, ckpt.tensors[n].nbytes))
+    real_preadv = os.preadv
+    skip = {"t05": 4, "t33": 9}
+    for most in (None, 7, 13):  # bytes a call returns at most: 7 and 13 end calls inside and across buffers
+        def preadv(fd, buffers, offset, most=most):
+            if most is None:
+                return real_preadv(fd, buffers, offset)
+            left, parts = most, []
+            for buffer in buffers:
+                parts.append(memoryview(buffer)[:left])
+                left -= len(parts[-1])
+                if not left:
+                    break
+            return real_preadv(fd, parts, offset)
         monkeypatch.setattr(os, "preadv", preadv)
-        calls.clear()
-        outs = {name: bytearray(ckpt.tensors[name].nbytes - 4 * (name == "t05")) for name in order}
-        ckpt.read_many([(name, memoryview(outs[name]), 4 * (name == "t05")) for name in order])
+        outs = {name: bytearray(ckpt.tensors[name].nbytes - skip.get(name, 0)) for name in order}
+        ckpt.read_many([(name, memoryview(outs[name]), skip.get(name, 0)) for name in order])
         for name in order:
-            expected = tensors[name].view(torch.uint8).numpy().tobytes()[4 * (name == "t05"):]
-            assert bytes(outs[name]) == expected, name
-    assert len(calls) > 40  # the short reads did run
+            assert bytes(outs[name]) == tensors[name].view(torch.uint8).numpy().tobytes()[skip.get(name, 0):], name
     counted = []
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: (counted.append(len(buffers)),
                                                                     real_preadv(fd, buffers, offset))[1])
     ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order])
-    assert counted == [len(order)]  # back to back: one call for all 40
-    ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order[::2]])
-    assert counted[1:] == [1] * len(order[::2])  # gaps between them: one call each
+    assert counted == [len(order) - 1]  # back to back: one call for all 40 (the empty one takes no buffer)
+    spaced = [name for name in order if ckpt.tensors[name].nbytes][::2]
+    ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in spaced])
+    assert counted[1:] == [1] * len(spaced)  # gaps between them: one call each
+    with pytest.raises(ValueError, match="run past"):
+        ckpt.read_many([("t00", memoryview(bytearray(12)), 0), ("t01", memoryview(bytearray(17)), 0)])
     with open(tmp_path / "model.safetensors", "r+b") as f:
         f.truncate(ckpt.tensors[order[-1]].start + 2)
     with pytest.raises(CheckpointError, match="ends early"):

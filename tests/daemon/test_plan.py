@@ -196,6 +196,7 @@ def test_threads_and_chunks_change_nothing_and_a_rank_reads_its_half(tiny_llama,
 
     whole = run(1)
     monkeypatch.setattr(execute_module, "READ_CHUNK", 4096)
+    monkeypatch.setattr(execute_module, "BATCH_BYTES", 4096)
     chunked = run(4)
     assert torch.equal(whole[0], chunked[0]) and whole[1] == chunked[1]
     for spec in ({"dtype": "bfloat16"}, {"quantization": "fp8_per_channel"}, {"tp_size": 2, "tp_rank": 1}):

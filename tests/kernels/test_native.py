@@ -215,16 +215,16 @@ def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(
         torch.testing.assert_close(wide, torch.ops.preload.qgemv_avx512(x.float(), weight, *operands), rtol=0, atol=0)
 
 
-@pytest.mark.skipif(not DOT_VARIANTS, reason="this CPU has no AVX512-BF16")
-@pytest.mark.parametrize("variant", DOT_VARIANTS)
+@pytest.mark.skipif("avx512bf16" not in native.available(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
-def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(variant, name):
-    """On the dot product MXFP8 adds each block's power of two to its bfloat16 weights' exponents
-    from 2 rows of x on: rows whose codes would leave the normal bfloat16 range (below 18, 2^-109)
-    run the AVX-512 kernels instead, bit for bit as there; the rest, down to the smallest code that
-    folds, match the float32 product of the dequantized weight. At one row of x, and for MXFP4, the
-    scales multiply the sums, and every row matches. Rows paired (two at a time from 4 rows of x)
-    with a row that cannot fold, and a row mixing codes, included."""
+def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(name):
+    """On the dot product (avx512bf16: amx takes 3 rows of x and more on its tiles) MXFP8 adds each
+    block's power of two to its bfloat16 weights' exponents from 2 rows of x on: rows whose codes
+    would leave the normal bfloat16 range (below 18, 2^-109), and the rows paired with them from 4
+    rows of x, run the AVX-512 kernels instead, bit for bit as there; the rest, down to the smallest
+    code that folds and up to the largest (254), match the float64 product of the dequantized
+    weight. A row of e4m3's smallest subnormal at code 17 would read as zeros if it were folded. At
+    one row of x, and for MXFP4, the scales multiply the sums, and every row matches."""
     torch.manual_seed(11)
     n, k = 17, 512
     q = quantize(torch.randn(n, k), name)
@@ -233,19 +233,23 @@ def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(variant, name):
     per_row = [0, 1, 17, lowest, lowest + 1, 100, 127, 140, 17, 200, 230, 3, 18, 127, 64, 0, 19]
     codes.copy_(torch.tensor(per_row, dtype=torch.uint8)[:, None].expand_as(codes))
     codes[5, 3] = 17  # one block below the range: the whole row runs the AVX-512 kernels
+    if name == "mxfp8":
+        elements = q.weight.view(torch.uint8)
+        elements[2] = 0x01  # 2^-9 at 2^-110: folded, a bfloat16 subnormal, which the dot product reads as 0
+        codes[10] = 254  # the largest code that folds: 2^-6 at 2^127, normal bfloat16
+        elements[10] = torch.where(torch.arange(k) % 3 == 0, 0x88, 0x08).to(torch.uint8)
     weight, *operands = scheme(name).native_operands(q)
     reference = dequantize(q, torch.float64)
-    op = getattr(torch.ops.preload, f"qgemv_{variant}")
-    folds = (codes >= lowest).all(dim=1) if name == "mxfp8" else torch.ones(n, dtype=torch.bool)
+    folds = (codes >= lowest).all(dim=1)
     assert 0 < folds.sum() < n or name == "mxfp4"
-    for rows in (1, 4, 5):
+    for rows in (1, 2, 4, 5):
         x = torch.randn(rows, k).bfloat16()
-        got = op(x, weight, *operands)
+        got = torch.ops.preload.qgemv_avx512bf16(x, weight, *operands)
         avx512 = torch.ops.preload.qgemv_avx512(x, weight, *operands)
         expected = x.double() @ reference[:, :k].T
         for r in range(n):
             scale = expected[:, r].abs().max().item()
-            assert scale > 0
+            assert 0 < scale < 2.0 ** 127
             torch.testing.assert_close(got[:, r].double(), expected[:, r], rtol=1e-2, atol=1e-2 * scale)
             if not folds[r] and rows > 1:
                 torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0)
