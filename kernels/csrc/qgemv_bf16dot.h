@@ -262,21 +262,19 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
   for (int r = 0; r < R; ++r) codes[r] = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols;
   alignas(64) float scales[16];  // MXFP8 at one row of x: the next 16 chunks' scales
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
+    constexpr bool kScaleSums = kMode == kBlock32Scale && M == 1;  // MXFP8 at one row of x (R = 1)
     __m512bh v[R];
-    if constexpr (kMode == kBlock32Scale && M == 1) {
-      const uint8_t* p = w.data + n * w.row_bytes + c * kChunkBytes<kElem>;
-      if (c % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-      if (c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
-      const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + c * kChunk);
-      const __m512 dots = _mm512_dpbf16_ps(vzero(), decode32_bf16<kElem>(p), x);
-      a[0] = vfma(dots, vset(scales[c % 16]), a[0]);
-      return;
-    }
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
       if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
-      if constexpr (kMode == kBlock32Scale) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
+      if constexpr (kMode == kBlock32Scale && !kScaleSums) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
       else v[r] = decode32_bf16<kElem>(p);
+    }
+    if constexpr (kScaleSums) {
+      if (c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
+      const __m512 dots = _mm512_dpbf16_ps(vzero(), v[0], (__m512bh)_mm512_loadu_si512(xp + c * kChunk));
+      a[0] = vfma(dots, vset(scales[c % 16]), a[0]);
+      return;
     }
     for (int m = 0; m < M; ++m) {
       const __m512bh x = (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk);
