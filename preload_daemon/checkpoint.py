@@ -320,21 +320,23 @@ class Checkpoint:
         self.read_many([(name, view, skip)])
 
     def read_many(self, reads: list[tuple[str, memoryview, int]]) -> None:
-        """read_into for each (name, byte view, skip) in turn; reads that continue one another in the
-        same file (tensors stored back to back, in order) go as one preadv of up to READ_VECTORS
-        buffers: one system call, not one a tensor, for runs of small tensors."""
+        """read_into for each (name, byte view, skip) in turn, every one checked before any is read;
+        reads that continue one another in the same file (tensors stored back to back, in order) go
+        as one preadv of up to READ_VECTORS buffers: one system call, not one a tensor, for runs of
+        small tensors."""
+        for name, view, skip in reads:
+            nbytes = self.tensors[name].nbytes
+            if skip < 0 or skip + len(view) > nbytes:
+                raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {nbytes} bytes")
         i = 0
         while i < len(reads):
             name, view, skip = reads[i]
             info = self.tensors[name]
-            if skip < 0 or skip + len(view) > info.nbytes:
-                raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
             offset, end, views = info.start + skip, info.start + skip + len(view), [view]
             while i + len(views) < len(reads) and len(views) < READ_VECTORS:
                 next_name, next_view, next_skip = reads[i + len(views)]
                 following = self.tensors[next_name]
-                if following.file != info.file or following.start + next_skip != end or next_skip < 0 \
-                        or next_skip + len(next_view) > following.nbytes:
+                if following.file != info.file or following.start + next_skip != end:
                     break
                 views.append(next_view)
                 end += len(next_view)
