@@ -192,7 +192,7 @@ DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
 @pytest.mark.parametrize("k", [320, 336])
 def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(variant, rows, k):
     """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, MXFP8 (its scales folded into
-    the weight) with K a multiple of 32, and FP8 with 128 x 128 block scales and K a multiple of 32
+    the weight from 2 rows of x on) with K a multiple of 32, and FP8 with 128 x 128 block scales and K a multiple of 32
     (320: a last block of 64), run on AVX512-BF16's dot product (qgemv_bf16dot.h; amx for
     the rows its tiles do not take), in passes of up to 8 rows, two weight rows at a time from 4 rows
     of x on: N off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the
