@@ -59,10 +59,6 @@ class TensorKind:
     mtp: bool = False
     """Part of a DeepSeek-V3-style MTP layer only (the draft component)."""
 
-    @property
-    def pattern(self) -> re.Pattern:
-        return _pattern(self.template)
-
 
 def _hidden(s):
     return (s.hidden_size,)
@@ -108,20 +104,39 @@ KIND = {kind.key: kind for kind in KINDS}
 IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _pattern(template: str) -> re.Pattern:
-    # At most 9 digits: a layer number is an int, and int() of a 5000-digit one fails.
-    return re.compile("^" + re.escape(template).replace(re.escape("{layer}"), r"(\d{1,9})") + "$")
+def _name_tables(kinds) -> tuple[dict[str, TensorKind], dict[str, dict[str, TensorKind]]]:
+    """{name: kind} of the kinds without a layer, and {prefix: {suffix: kind}} of those with one
+    (the template split at `{layer}`): a name is classified by dictionary lookups, not by trying a
+    pattern per kind (a big model has ~90,000 names)."""
+    exact, layered = {}, {}
+    for kind in kinds:
+        prefix, layer, suffix = kind.template.partition("{layer}")
+        if not layer:
+            exact[kind.template] = kind
+            continue
+        # The layer number ends at the first dot after the prefix (classify).
+        assert suffix.startswith(".") and "{layer}" not in suffix, kind.template
+        layered.setdefault(prefix, {})[suffix] = kind
+    return exact, layered
 
 
-_PATTERNS = [(kind, _pattern(kind.template)) for kind in KINDS]
+_EXACT, _LAYERED = _name_tables(KINDS)
 
 
 def classify(name: str) -> tuple[TensorKind, int | None] | None:
-    """(kind, layer index or None) of a checkpoint tensor name, or None if no kind matches."""
-    for kind, pattern in _PATTERNS:
-        match = pattern.match(name)
-        if match:
-            return kind, int(match.group(1)) if match.groups() else None
+    """(kind, layer index or None) of a checkpoint tensor name, or None if no kind's template
+    matches all of it, `{layer}` standing for 1-9 decimal digits (int() of a 5000-digit number
+    fails)."""
+    kind = _EXACT.get(name)
+    if kind is not None:
+        return kind, None
+    for prefix, suffixes in _LAYERED.items():
+        if name.startswith(prefix):
+            dot = name.find(".", len(prefix))
+            digits = name[len(prefix):dot]
+            kind = suffixes.get(name[dot:]) if dot >= 0 else None
+            if kind is not None and 0 < len(digits) <= 9 and digits.isdecimal():
+                return kind, int(digits)
     return None
 
 

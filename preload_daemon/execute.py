@@ -18,6 +18,7 @@ import os
 import torch
 
 from kernels import quant
+from preload_daemon.buffers import gc_paused
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
@@ -34,11 +35,18 @@ WINDOW = 4096  # groups in flight ahead of the one being hashed ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 
 
+@gc_paused()
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
             threads: int = READ_THREADS) -> None:
     """Fills `dest` (a flat uint8 tensor of plan.total_bytes). `hasher` (hashlib-style) sees every
     byte of dest exactly once, padding included, in order, as groups complete; `on_tensor(entry)`
-    is called after each slab tensor."""
+    is called after each slab tensor.
+
+    The cyclic collector is held off meanwhile, as while the plan was built: each group in flight
+    keeps a few objects (its futures, its slices) until it is hashed, and with the headers and the
+    plan alive every pass they set off walks them all and frees nothing (20,000 tensors from the
+    page cache: 181-261 against 151-182 ms). What a load makes is freed by reference counting; the
+    collector runs again when it ends."""
     if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
     checkpoint.open_files()  # before the threads share its descriptors

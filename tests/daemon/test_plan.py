@@ -1,11 +1,12 @@
 import json
+import re
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from preload_cli.models import tiny_model
-from preload_daemon.arch import ArchSpec, classify
+from preload_daemon.arch import KINDS, ArchSpec, classify
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.execute import execute
@@ -128,6 +129,28 @@ def test_roles():
     assert role("model.layers.3.self_attn.q_norm.weight") == ("norm", "replicated", 3)
     assert role("model.layers.3.self_attn.q_proj.bias") == ("bias", "column", 3)
     assert classify("model.layers.3.mlp.experts.0.w1.weight") is None
+
+
+def test_classify_matches_each_kinds_template_as_a_pattern():
+    """classify's lookups name the same kind and layer as matching every kind's template, {layer}
+    as 1-9 decimal digits, against the whole name: on every template with good and bad layer
+    numbers (non-ASCII digits, 10 digits, none, a sign) and with a character added around it."""
+    def reference(name):
+        for kind in KINDS:
+            pattern = re.escape(kind.template).replace(re.escape("{layer}"), r"(\d{1,9})")
+            match = re.fullmatch(pattern, name)
+            if match:
+                return kind, int(match.group(1)) if match.groups() else None
+        return None
+
+    names = ["", "model.layers.", "model.layers.3", "model.layers.3.", "lm_head.weight\n"]
+    for kind in KINDS:
+        for layer in ("0", "7", "01", "123456789", "1234567890", "\u0663", "", "x", "-1", "3.4", "{layer}"):
+            name = kind.template.replace("{layer}", layer)
+            names += [name, name + "x", "x" + name, name + ".weight", name + "\n"]
+    found = [(name, classify(name)) for name in names]
+    assert found == [(name, reference(name)) for name in names]
+    assert sum(kind is not None for _, kind in found) > 4 * len(KINDS)  # most templates matched
 
 
 def test_unknown_and_missing_tensors_are_refused(tmp_path, tiny_llama):
