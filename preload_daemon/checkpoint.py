@@ -177,6 +177,11 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _named(first: str, following: int) -> str:
+    """A run of tensors in an error message (built only then, not on every read)."""
+    return short_repr(first) + (f" and the {following} tensors after it" if following else "")
+
+
 def refresh_identity(files: tuple[FileIdentity, ...]) -> tuple[FileIdentity, ...]:
     """The identity of the same files as they are on disk now. A stat is enough when the file is
     unchanged (FileIdentity.same_file); only a file that changed has its header read again."""
@@ -340,13 +345,13 @@ class Checkpoint:
                     break
                 views.append(next_view)
                 end += len(next_view)
-            what = short_repr(name) + (f" and the {len(views) - 1} tensors after it" if len(views) > 1 else "")
-            self._preadv(info.file, views, offset, what)
+            self._preadv(info.file, views, offset, name)
             i += len(views)
 
-    def _preadv(self, file: pathlib.Path, views: list[memoryview], offset: int, what: str) -> None:
-        """Fills `views` in turn from `file` at `offset`, whatever the reads return at a time (`what`
-        names the tensors in errors)."""
+    def _preadv(self, file: pathlib.Path, views: list[memoryview], offset: int, first: str) -> None:
+        """Fills `views` in turn from `file` at `offset`, whatever the reads return at a time (errors
+        name the tensor `first` and how many follow it)."""
+        following = len(views) - 1
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = self._open(file)
@@ -355,9 +360,9 @@ class Checkpoint:
             try:
                 n = os.preadv(fd, views[k:] if k else views, offset)
             except OSError as e:
-                raise CheckpointError(f"{file}: reading {what} failed ({e.strerror or e})") from e
+                raise CheckpointError(f"{file}: reading {_named(first, following)} failed ({e.strerror or e})") from e
             if n == 0:
-                raise CheckpointError(f"{file}: ends early while reading {what}; the file was "
+                raise CheckpointError(f"{file}: ends early while reading {_named(first, following)}; the file was "
                                       f"truncated after it was opened; {FIX}")
             offset += n
             while k < len(views) and n >= len(views[k]):
