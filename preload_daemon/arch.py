@@ -4,7 +4,6 @@ style, expected full shape, quantizable). The load plan, the shape checks and th
 read this module; adding an architecture or a tensor kind means editing it alone."""
 
 import dataclasses
-import re
 from collections.abc import Callable
 
 from kernels import formats
@@ -101,7 +100,12 @@ KINDS: tuple[TensorKind, ...] = (
 )
 KIND = {kind.key: kind for kind in KINDS}
 # Stored by some exporters, derived at run time by everyone: never loaded.
-IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+IGNORED = "rotary_emb.inv_freq"
+
+
+def ignored(name: str) -> bool:
+    """Whether a checkpoint tensor is one that is never loaded (IGNORED, alone or after a dot)."""
+    return name.endswith(IGNORED) and (len(name) == len(IGNORED) or name[-len(IGNORED) - 1] == ".")
 
 
 def _name_tables(kinds) -> tuple[dict[str, TensorKind], dict[str, dict[str, TensorKind]]]:

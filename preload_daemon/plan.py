@@ -8,7 +8,7 @@ import math
 import torch
 
 from kernels import formats, quant
-from preload_daemon.arch import DTYPE_CHOICES, IGNORED, SCHEMES, ArchSpec, Shard, TensorKind, classify
+from preload_daemon.arch import DTYPE_CHOICES, SCHEMES, ArchSpec, Shard, TensorKind, classify, ignored
 from preload_daemon.buffers import DTYPES, gc_paused
 from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
 from preload_daemon.errors import CheckpointError, PlanError
@@ -280,7 +280,7 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
     matches is refused, and so is a main component that lacks a tensor the config needs."""
     known, unknown = [], []
     for name in checkpoint.tensors:
-        if IGNORED.search(name) or name.endswith(".weight_scale_inv"):  # scales are planned with their weight
+        if ignored(name) or name.endswith(".weight_scale_inv"):  # scales are planned with their weight
             continue
         found = classify(name)
         if found is None:

@@ -168,6 +168,21 @@ def test_unknown_and_missing_tensors_are_refused(tmp_path, tiny_llama):
         build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
 
 
+
+def test_rotary_inv_freq_is_skipped_only_under_its_own_name(tmp_path, tiny_llama):
+    """Some exporters store `rotary_emb.inv_freq`, which is derived at run time: skipped alone or after a
+    dot; a name that only ends in those letters is a tensor of no kind."""
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    (tmp_path / "config.json").write_text((tiny_llama / "config.json").read_text())
+    stored = {"rotary_emb.inv_freq": torch.ones(8), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+    save_file({**tensors, **stored}, str(tmp_path / "model.safetensors"))
+    plan = build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+    assert sorted(e.name for e in plan.entries) == sorted(tensors)
+    for name in ("model.layers.0.self_attn.xrotary_emb.inv_freq", "rotary_emb.inv_freq\n", "rotary_emb.inv_freqs"):
+        save_file({**tensors, name: torch.ones(8)}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(CheckpointError, match="1 tensor.s. of no kind LlamaForCausalLM has"):
+            build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
 @pytest.mark.parametrize("config, message", [
     ({"hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
     ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
