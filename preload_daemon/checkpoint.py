@@ -11,6 +11,7 @@ import os
 import pathlib
 import stat
 import struct
+import typing
 
 import torch
 
@@ -70,8 +71,9 @@ class FileIdentity:
                 and not (f.name == "header_sha256" and not other.header_sha256)]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class TensorInfo:
+class TensorInfo(typing.NamedTuple):
+    """Where one tensor lies in a checkpoint file, and what it is (a named tuple, as PlanEntry)."""
+
     name: str
     file: pathlib.Path
     dtype: torch.dtype
@@ -329,19 +331,21 @@ class Checkpoint:
         reads that continue one another in the same file (tensors stored back to back, in order) go
         as one preadv of up to READ_VECTORS buffers: one system call, not one a tensor, for runs of
         small tensors."""
-        for name, view, skip in reads:
-            nbytes = self.tensors[name].nbytes
-            if skip < 0 or skip + len(view) > nbytes:
-                raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {nbytes} bytes")
+        infos = [self.tensors[name] for name, _, _ in reads]
+        for info, (name, view, skip) in zip(infos, reads):
+            if skip < 0 or skip + len(view) > info.nbytes:
+                raise ValueError(f"{name}: {len(view)} bytes from {skip} run past its {info.nbytes} bytes")
         i = 0
         while i < len(reads):
             name, view, skip = reads[i]
-            info = self.tensors[name]
+            info = infos[i]
             offset, end, views = info.start + skip, info.start + skip + len(view), [view]
             while i + len(views) < len(reads) and len(views) < READ_VECTORS:
-                next_name, next_view, next_skip = reads[i + len(views)]
-                following = self.tensors[next_name]
-                if following.file != info.file or following.start + next_skip != end:
+                _, next_view, next_skip = reads[i + len(views)]
+                following = infos[i + len(views)]
+                # One file's tensors share its Path object: `is` first (== takes 0.3 us).
+                if (following.file is not info.file and following.file != info.file) \
+                        or following.start + next_skip != end:
                     break
                 views.append(next_view)
                 end += len(next_view)

@@ -54,20 +54,18 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     hashed, in_flight = 0, 0
     pending: collections.deque = collections.deque()  # (group, next_offset, futures) in plan order
-    batch: list = []  # small reads of consecutive groups, run as one job (tiny tensors add up)
-    batch_items: list = []
+    batch: list = []  # small reads of consecutive groups, run as one job (tiny tensors add up) ...
+    batch_head = None  # ... which the first of those groups waits for: the others find their bytes there
     batch_bytes = 0
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
 
         def flush() -> None:
-            nonlocal batch_bytes
+            nonlocal batch_bytes, batch_head
             batch_bytes = 0
             if batch:
-                future = pool.submit(checkpoint.read_many, list(batch))
-                for item in batch_items:
-                    item[2].append(future)
+                batch_head[2].append(pool.submit(checkpoint.read_many, list(batch)))
                 batch.clear()
-                batch_items.clear()
+                batch_head = None
 
         try:
             for group, next_offset in groups(plan):
@@ -77,8 +75,9 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                     for job in jobs:
                         job()
                 elif len(reads) == 1 and group[0].nbytes < BATCH_BYTES:
+                    if not batch:
+                        batch_head = item
                     batch.append(reads[0])
-                    batch_items.append(item)
                     batch_bytes += group[0].nbytes
                     if batch_bytes >= BATCH_BYTES:
                         flush()
@@ -89,7 +88,7 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 pending.append(item)
                 in_flight += group[0].nbytes
                 while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
-                    if not pending[0][2]:
+                    if pending[0] is batch_head:
                         flush()  # the oldest group is still in the batch
                     in_flight -= pending[0][0][0].nbytes
                     hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
@@ -146,6 +145,8 @@ def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
     if not entry.nbytes:
         return [], [], False
     info = checkpoint.tensors[entry.source]
+    if entry.shard is None and entry.nbytes <= READ_CHUNK and info.dtype == entry.dtype:  # most tensors
+        return [(entry.source, memory[entry.offset:entry.offset + entry.nbytes], 0)], [], False
     rows, skip, _ = _row_range(info, entry.shard)
     if info.dtype == entry.dtype and entry.shard is rows:
         start, end = entry.offset, entry.offset + entry.nbytes
