@@ -72,7 +72,8 @@ class FileIdentity:
 
 
 class TensorInfo(typing.NamedTuple):
-    """Where one tensor lies in a checkpoint file, and what it is (a named tuple, as PlanEntry)."""
+    """Where one tensor lies in a checkpoint file, and what it holds. A named tuple: immutable, and
+    made in a fifth of a frozen dataclass's time (a big model has ~90,000)."""
 
     name: str
     file: pathlib.Path
