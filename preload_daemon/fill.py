@@ -14,6 +14,9 @@ from preload_daemon.records import LoadProgress, Variant, Version, key_for
 from preload_daemon.slab import DIGEST_ALGORITHM, Slab, new_hasher
 
 log = logging.getLogger(__name__)
+# A load reports its progress at most this often (a report is a message for every client
+# watching: one per tensor made the load of 20,000 small tensors take 273-313 ms against 205-221).
+PROGRESS_EVERY_S = 0.02
 
 
 class Filler:
@@ -57,18 +60,24 @@ class Filler:
         return made
 
     def _progress(self, version: Version, bytes_total: int, tensors_total: int):
-        """The per-tensor callback: progress, and the deadline."""
+        """The per-tensor callback: progress (reported at most every PROGRESS_EVERY_S, and at the
+        last tensor), and the deadline."""
         progress = LoadProgress("reading", 0, bytes_total, 0, tensors_total)
         self.on_progress(progress)
+        next_report = time.monotonic() + PROGRESS_EVERY_S
 
         def on_tensor(item) -> None:
-            if time.monotonic() > self.deadline:
+            nonlocal next_report
+            now = time.monotonic()
+            if now > self.deadline:
                 raise LoadingError(f"loading {version.model.name} v{version.number} on {self.device} took longer "
                                    f"than {self.timeout_s:g}s (the daemon's --load-timeout); nothing of it was kept. "
                                    "Raise --load-timeout for very large checkpoints or slow disks")
             progress.bytes_done += item.nbytes
             progress.tensors_done += 1
-            self.on_progress(progress)
+            if now >= next_report or progress.tensors_done == tensors_total:
+                next_report = now + PROGRESS_EVERY_S
+                self.on_progress(progress)
         return on_tensor
 
     def _new_slab(self, version: Version, plan: LoadPlan) -> Slab:
