@@ -33,6 +33,7 @@ READ_CHUNK = 16 << 20
 BATCH_BYTES = 1 << 20
 WINDOW = 4096  # groups in flight ahead of the one being hashed ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
+HASH_SPAN = 1 << 20
 
 
 @gc_paused()
@@ -95,6 +96,8 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
             flush()
             while pending:
                 hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
+            if hasher is not None:
+                hasher.update(memory[hashed:])
         except BaseException:
             for _, _, futures in pending:
                 for future in futures:
@@ -118,19 +121,22 @@ def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
 
 
 def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
-    """Waits for one group's writes, zeroes its padding (fresh memory holds garbage), hashes it."""
+    """Waits for one group's writes and zeroes its padding (fresh memory holds garbage); hashes the
+    groups done since `hashed` once they span HASH_SPAN bytes (a call per tiny tensor would cost
+    more than hashing it). Returns the offset hashed up to."""
     group, next_offset, futures = item
     for future in futures:
         future.result()
     end = group[-1].offset + group[-1].nbytes
     if end < next_offset:
         memory[end:next_offset] = bytes(next_offset - end)
-    if hasher is not None:
-        hasher.update(memory[hashed:next_offset])
     if on_tensor is not None:
         for entry in group:
             on_tensor(entry)
-    return next_offset
+    if hasher is not None and next_offset - hashed >= HASH_SPAN:
+        hasher.update(memory[hashed:next_offset])
+        return next_offset
+    return hashed
 
 
 def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,

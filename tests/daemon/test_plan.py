@@ -233,8 +233,10 @@ def test_threads_and_chunks_change_nothing_and_a_rank_reads_its_half(tiny_llama,
         return dest, hasher.hexdigest(), ckpt
 
     whole = run(1)
+    assert whole[1] == xxhash.xxh3_128(whole[0].numpy()).hexdigest()  # every byte, padding too, once
     monkeypatch.setattr(execute_module, "READ_CHUNK", 4096)
     monkeypatch.setattr(execute_module, "BATCH_BYTES", 4096)
+    monkeypatch.setattr(execute_module, "HASH_SPAN", 3000)  # hashed in many spans, not at the end alone
     chunked = run(4)
     assert torch.equal(whole[0], chunked[0]) and whole[1] == chunked[1]
     for spec in ({"dtype": "bfloat16"}, {"quantization": "fp8_per_channel"}, {"tp_size": 2, "tp_rank": 1}):
