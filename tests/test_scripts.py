@@ -49,6 +49,7 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
     result = json.loads(out.stdout)
     small, many = result["rows"]
     assert small["attach_ms_median"] > 0 and many["num_tensors"] >= 290
+    assert small["daemon_load_s_median"] > 0 and many["daemon_load_s_median"] > 0
     for cache in ("disk", "cached"):
         assert small[f"cold_share_{cache}"] > 0 and small[f"cold_share_fresh_{cache}"] > 0
         assert small[f"fresh_{cache}_GBps"] > 0
