@@ -31,7 +31,7 @@ READ_CHUNK = 16 << 20
 # 1.1 MB tensors: 100-127 ms against 61-70 with 1 MiB; 20,000 tensors from the page cache 467-516 ->
 # 361-422 ms, from disk 581-658 -> 505-519).
 BATCH_BYTES = 1 << 20
-WINDOW = 4096  # groups in flight ahead of the one being hashed ...
+WINDOW = 4096  # groups in flight ahead of the oldest unfinished one ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 HASH_SPAN = 1 << 20
 
@@ -44,7 +44,7 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     is called after each slab tensor.
 
     The cyclic collector is held off meanwhile, as while the plan was built: each group in flight
-    keeps a few objects (its futures, its slices) until it is hashed, and with the headers and the
+    keeps a few objects (its futures, its slices) until it is finished, and with the headers and the
     plan alive every pass they set off walks them all and frees nothing (20,000 tensors from the
     page cache: 181-261 against 151-182 ms). What a load makes is freed by reference counting; the
     collector runs again when it ends."""

@@ -168,7 +168,6 @@ def test_unknown_and_missing_tensors_are_refused(tmp_path, tiny_llama):
         build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
 
 
-
 def test_rotary_inv_freq_is_skipped_only_under_its_own_name(tmp_path, tiny_llama):
     """Some exporters store `rotary_emb.inv_freq`, which is derived at run time: skipped alone or after a
     dot; a name that only ends in those letters is a tensor of no kind."""
@@ -182,6 +181,7 @@ def test_rotary_inv_freq_is_skipped_only_under_its_own_name(tmp_path, tiny_llama
         save_file({**tensors, name: torch.ones(8)}, str(tmp_path / "model.safetensors"))
         with pytest.raises(CheckpointError, match="1 tensor.s. of no kind LlamaForCausalLM has"):
             build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
 
 @pytest.mark.parametrize("config, message", [
     ({"hidden_size": "64"}, "hidden_size must be an integer >= 1, got '64'"),
