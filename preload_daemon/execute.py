@@ -151,11 +151,11 @@ def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
     if not entry.nbytes:
         return [], [], False
     info = checkpoint.tensors[entry.source]
-    if entry.shard is None and entry.nbytes <= READ_CHUNK and info.dtype == entry.dtype:  # most tensors
-        return [(entry.source, memory[entry.offset:entry.offset + entry.nbytes], 0)], [], False
     rows, skip, _ = _row_range(info, entry.shard)
     if info.dtype == entry.dtype and entry.shard is rows:
         start, end = entry.offset, entry.offset + entry.nbytes
+        if entry.nbytes <= READ_CHUNK:  # most tensors: one read, without a comprehension's frame
+            return [(entry.source, memory[start:end], skip)], [], False
         return [(entry.source, memory[at:min(at + READ_CHUNK, end)], skip + at - start)
                 for at in range(start, end, READ_CHUNK)], [], False
     out = dest[entry.offset:entry.offset + entry.nbytes]
