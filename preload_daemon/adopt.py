@@ -23,10 +23,10 @@ import time
 
 from preload_daemon.arch import ArchSpec
 from preload_daemon.buffers import dtype_from_name
-from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
 from preload_daemon.records import MAX_VERSION, Model, Variant, Version, check_name, key_for
+from preload_daemon.safetensors_file import FileIdentity
 from preload_daemon.slab import HostSlab
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ reported by naming the fields that differ."""
 
 import dataclasses
 
-from preload_daemon.checkpoint import FileIdentity
+from preload_daemon.safetensors_file import FileIdentity
 from protos import preload_pb2 as pb
 
 

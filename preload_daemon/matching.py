@@ -3,9 +3,10 @@ checkpoint files the caller has (never one whose files changed on disk since it 
 active one; and which version a load or publish goes into."""
 
 from preload_daemon.cachekey import file_differences
-from preload_daemon.checkpoint import FileIdentity, refresh_identity
+from preload_daemon.checkpoint import refresh_identity
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, StaleError
 from preload_daemon.records import Model, Version, check_name, check_number, common_dir
+from preload_daemon.safetensors_file import FileIdentity
 
 
 def find_model(models: dict[str, Model], name: str, device: str, create: bool = False) -> Model:

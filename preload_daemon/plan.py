@@ -11,9 +11,10 @@ import torch
 from kernels import formats, quant
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES, ArchSpec, Shard, TensorKind, classify, ignored
 from preload_daemon.buffers import DTYPES, gc_paused
-from preload_daemon.checkpoint import FIX, Checkpoint, TensorInfo
+from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.safepath import short_repr, short_text
+from preload_daemon.safetensors_file import FIX, TensorInfo
 
 ALIGNMENT = 256
 FORMAT_VERSION = 2  # 2: quantized TP shards carry the whole weight's scales

@@ -8,10 +8,10 @@ import threading
 
 from preload_daemon.arch import ArchSpec
 from preload_daemon.cachekey import CacheKey
-from preload_daemon.checkpoint import FileIdentity
 from preload_daemon.errors import BudgetError, InvalidRequestError, NotFoundError, StaleError
 from preload_daemon.leases import Lease
 from preload_daemon.plan import FORMAT_VERSION, Layout, LoadPlan, scheme_params
+from preload_daemon.safetensors_file import FileIdentity
 from preload_daemon.slab import Slab
 
 DEFAULT_KEEP = 2

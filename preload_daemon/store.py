@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from preload_daemon import adopt, stream
 from preload_daemon.arch import ArchSpec
-from preload_daemon.checkpoint import Checkpoint, FileIdentity
+from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import LeasedError, LoadingError, NotFoundError, PlanError
 from preload_daemon.execute import execute
 from preload_daemon.fill import Filler, free_slab
@@ -32,6 +32,7 @@ from preload_daemon.matching import find_model, find_version, new_number, pick_v
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
 from preload_daemon.records import (LoadProgress, Model, Retention, Variant, Version, budget_victims, evictable,
                                     pick_variant, unique_plans)
+from preload_daemon.safetensors_file import FileIdentity
 from preload_daemon.sessions import Session
 from preload_daemon.slab import Slab, backend_for
 

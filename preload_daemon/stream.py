@@ -11,11 +11,11 @@ import pathlib
 import torch
 
 from preload_daemon.buffers import DTYPES, bytes_tensor
-from preload_daemon.checkpoint import TensorInfo
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.execute import TensorReader, groups, write_group
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import LoadPlan
+from preload_daemon.safetensors_file import TensorInfo
 from protos import preload_pb2 as pb
 
 MAX_TENSORS = 1_000_000

@@ -7,8 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from preload_daemon.checkpoint import Checkpoint, read_header, refresh_identity
+from preload_daemon.checkpoint import Checkpoint, refresh_identity
 from preload_daemon.errors import CheckpointError
+from preload_daemon.safetensors_file import read_header
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
           "intermediate_size": 16, "vocab_size": 32, "num_hidden_layers": 1}
