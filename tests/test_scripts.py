@@ -201,11 +201,13 @@ def test_bench_spec_produces_json(tmp_path):
 
 @pytest.mark.slow
 def test_soak_short_runs_clean():
-    """The short soak: concurrent attaches, engines and a daemon killed with SIGKILL; nothing leaks."""
+    """The short soak: concurrent attaches, engines and a daemon killed with SIGKILL; nothing leaks.
+    12 clients at once fill the daemon's bounded thread pools past the check's slack (8 threads): that
+    is not a leak, and only a second round of them is checked."""
     out = run_script(REPO / "scripts" / "soak.py", "all", "--short", timeout=900)
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["problems"] == [], (report, out.stderr[-3000:])
-    assert report["concurrency"]["4_processes"]["n"] == 40 and report["concurrency"]["errors"] == 0
+    assert report["concurrency"]["12_processes"]["n"] == 36 and report["concurrency"]["errors"] == 0
     assert report["engines"]["cycles"] == 1 and report["daemon"]["cycles"] == 1
     assert report["after"]["leases"] == 0 and report["after"]["sessions"] == 0
 
