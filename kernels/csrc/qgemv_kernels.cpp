@@ -40,7 +40,10 @@ template <int kBanks, int M, int N>
 inline __attribute__((always_inline)) void madd_banks(const Vec (&v)[N], const float* x, int64_t k, int64_t at,
                                                       Vec (*banks)[M]) {
   for (int h = 0; h < N; ++h)
-    for (int m = 0; m < M; ++m) banks[h % kBanks][m] = vfma(v[h], vload(x + m * k + at + h * kLanes), banks[h % kBanks][m]);
+    for (int m = 0; m < M; ++m) {
+      Vec& a = banks[h % kBanks][m];
+      a = vfma(v[h], vload(x + m * k + at + h * kLanes), a);
+    }
 }
 
 // sum_h v[h] . x[h vectors on] for h < N, in one chain (a block's few registers: the rows and
@@ -91,8 +94,8 @@ void dot_rows(const Weight& w, const float* x, int64_t n, float* sums) {
   for (int r = 0; r < R; ++r) row[r] = w.data + (n + r) * w.row_bytes;
   const int64_t chunks = w.k / kChunk, ahead = std::max<int64_t>(prefetch_distance(w), R * w.row_bytes);
   if constexpr (kMode == kRowScale) {
-    // Where the registers allow, more banks of accumulators split the dependency chains: one a
-    // register of the chunk for one row of each (R = M = 1), else two.
+    // Banks of accumulators split the dependency chains: one a register of the chunk where a single
+    // weight row meets a single row of x (R = M = 1), else two where the registers allow.
     constexpr int kBanks = R * M == 1 ? kVecs : 2 * R * M <= kAccumulators ? 2 : 1;
     Vec banks[R][kBanks][M];
     for (int r = 0; r < R; ++r) zero(banks[r]);
