@@ -10,9 +10,10 @@
   time against a reload of the same model.
 
 After each run: the daemon's memory (RSS), open files, threads and /dev/shm entries, before and
-after (`before`: what the check compares from), and the leases left (must be none once the
-clients are gone). Exit code 0 only if every check held. One JSON document on stdout; progress on
-stderr.
+after, and the leases left (must be none once the clients are gone). The concurrency run's check
+counts from after its first round; `all` checks the daemon that served the clients and engines
+before the daemon run kills it, and that run's new daemon from its own start. Exit code 0 only if
+every check held. One JSON document on stdout; progress on stderr.
 
     .venv/bin/python scripts/soak.py all --short          # what CI runs (seconds)
     .venv/bin/python scripts/soak.py all                  # full length: 16 x 50, 200 engines, 20 daemons
@@ -248,21 +249,24 @@ def main(argv=None) -> int:
     report: dict = {"model": str(model), "cpus": os.cpu_count()}
     try:
         daemon.client.load(LoadSpec(path=str(model), name=name))
-        before = daemon.footprint()
-        report["before"] = before
+        before = report["before"] = daemon.footprint()
+        problems = []
         if args.run in ("concurrency", "all"):
             report["concurrency"], before = concurrency(daemon, name, args.procs or sizes["procs"],
                                                         args.iters or sizes["iters"])
         if args.run in ("engines", "all"):
             report["engines"] = engines(daemon, model, name, args.cycles or sizes["engine_cycles"])
         if args.run in ("daemon", "all"):
+            if args.run == "all":  # the daemon the clients and engines used is killed next: check it first
+                wait_for(lambda: daemon.client.stats().num_sessions == 0, 10, "every client's session to close")
+                problems += stable(before, daemon.footprint())
             daemon, report["daemon"] = daemon_restarts(daemon, model, name, args.cycles or sizes["daemon_cycles"])
             if not args.short:  # a daemon of its own: seconds that the short run saves
                 report["daemon"]["reload_s"] = round(reload_seconds(model, name), 4)
             before = daemon.footprint() | {"leases": 0, "sessions": 0}  # a new process: compare from here
         wait_for(lambda: daemon.client.stats().num_sessions == 0, 10, "every client's session to close")
-        report["before"], report["after"] = before, daemon.footprint()
-        report["problems"] = stable(before, report["after"])
+        report["after"] = daemon.footprint()
+        report["problems"] = problems + stable(before, report["after"])
     except Exception as e:
         report["problems"] = [f"{type(e).__name__}: {e}"]
     finally:

@@ -203,7 +203,8 @@ def test_bench_spec_produces_json(tmp_path):
 def test_soak_short_runs_clean():
     """The short soak: concurrent attaches, engines and a daemon killed with SIGKILL; nothing leaks.
     12 clients at once fill the daemon's bounded thread pools past the check's slack (8 threads): that
-    is not a leak, and only a second round of them is checked."""
+    is not a leak, and only a second round of them is checked (on that daemon, before the daemon run
+    kills it)."""
     out = run_script(REPO / "scripts" / "soak.py", "all", "--short", timeout=900)
     report = json.loads(out.stdout)
     assert out.returncode == 0 and report["problems"] == [], (report, out.stderr[-3000:])
