@@ -79,6 +79,11 @@ class Daemon(DaemonProcess):
                 "threads": proc.num_threads(), "shm_entries": len(list(self.config.shm_dir.iterdir())),
                 "leases": stats.num_leases, "sessions": stats.num_sessions}
 
+    def settled_footprint(self) -> dict:
+        """footprint() once every client's session has closed."""
+        wait_for(lambda: self.client.stats().num_sessions == 0, 10, "every client's session to close")
+        return self.footprint()
+
     def kill(self) -> None:
         self.client.close()
         self.proc.kill()
@@ -123,8 +128,7 @@ def concurrency(daemon: Daemon, name: str, procs: int, iters: int) -> tuple[dict
     log(f"concurrency: 1 client x {iters}, then {procs} clients x {iters}, twice")
     alone = percentiles(run_clients(daemon, name, 1, iters))
     run_clients(daemon, name, procs, iters)
-    wait_for(lambda: daemon.client.stats().num_sessions == 0, 10, "every client's session to close")
-    filled = daemon.footprint()
+    filled = daemon.settled_footprint()
     together = percentiles(run_clients(daemon, name, procs, iters))
     return {"alone": alone, f"{procs}_processes": together, "errors": 0}, filled
 
@@ -258,14 +262,12 @@ def main(argv=None) -> int:
             report["engines"] = engines(daemon, model, name, args.cycles or sizes["engine_cycles"])
         if args.run in ("daemon", "all"):
             if args.run == "all":  # the daemon the clients and engines used is killed next: check it first
-                wait_for(lambda: daemon.client.stats().num_sessions == 0, 10, "every client's session to close")
-                problems += stable(before, daemon.footprint())
+                problems += stable(before, daemon.settled_footprint())
             daemon, report["daemon"] = daemon_restarts(daemon, model, name, args.cycles or sizes["daemon_cycles"])
             if not args.short:  # a daemon of its own: seconds that the short run saves
                 report["daemon"]["reload_s"] = round(reload_seconds(model, name), 4)
             before = daemon.footprint() | {"leases": 0, "sessions": 0}  # a new process: compare from here
-        wait_for(lambda: daemon.client.stats().num_sessions == 0, 10, "every client's session to close")
-        report["after"] = daemon.footprint()
+        report["after"] = daemon.settled_footprint()
         report["problems"] = problems + stable(before, report["after"])
     except Exception as e:
         report["problems"] = [f"{type(e).__name__}: {e}"]
