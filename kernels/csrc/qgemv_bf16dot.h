@@ -6,12 +6,14 @@
 //
 // At decode sizes the AVX-512 kernels are bound by their own instructions, not by memory, where
 // each 512-bit instruction costs two (Zen 4): per 32 elements they widen the weight into two
-// float32 registers (a dozen shuffles, widenings and shifts for e2m1) and multiply-add each. Here a
-// bfloat16 weight is multiplied as it is loaded, one instruction per 32 elements; int8 is widened
-// as before and rounded into one register of bfloat16, exactly (8 significant bits), and e4m3
-// looked up in a table of bfloat16 words (VPERMI2W), exactly too (4 significant bits); and 64 e2m1
-// elements (32 bytes) become two registers of bfloat16 in four steps: the bytes widened to words,
-// the low nibbles and the high ones each looked up in a table of 16 bfloat16 words (VPERMW). x is
+// float32 registers (for e2m1 a dozen shuffles, widenings and shifts then; three a register since
+// e2m1_vec) and multiply-add each. Here a bfloat16 weight is multiplied as it is loaded, one
+// instruction per 32 elements; int8 is widened as before and rounded into one register of
+// bfloat16, exactly (8 significant bits), and e4m3 looked up in a table of bfloat16 words
+// (VPERMI2W), exactly too (4 significant bits); and 64 e2m1 elements (32 bytes) become two
+// registers of bfloat16 in four instructions: the bytes widened to words, the low nibbles looked up
+// in a table of bfloat16 words (VPERMW, which reads 5 bits of each index: the table holds its 16
+// words twice, so the low nibbles need no mask), the high ones shifted down and looked up. x is
 // packed once per product as bfloat16 (pack_bf16dot), in order, or for e2m1 in each group of 64
 // elements its 32 even-indexed ones and then its 32 odd ones, as the two registers hold the weight:
 // lane i of the sums then covers elements 4i to 4i + 3 of the group, so a block of 32 (MXFP4) is 8
@@ -65,10 +67,6 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int6
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
   }
 }
-
-// Every e2m1 code's bfloat16 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), a VPERMW table.
-alignas(32) constexpr uint16_t kE2M1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                                                0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
 
 // The scales of blocks [b, b + 16) of row n as one register; where the row has fewer left, the codes
 // past its end read as 0 (masked off: never read), and their lanes are never used.
@@ -143,8 +141,7 @@ inline void reduce_banks(__m512 (&acc)[kBanks][M], float* sums) {
 // row scale). kBlocks: scales per group of 64 (2 for MXFP4's blocks of 32, 4 for NVFP4's of 16).
 template <int kBlocks, int M, int R>
 void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
-  const __m512i table = _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(kE2M1Bf16)));
-  const __m512i nibble = _mm512_set1_epi16(0x0F);
+  const __m512i table = _mm512_load_si512(kE2M1Bf16x2);  // VPERMW reads a byte's low nibble and one bit more
   // Lane i of a group's sums is in the group's block i / (16 / kBlocks): group q of the 16 / kBlocks
   // groups whose scales one register holds takes its lanes' scales from spread[q]. Each group's dots
   // start from zero, so only the scaled sums chain from group to group (kBanks of them).
@@ -168,7 +165,7 @@ void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums)
         const uint8_t* p = w.data + (n + r) * w.row_bytes + g * (kDotGroup / 2);
         if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), _MM_HINT_T0);
         const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-        even[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, nibble), table);
+        even[r] = (__m512bh)_mm512_permutexvar_epi16(codes, table);
         odd[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
         scale[r] = _mm512_permutexvar_ps(spread[q], scales[r]);
       }
