@@ -6,7 +6,7 @@
 //
 // At decode sizes the AVX-512 kernels are bound by their own instructions, not by memory, where
 // each 512-bit instruction costs two (Zen 4): per 32 elements they widen the weight into two
-// float32 registers (for e2m1 a dozen shuffles, widenings and shifts then; three a register since
+// float32 registers (for e2m1 a dozen shuffles, widenings and shifts then; two a register since
 // e2m1_vec) and multiply-add each. Here a bfloat16 weight is multiplied as it is loaded, one
 // instruction per 32 elements; int8 is widened as before and rounded into one register of
 // bfloat16, exactly (8 significant bits), and e4m3 looked up in a table of bfloat16 words
@@ -48,25 +48,44 @@ inline bool bf16dot_takes(const Weight& w) {
   return w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
+// The permutation of 16 words in kE2M1Order that leaves the 8 even-indexed elements first, then the
+// 8 odd ones (a VPERMW index).
+struct EvenOdd {
+  uint16_t index[16] = {};
+  constexpr EvenOdd() {
+    for (int p = 0; p < 16; ++p) index[kE2M1Order[p] % 2 * 8 + kE2M1Order[p] / 2] = static_cast<uint16_t>(p);
+  }
+};
+constexpr EvenOdd kEvenOdd;
+
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
 // even-indexed elements, then its 32 odd ones. x comes in the kernels' order (qgemv_kernels.h): for
-// e2m1 each group of 16 as its 8 even-indexed elements, then its 8 odd ones, so each quarter of a
-// group is one conversion and two stores; the others in order.
+// e2m1 each group of 16 in kE2M1Order, so each quarter of a group is one conversion, one
+// permutation and two stores; the others in order.
 void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
   if (!bf16dot_takes(w)) return;
-  static_assert(kE2M1Order[1] == 2 && kE2M1Order[8] == 1 && !kBF16Order, "pack_bf16dot reads x in AVX-512's orders");
+  static_assert(!kBF16Order, "pack_bf16dot reads x in order for bfloat16 weights");
+  const __m256i even_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kEvenOdd.index));
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
   for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
-    const __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
     if (w.element != kE2M1) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
       continue;
     }
+    both = _mm256_permutexvar_epi16(even_odd, both);
     uint16_t* group = words + i / kDotGroup * kDotGroup + i % kDotGroup / 2;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
   }
 }
+
+// Every e2m1 code's bfloat16 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), twice: a VPERMW
+// table of 32 words (VPERMW reads the low 5 bits of each index: bit 4 may hold anything).
+alignas(64) constexpr uint16_t kE2M1Bf16x2[32] = {
+    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
+    0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
+    0xC000, 0xC040, 0xC080, 0xC0C0};
 
 // The scales of blocks [b, b + 16) of row n as one register; where the row has fewer left, the codes
 // past its end read as 0 (masked off: never read), and their lanes are never used.

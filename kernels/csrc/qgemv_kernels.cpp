@@ -8,8 +8,8 @@
 //
 // The weight is decoded 32 elements at a time straight into registers and never written back, so
 // a GEMV reads it once: e4m3 through F16C (its bits placed where a float16 keeps exponent and
-// mantissa), e2m1 through tables of bfloat16 bytes (AVX2: two of 16 entries, pshufb) or words
-// (AVX-512: one of 32, VPERMW), int8 by widening, and plain bfloat16 by a shift (it is the high half of a float32). Each step multiplies R weight rows
+// mantissa), e2m1 through tables (AVX2: two of bfloat16 bytes, pshufb; AVX-512: one of float32
+// values, VPERMPS), int8 by widening, and plain bfloat16 by a shift (it is the high half of a float32). Each step multiplies R weight rows
 // by M activation rows with R x M accumulators in registers. No torch header is included here: see
 // qgemv_kernels.h.
 #include "qgemv_kernels.h"

@@ -148,7 +148,35 @@ inline void decode16_e2m1_in_order(const uint8_t* p, Vec* out) {
   f16_to_vecs(_mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(table, codes)), 8), out);
 }
 
-// For AVX2's GEMV (AVX-512's is e2m1_vec, below), no conversion instruction: every e2m1 value is
+// e2m1 and bfloat16 elements into float32 registers for the GEMV, per instruction set. Each group
+// of 16 elements of x comes in the matching order, kE2M1Order (qgemv.cpp reorders x).
+#ifdef PRELOAD_AVX512
+// One register, elements 0 and 8, 1 and 9, ... 7 and 15 (e2m1_vec).
+constexpr uint8_t kE2M1Order[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+constexpr const uint8_t* kBF16Order = nullptr;  // plain bfloat16 decodes in order here
+
+// Every e2m1 code's value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives): a VPERMPS table.
+alignas(64) constexpr float kE2M1Values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// 16 e2m1 elements (8 packed bytes) straight into one float32 register, in kE2M1Order, in two
+// instructions (e2m1_words and its widening took ten for two registers, six of them shuffles). The
+// 8 bytes are loaded into every 64-bit lane, so the even 32-bit lanes hold nibbles 0-7 and the odd
+// ones nibbles 8-15; lanes 2q and 2q + 1 shift their nibble q down to bits 0-3, which are all that
+// VPERMPS reads of an index, and it looks the codes up in a table of their values. (A 2-core Zen 5,
+// 4096x4096 from memory, builds alternated three times, medians: MXFP4 at one row of x 346-634 us
+// -> 227-279, at 8 rows 1163-1338 -> 867-905; NVFP4 428-528 -> 346-399 and 1244-1576 ->
+// 1082-1145. A VPERMW of bfloat16 words over a zeroed low word, after widening each byte to two
+// lanes, gave MXFP4 248-352 and 943-1065.)
+inline Vec e2m1_vec(const uint8_t* p) {
+  int64_t packed;
+  std::memcpy(&packed, p, sizeof(packed));
+  const __m512i index = _mm512_srlv_epi32(_mm512_set1_epi64(packed), _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16,
+                                                                                       16, 20, 20, 24, 24, 28, 28));
+  return _mm512_permutexvar_ps(index, _mm512_load_ps(kE2M1Values));
+}
+#else
+// For AVX2's GEMV (AVX-512's is e2m1_vec, above), no conversion instruction: every e2m1 value is
 // also a bfloat16, so two tables give its high and low bytes, and two zero bytes below make the
 // float32. The codes of 8 or 16 packed bytes go in the two 128-bit lanes as [low nibbles | high
 // nibbles] (even-indexed elements, then odd ones: a broadcast load and one shift, no shuffle); in
@@ -170,42 +198,9 @@ inline void e2m1_words(__m256i packed, __m256i& w0, __m256i& w1) {
   w1 = _mm256_unpackhi_epi8(l, h);
 }
 
-// The words of 16 elements (w0 or w1) -> float32 registers. Each group of 16 elements of x comes
-// in the matching order, kE2M1Order (qgemv.cpp reorders x).
-#ifdef PRELOAD_AVX512
-// One register: the 8 even-indexed elements, then the 8 odd ones.
-constexpr uint8_t kE2M1Order[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
-constexpr const uint8_t* kBF16Order = nullptr;  // plain bfloat16 decodes in order here
-inline void bf16_words_to_vecs(__m256i w, Vec* out) {
-  out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
-}
-
-// Every e2m1 code's bfloat16 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), twice: a VPERMW
-// table of 32 words (VPERMW reads the low 5 bits of each index: bit 4 may hold anything).
-alignas(64) constexpr uint16_t kE2M1Bf16x2[32] = {
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
-    0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
-    0xC000, 0xC040, 0xC080, 0xC0C0};
-
-// 16 e2m1 elements (8 packed bytes) straight into one float32 register, in kE2M1Order, in three
-// instructions (e2m1_words and its widening took ten for two registers). Each byte is widened into
-// lanes i and i + 8, then shifted left by 16 in lanes 0-7 and by 12 in lanes 8-15: the lane's high
-// word then indexes its code (the low nibble, and one bit of the high nibble, which the doubled
-// table ignores; or the high nibble) and its low word reads entry 0, 0x0000. One VPERMW turns the
-// lane into the code's bfloat16 over zero: the float32. (A 2-core Zen 5, the AVX-512 kernels,
-// builds alternated: 4096x4096 MXFP4 at one row of x from memory 292-368 -> 254-260 us, NVFP4
-// 376-499 -> 335-339; 2048x2048 in cache 8-20% less time at 1 to 8 rows.)
-inline Vec e2m1_vec(const uint8_t* p) {
-  int64_t packed;
-  std::memcpy(&packed, p, sizeof(packed));
-  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_set1_epi64x(packed));
-  const __m512i index = _mm512_sllv_epi32(bytes, _mm512_setr_epi32(16, 16, 16, 16, 16, 16, 16, 16, 12, 12, 12, 12,
-                                                                    12, 12, 12, 12));
-  return _mm512_castsi512_ps(_mm512_permutexvar_epi16(index, _mm512_load_si512(kE2M1Bf16x2)));
-}
-#else
-// Two registers, from the even words shifted up and the odd words masked (no shuffle): elements
-// 0, 4, 8, 12, 1, 5, 9, 13 and 2, 6, 10, 14, 3, 7, 11, 15, the 16 as a 4 x 4 matrix transposed.
+// The words of 16 elements (w0 or w1) -> two registers, from the even words shifted up and the odd
+// words masked (no shuffle): elements 0, 4, 8, 12, 1, 5, 9, 13 and 2, 6, 10, 14, 3, 7, 11, 15, the
+// 16 as a 4 x 4 matrix transposed.
 constexpr uint8_t kE2M1Order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
 // Plain bfloat16 in the GEMV: 16 elements in one register of words, the even-indexed ones shifted
 // up, the odd ones masked (decode16), half the operations of widening 8 at a time, which AMD's
