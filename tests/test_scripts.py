@@ -228,7 +228,8 @@ def test_gpu_check_without_a_gpu_says_so_and_fails(tmp_path):
 
 @pytest.mark.slow
 def test_bench_quant_produces_json_with_rows_from_cache_and_from_memory():
-    out = run_preload("bench", "quant", "--skip-quality", "--sizes", "512", "--repeats", "1", "--json", timeout=600)
+    out = run_preload("bench", "quant", "--skip-quality", "--sizes", "512", "--repeats", "1", "--memory-mib", "64",
+                      "--json", timeout=600)
     assert out.returncode == 0, out.stderr
     speed = json.loads(out.stdout)["speed"]
     cached = [r for r in speed["rows"] if not r.get("memory")]
@@ -236,5 +237,8 @@ def test_bench_quant_produces_json_with_rows_from_cache_and_from_memory():
     assert [r["m"] for r in cached] == [1, 2, 4, 8, 16, 512] and [r["m"] for r in memory] == [1, 2, 4, 8, 16]
     assert all(r["bf16_ms"] > 0 and r["int8"] > 0 and r["nvfp4"] > 0 for r in speed["rows"])
     assert set(speed["targets"]["512x512"]) == set(memory[0]) - {"shape", "m", "memory", "bf16_ms"}
+    assert speed["copies"] == {"512x512": 128}  # 64 MiB of 512 KiB bfloat16 copies
     refused = run_preload("bench", "quant", "--skip-quality", "--sizes", "2048,x")
     assert refused.returncode == 2 and "multiples of 16" in refused.stderr
+    refused = run_preload("bench", "quant", "--skip-quality", "--memory-mib", "0")
+    assert refused.returncode == 2 and "whole number of MiB" in refused.stderr

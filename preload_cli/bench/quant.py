@@ -104,7 +104,9 @@ def side_by_side(calls: dict, repeats: int) -> dict:
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
+def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096), memory_bytes: int | None = None) -> dict:
+    """The speed rows; the rows from memory cycle each weight's copies through `memory_bytes` (default:
+    BANDWIDTH_BYTES or 4x the last-level cache, whichever is more), at most MAX_COPIES of them."""
     import torch
 
     from kernels.dense import Dense
@@ -112,7 +114,7 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
     from kernels.quant import SCHEMES, quantize
     from preload_cli.bench.machine import BANDWIDTH_BYTES, last_level_cache_bytes
 
-    rows, targets, dense = [], {}, Dense()
+    rows, targets, copies_of, dense = [], {}, {}, Dense()
     for n in sizes:
         w = torch.randn(n, n)
         base_w = w.bfloat16()
@@ -127,7 +129,8 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
             rows.append({"shape": f"{n}x{n}", "m": m, "bf16_ms": base * 1e3,
                          **{s: t / base for s, t in seconds.items()}})
             print(f"  {n}x{n} M={m}: done", file=sys.stderr, flush=True)
-        count = min(MAX_COPIES, -(-max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes()) // (2 * n * n)))
+        span = memory_bytes or max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
+        count = copies_of[f"{n}x{n}"] = min(MAX_COPIES, -(-span // (2 * n * n)))
         copies = {s: _copies(q, count) for s, q in {"bf16_ms": base_w, **quantized}.items()}
         for m in DECODE_M:
             x = torch.randn(m, n).bfloat16()
@@ -139,7 +142,7 @@ def speed(repeats: int, sizes: tuple[int, ...] = (2048, 4096)) -> dict:
                          **{s: t / base for s, t in seconds.items()}})
         del copies
         print(f"  {n}x{n} from memory ({count} copies): done", file=sys.stderr, flush=True)
-    return {"rows": rows, "targets": targets}
+    return {"rows": rows, "targets": targets, "copies": copies_of}
 
 
 def run(args) -> int:
@@ -152,7 +155,7 @@ def run(args) -> int:
     if not args.skip_quality:
         result["quality"] = quality(model_path)
     if not args.skip_speed:
-        result["speed"] = speed(args.repeats, args.sizes)
+        result["speed"] = speed(args.repeats, args.sizes, args.memory_mib << 20 if args.memory_mib else None)
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
@@ -195,11 +198,25 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of MiB from 1 to 1048576")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure, at least (more for fast calls)")
     parser.add_argument("--sizes", type=_sizes, default=(2048, 4096),
                         help="square weights' sizes to time, comma-separated (default 2048,4096)")
+    parser.add_argument("--memory-mib", type=_positive, metavar="MIB",
+                        help="memory the rows 'from memory' cycle each weight's copies through (default: 512 MiB "
+                             "or 4x the last-level cache, whichever is more; less runs faster, but a span within the "
+                             "cache times the cache)")
     parser.add_argument("--skip-speed", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--json", action="store_true")
