@@ -198,7 +198,7 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _positive(text: str) -> int:
+def _mib(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -213,7 +213,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timings per figure, at least (more for fast calls)")
     parser.add_argument("--sizes", type=_sizes, default=(2048, 4096),
                         help="square weights' sizes to time, comma-separated (default 2048,4096)")
-    parser.add_argument("--memory-mib", type=_positive, metavar="MIB",
+    parser.add_argument("--memory-mib", type=_mib, metavar="MIB",
                         help="memory the rows 'from memory' cycle each weight's copies through (default: 512 MiB "
                              "or 4x the last-level cache, whichever is more; less runs faster, but a span within the "
                              "cache times the cache)")
