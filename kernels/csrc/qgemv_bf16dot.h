@@ -80,12 +80,17 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int6
   }
 }
 
-// Every e2m1 code's bfloat16 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), twice: a VPERMW
-// table of 32 words (VPERMW reads the low 5 bits of each index: bit 4 may hold anything).
-alignas(64) constexpr uint16_t kE2M1Bf16x2[32] = {
-    0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040,
-    0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0,
-    0xC000, 0xC040, 0xC080, 0xC0C0};
+// Every e2m1 code's bfloat16 (kE2M1Values' high halves: each value is a bfloat16 exactly), twice: a
+// VPERMW table of 32 words (VPERMW reads the low 5 bits of each index: bit 4 may hold anything).
+struct E2M1Bf16x2 {
+  alignas(64) uint16_t words[32] = {};
+  constexpr E2M1Bf16x2() {
+    for (int i = 0; i < 32; ++i) words[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(kE2M1Values[i % 16]) >> 16);
+  }
+};
+constexpr E2M1Bf16x2 kE2M1Bf16x2;
+static_assert(kE2M1Bf16x2.words[3] == 0x3FC0 && kE2M1Bf16x2.words[24] == 0x8000 && kE2M1Bf16x2.words[31] == 0xC0C0,
+              "1.5, -0 and -6 as bfloat16");
 
 // The scales of blocks [b, b + 16) of row n as one register; where the row has fewer left, the codes
 // past its end read as 0 (masked off: never read), and their lanes are never used.
@@ -160,7 +165,7 @@ inline void reduce_banks(__m512 (&acc)[kBanks][M], float* sums) {
 // row scale). kBlocks: scales per group of 64 (2 for MXFP4's blocks of 32, 4 for NVFP4's of 16).
 template <int kBlocks, int M, int R>
 void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
-  const __m512i table = _mm512_load_si512(kE2M1Bf16x2);  // VPERMW reads a byte's low nibble and one bit more
+  const __m512i table = _mm512_load_si512(kE2M1Bf16x2.words);  // VPERMW reads a byte's low nibble and one bit more
   // Lane i of a group's sums is in the group's block i / (16 / kBlocks): group q of the 16 / kBlocks
   // groups whose scales one register holds takes its lanes' scales from spread[q]. Each group's dots
   // start from zero, so only the scaled sums chain from group to group (kBanks of them).
