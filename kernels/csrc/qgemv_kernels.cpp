@@ -254,16 +254,21 @@ PassFn pass_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// More than kMaxM activation rows take several passes.
+// More than kMaxM activation rows take several passes, and so do more than kMaxM / 2 whose x
+// outgrows kPassXBytes (passes of kMaxM / 2 then).
 void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
           bool bf16) {
   const size_t y_bytes = bf16 ? 2 : 4;
-  in_passes<kMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
+  auto run = [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const PassFn pass = with_format(w, [m]<int kElem, int kMode>() {
       return pass_for<kElem, kMode>(m, std::make_integer_sequence<int, kMaxM>{});
     });
     pass(w, x + m0 * w.k, start, stop, static_cast<char*>(y) + m0 * y_stride * y_bytes, y_stride, bf16);
-  });
+  };
+  if (m_rows > kMaxM / 2 && lesser(m_rows, kMaxM) * w.k * int64_t(sizeof(float)) > kPassXBytes)
+    in_passes<kMaxM / 2>(w, m_rows, begin, end, run);
+  else
+    in_passes<kMaxM>(w, m_rows, begin, end, run);
 }
 
 // Rows [begin, end), 16 elements (in order) at a time.

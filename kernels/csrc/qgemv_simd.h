@@ -20,6 +20,7 @@ using Vec = __m512;
 constexpr int kLanes = 16;
 constexpr int kAccumulators = 16;  // of 32 registers
 constexpr int kMaxM = 4;           // activation rows per pass (kernels/linear.py takes GEMM for more)
+constexpr int64_t kPassXBytes = INT64_MAX;  // never split (see the AVX2 one; not measured here)
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vset(float v) { return _mm512_set1_ps(v); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
@@ -38,6 +39,16 @@ using Vec = __m256;
 constexpr int kLanes = 8;
 constexpr int kAccumulators = 8;   // of 16 registers: the rest decode
 constexpr int kMaxM = 8;           // activation rows per pass: more take more passes
+// A pass of more than kMaxM / 2 rows of x whose float32 rows outgrow this (the L1 data cache) runs
+// as passes of kMaxM / 2 instead: with 8 rows the kernels read one weight row at a time and load x
+// once per multiply-add, from L2 once x is out of L1, while 4 rows take two weight rows per load of
+// x. One thread, int8, rows of x at a time (2-core Zen 2, weights streamed from memory, best of 30):
+// 8 x 1536 (48 KiB, the default model's down projection at 8 sequences) 326-337 -> 289-298 us,
+// bfloat16 378 -> 301; 8 x 4096 1892 -> 1454; 8 x 1152 448 -> 392. With x in L1 one pass is
+// faster: 8 x 1024 (32 KiB) 264 against 346 split, 8 x 576 465 against 598. At 5-7 rows of 36-42
+// KiB the split is about even (int8 a little slower, bfloat16 faster), at 5-7 rows of 4096 10-20%
+// faster.
+constexpr int64_t kPassXBytes = int64_t(32) << 10;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vset(float v) { return _mm256_set1_ps(v); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
