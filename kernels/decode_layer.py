@@ -23,8 +23,9 @@ from kernels.quant import QuantizedWeight, scheme
 PHASES = ("qkv", "o", "gate_up", "down")
 MAX_ROWS = 16
 """Most sequences a fused step takes: the fused GEMV reads the weight once per pass of up to 8 rows
-on AVX2 and AVX512-BF16 (4 on AVX-512 without it, and for float32 activations; 16 on AMX's tiles);
-past kernels/linear.py's GEMV limit the per-op path's GEMM paths are faster."""
+on AVX2 (4 where 8 rows of float32 x outgrow L1) and AVX512-BF16 (4 on AVX-512 without it, and for
+float32 activations; 16 on AMX's tiles); past kernels/linear.py's GEMV limit the per-op path's GEMM
+paths are faster."""
 MATRIX_UNIT_ROWS = 8
 """Most sequences a fused step of plain bfloat16 weights takes where torch's bfloat16 GEMM runs on
 matrix units (AMX, AVX512-BF16) and the fused GEMV does not (avx512 or avx2 there): past it

@@ -254,8 +254,8 @@ PassFn pass_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// More than kMaxM activation rows take several passes, and so do more than kMaxM / 2 whose x
-// outgrows kPassXBytes (passes of kMaxM / 2 then).
+// More than kMaxM activation rows take several passes, and so do more than kMaxM / 2 of a weight
+// with one scale per row whose x outgrows kPassXBytes (passes of kMaxM / 2 then).
 void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
           bool bf16) {
   const size_t y_bytes = bf16 ? 2 : 4;
@@ -265,7 +265,8 @@ void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_
     });
     pass(w, x + m0 * w.k, start, stop, static_cast<char*>(y) + m0 * y_stride * y_bytes, y_stride, bf16);
   };
-  if (m_rows > kMaxM / 2 && lesser(m_rows, kMaxM) * w.k * int64_t(sizeof(float)) > kPassXBytes)
+  const bool row_scaled = w.kind == kPerTensor || w.kind == kPerRow;
+  if (row_scaled && m_rows > kMaxM / 2 && lesser(m_rows, kMaxM) * w.k * int64_t(sizeof(float)) > kPassXBytes)
     in_passes<kMaxM / 2>(w, m_rows, begin, end, run);
   else
     in_passes<kMaxM>(w, m_rows, begin, end, run);
