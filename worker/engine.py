@@ -16,7 +16,7 @@ from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
 from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
 from worker.sampling import Pick, describe, needs_work, pick, prompt_logprobs
-from worker.speculative import Speculator, accept, probabilities
+from worker.speculative import Speculator, accept, greedy, probabilities
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -259,10 +259,10 @@ class Engine:
                 self._finish(r, f"error: {e}")
             return
         self.stats["decode_steps"] += 1
-        greedy = logits.argmax(-1).tolist()  # one call for the batch's plain greedy rows
+        best = greedy(logits)  # one call for the batch's plain greedy rows
         for row, request in enumerate(batch):
             plain = not needs_work(request.params)
-            self._emit(request, Pick(greedy[row]) if plain else self._pick(logits[row], request))
+            self._emit(request, Pick(best[row]) if plain else self._pick(logits[row], request))
 
     def _speculate(self) -> None:
         """One speculative step for every running request: propose, verify in one forward, keep the

