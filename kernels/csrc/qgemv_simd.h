@@ -46,7 +46,7 @@ constexpr int kMaxM = 8;           // activation rows per pass: more take more p
 // block-scaled schemes keep one pass: they would decode each weight twice (`preload bench quant`,
 // 4096x4096, 8 rows: NVFP4 3.65 -> 4.59 ms split, MXFP4 3.53 -> 3.83, FP8 blocks and MXFP8 +4%;
 // bfloat16 4.20 -> 3.14, int8 3.70 -> 2.92, FP8 per channel 3.65 -> 3.33).
-// One thread, int8, rows of x at a time (2-core Zen 2, weights streamed from memory, best of 30):
+// Rows of x x K, one thread, int8 unless said (2-core Zen 2, weights streamed from memory, best of 30):
 // 8 x 1536 (48 KiB, the default model's down projection at 8 sequences) 326-337 -> 289-298 us,
 // bfloat16 378 -> 301; 8 x 4096 1892 -> 1454; 8 x 1152 448 -> 392. With x in L1 one pass is
 // faster: 8 x 1024 (32 KiB) 264 against 346 split, 8 x 576 465 against 598. At 5-7 rows of 36-42
