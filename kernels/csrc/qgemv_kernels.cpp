@@ -265,8 +265,7 @@ void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_
     });
     pass(w, x + m0 * w.k, start, stop, static_cast<char*>(y) + m0 * y_stride * y_bytes, y_stride, bf16);
   };
-  const bool row_scaled = w.kind == kPerTensor || w.kind == kPerRow;
-  if (row_scaled && m_rows > kMaxM / 2 && lesser(m_rows, kMaxM) * w.k * int64_t(sizeof(float)) > kPassXBytes)
+  if (row_scaled(w) && m_rows > kMaxM / 2 && lesser(m_rows, kMaxM) * w.k * int64_t(sizeof(float)) > kPassXBytes)
     in_passes<kMaxM / 2>(w, m_rows, begin, end, run);
   else
     in_passes<kMaxM>(w, m_rows, begin, end, run);
@@ -275,7 +274,7 @@ void gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_
 // Rows [begin, end), 16 elements (in order) at a time.
 template <int kElem>
 void dequantize_rows(const Weight& w, int64_t begin, int64_t end, void* out, bool bf16) {
-  const bool blocked = !(w.kind == kPerTensor || w.kind == kPerRow);
+  const bool blocked = !row_scaled(w);
   const int64_t pieces = w.k / 16, per_block = w.block / 16;
   for (int64_t n = begin; n < end; ++n) {
     const uint8_t* row = w.data + n * w.row_bytes;

@@ -349,6 +349,9 @@ inline void block_scales(const Weight& w, int64_t n, int64_t b, int64_t count, f
   }
 }
 
+// One scale per row (or one for the whole tensor): bfloat16, int8, FP8 per tensor or channel.
+inline bool row_scaled(const Weight& w) { return w.kind == kPerTensor || w.kind == kPerRow; }
+
 inline float row_scale(const Weight& w, int64_t n) {
   if (w.kind == kPerTensor) return *static_cast<const float*>(w.scale);
   if (w.kind == kPerRow) return static_cast<const float*>(w.scale)[n];
