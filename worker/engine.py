@@ -303,7 +303,7 @@ class Engine:
     def _draft_pick(logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
         params = request.params
         if params.temperature == 0:
-            return int(logits.argmax()), None
+            return greedy(logits), None
         probs = probabilities(logits, params.temperature, params.top_p)
         return int(torch.multinomial(probs, 1, generator=request.generator)), probs
 

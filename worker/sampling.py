@@ -9,7 +9,7 @@ import dataclasses
 
 import torch
 
-from worker.speculative import probabilities
+from worker.speculative import greedy, probabilities
 
 MAX_TOP_LOGPROBS = 20
 
@@ -52,7 +52,7 @@ def pick(logits: torch.Tensor, params, prompt: list[int], output: list[int],
     """The next token for one row of logits ([V]), with the log-probabilities `params` asks for."""
     x = penalized(logits, params, prompt, output)
     if params.temperature == 0:
-        token, probs = int(x.argmax()), None
+        token, probs = greedy(x), None
     else:
         probs = probabilities(x, params.temperature, params.top_p)
         token = int(torch.multinomial(probs, 1, generator=generator))

@@ -23,10 +23,11 @@ from worker.model import CausalLM
 from worker.mtp import MTPDraft
 
 
-def greedy(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax of CPU float32 logits ([N, V]): the first largest, a NaN before any number,
-    as torch.argmax picks. Through numpy: torch's argmax over a 49,152-token row takes 67 us on a
-    2-core Zen 2, numpy's 7 (8 rows: 265 against 36 us), and a greedy decode step there is ~9 ms."""
+def greedy(logits: torch.Tensor) -> int | list[int]:
+    """The argmax of CPU float32 logits, one row ([V]: an int) or each of several ([N, V]: a list):
+    the first largest, a NaN before any number, as torch.argmax picks. Through numpy: torch's
+    argmax over a 49,152-token row takes 67 us on a 2-core Zen 2, numpy's 7 (8 rows: 265 against
+    36 us), and a greedy decode step there is ~9 ms."""
     return logits.numpy().argmax(-1).tolist()
 
 

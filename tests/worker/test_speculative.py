@@ -59,8 +59,9 @@ def run(model, speculator, prompts, params):
 
 
 def test_greedy_picks_what_torch_argmax_picks():
-    """The engine's greedy rows (numpy's argmax) against torch.argmax: ties take the first, a NaN
-    wins over any number, a row of -inf its first, on inference tensors and row slices alike."""
+    """The engine's greedy picks (numpy's argmax) against torch.argmax: ties take the first, a NaN
+    wins over any number, a row of -inf its first, on inference tensors, row slices and single
+    rows alike."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         logits = torch.randn(6, 49_152, generator=generator)
@@ -73,6 +74,7 @@ def test_greedy_picks_what_torch_argmax_picks():
     assert expected[:5] == [7, 11, 0, 2, 0]
     assert greedy(logits) == expected
     assert greedy(logits[1:4]) == expected[1:4]
+    assert [greedy(row) for row in logits] == expected and type(greedy(logits[0])) is int
 
 
 @pytest.mark.parametrize("kind,k", [("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3), ("self", 2)])
