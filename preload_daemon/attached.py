@@ -13,7 +13,7 @@ import torch
 
 from preload_daemon.buffers import SlabViews, descriptors_of, dtype_from_name, park_mapping, remap_readonly
 from preload_daemon.cachekey import CacheKey
-from preload_daemon.errors import DeviceError, InvalidRequestError, StaleError
+from preload_daemon.errors import DeviceError, InvalidRequestError, PreloadError, StaleError
 from preload_daemon.plan import Layout
 from preload_daemon.slab import open_slab
 from protos import preload_pb2 as pb
@@ -114,8 +114,8 @@ class AttachedModel(collections.abc.Mapping):
         return bool(self._parked)
 
     def suspend(self) -> None:
-        """Lets go of the daemon and of its memory without dropping a single view: the session
-        closes (the daemon ends the lease), and each slab's mapping becomes an empty reservation of
+        """Lets go of the daemon and of its memory without dropping a single view: the lease is
+        released and the session closed, and each slab's mapping becomes an empty reservation of
         the same addresses (buffers.park_mapping), its file descriptor pointed at /dev/null. Nothing
         may read a view until resume(). What a process snapshot needs: no weights, no daemon files."""
         if self._parked:
@@ -123,6 +123,11 @@ class AttachedModel(collections.abc.Mapping):
         if self.in_device_memory:
             raise DeviceError("this engine's weights are CUDA IPC memory, which cannot be parked at the same "
                               "addresses: snapshots of GPU engines are not supported yet (restart it warm instead)")
+        if self.lease_id:  # ended before the session closes, so the daemon's table is right at once
+            try:
+                self._client.release(self.lease_id)
+            except PreloadError:  # the daemon is gone or ended it already: the session's end suffices
+                pass
         self._client.close()
         self.lease_id = ""
         devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
