@@ -59,7 +59,7 @@ def has_decode_attention(dtype: torch.dtype = torch.float32, device: torch.devic
 
 def decode_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """One new query per sequence over its cached keys, read in place (kernels/csrc/decode.cpp):
-    q [B, H, D]; cache: one layer of the engine's KV cache, [slots, max_len, 2, KV, D] in q's dtype;
+    q [B, H, D]; cache: one layer of the engine's KV cache, [slots, 2, KV, max_len, D] in q's dtype;
     row b sees positions [0, lengths[b]) of slot slots[b] (int64 [B] both). Returns [B, H * D] in
     q's dtype, the softmax in float32. Only where has_decode_attention()."""
     return native.decode_attention(q.contiguous(), cache, slots, lengths, q.shape[-1] ** -0.5,

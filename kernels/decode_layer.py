@@ -52,7 +52,7 @@ class FusedLayer:
 
     def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:
-        """x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots and lengths int64 [B]
+        """x [B, hidden]; cache: this layer's [slots, 2, KV, max_len, D]; slots and lengths int64 [B]
         (each row's new token sits at lengths - 1 of its slot); rope [B, 1, 2, D]: rope_table rows
         of the new positions. Writes the new keys and values and returns the layer's output."""
         return self._layer.forward(x, cache, slots, lengths, rope, native.variant_index())
@@ -78,7 +78,7 @@ class FusedLayers:
 
     def __call__(self, x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
                  rope: torch.Tensor) -> torch.Tensor:
-        """FusedLayer.__call__ through every layer, cache the whole [layers, slots, max_len, 2, KV, D]."""
+        """FusedLayer.__call__ through every layer, cache the whole [layers, slots, 2, KV, max_len, D]."""
         return self._stack.forward(x, cache, slots, lengths, rope, native.variant_index())
 
 

@@ -62,16 +62,17 @@ class Layer:
 
 
 class KVCache:
-    """Static per-slot cache of every layer's keys and values: [num_layers, slots, max_len, 2,
-    kv_heads, head_dim], position-major, so that a step's keys and values for one position are one
-    contiguous copy and a forward takes each layer's views with a few indexing calls for all layers.
-    On CPU it lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a
+    """Static per-slot cache of every layer's keys and values: [num_layers, slots, 2, kv_heads,
+    max_len, head_dim], each kv head's keys (and values) in order of position, so that attention
+    over one kv head streams through memory, and a layer's live keys are the [slots, kv_heads,
+    length, head_dim] view SDPA takes. A forward takes each layer's views with a few indexing calls
+    for all layers. On CPU it lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a
     large cache costs nothing at start-up, and unwritten positions read as zeros, never garbage. On a
     GPU it is one zeroed allocation."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype, device: torch.device = torch.device("cpu")):
-        shape = (num_layers, num_slots, max_len, 2, num_kv_heads, head_dim)
+        shape = (num_layers, num_slots, 2, num_kv_heads, max_len, head_dim)
         # Private: MADV_DONTNEED then frees the pages (on a shared mapping the shmem pages would stay).
         self._mapping = None if device.type != "cpu" else \
             mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -105,11 +106,11 @@ class Step:
     PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the native GEMV,
     norm and decode attention round in another order. Several sequences: the faster paths
     (kernels/dense.py, cached_attention), equal up to rounding."""
-    writes: tuple = ()
-    """One sequence: per layer, the [T, 2 * KV, D] cache rows its new keys and values go to."""
+    writes: torch.Tensor | None = None
+    """One sequence: [layers, 2, KV, T, D], where its new keys and values go in each layer's cache."""
     keys: tuple = ()
     """One sequence: per layer, the live [1, KV, length, D] keys, and values; several rows at
-    consecutive slots: per layer, their live [B, length, 2, KV, D] cache (else gathered per layer)."""
+    consecutive slots: per layer, their live [B, 2, KV, length, D] cache (else gathered per layer)."""
     values: tuple = ()
     causal: bool = False
     """One sequence from position 0: attention runs over the new keys alone."""
@@ -204,7 +205,7 @@ class CausalLM:
     def copy_cache(cache: KVCache, source: int, targets: list[int], length: int) -> None:
         """The first `length` positions of slot `source`, every layer's, into each of `targets` (the
         choices of one prompt, n > 1, share its prefill)."""
-        cache.all[:, targets, :length] = cache.all[:, source:source + 1, :length]
+        cache.all[:, targets, ..., :length, :] = cache.all[:, source:source + 1, ..., :length, :]
 
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step of one sequence reads: every layer's, the final norm,
@@ -256,11 +257,11 @@ class CausalLM:
             step.lengths, step.slot_ids, step.rope = positions[:, 0] + 1, slots.to(torch.int64).contiguous(), table
         if batch == 1:  # one sequence at consecutive positions: prefill, decode, a draft's catch-up
             slot, start = int(slots[0]), rows[0][0]
-            step.writes = cache.all[:, slot, start:start + t].flatten(2, 3).unbind(0)
+            step.writes = cache.all[:, slot, :, :, start:start + t]
             step.causal = start == 0
             if not step.causal and step.lengths is None:
-                live = cache.all[:, slot, None, :length].permute(0, 1, 3, 4, 2, 5)  # [layers, 1, 2, KV, length, D]
-                step.keys, step.values = live[:, :, 0].unbind(0), live[:, :, 1].unbind(0)
+                live = cache.all[:, slot, :, None, :, :length]  # [layers, 2, 1, KV, length, D]
+                step.keys, step.values = live[:, 0].unbind(0), live[:, 1].unbind(0)
                 if t > 1:
                     visible = torch.arange(length) <= positions[0, :, None]
                     step.visible = visible.view(1, 1, t, length).to(self.device)
@@ -270,7 +271,7 @@ class CausalLM:
             return step
         first = int(slots[0])
         if slots.tolist() == list(range(first, first + batch)):  # a view, no gather
-            step.keys = cache.all[:, first:first + batch, :length].unbind(0)
+            step.keys = cache.all[:, first:first + batch, :, :, :length].unbind(0)
         if t > 1 or any(r[0] != length - 1 for r in rows):  # not every query sees every key
             hidden = torch.arange(length) > positions[:, :, None]
             step.hidden = hidden.view(batch, 1, 1, t, length).to(self.device)
@@ -305,18 +306,18 @@ class CausalLM:
             qk = torch.cat((rms_norm(qk[:, :heads], layer.q_norm, eps), rms_norm(qk[:, heads:], layer.k_norm, eps)), 1)
         qk = rotate(qk, step.cos, step.sin, out=qkv[:, :heads + kv_heads])
         q, new = qk[:, :heads], qkv[:, heads:]
-        if exact:  # one sequence: its new rows of the cache are one contiguous view
-            step.writes[i].copy_(new)
+        if exact:  # one sequence: its new positions of the cache are one view
+            step.writes[i].copy_(new.view(-1, 2, kv_heads, head_dim).permute(1, 2, 0, 3))
         else:
             batch, t = step.positions.shape
-            kv[step.slots, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
+            kv[step.slots, :, :, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
         if step.lengths is not None:
             out = decode_attention(q, kv, step.slot_ids, step.lengths)
         elif exact:
             out = self._attend_one(q, new, step, i)
         else:
-            live = step.keys[i] if step.keys else kv[:, :step.length].index_select(0, step.slots[:, 0])
-            cached = live.permute(2, 0, 3, 1, 4).to(torch.float32, memory_format=torch.contiguous_format)
+            live = step.keys[i] if step.keys else kv[..., :step.length, :].index_select(0, step.slots[:, 0])
+            cached = live.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
             out = cached_attention(q.view(batch, t, heads, head_dim), cached[0], cached[1], step.hidden)
         out = self.tp.all_reduce(self.linear(out.reshape(rows, -1), layer.o, None, exact))
         return out + layer.o_bias if layer.o_bias is not None else out

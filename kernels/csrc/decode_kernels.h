@@ -74,8 +74,9 @@ inline float lane_max(Vec v) {
 #endif
 }
 
-// softmax over row[0, length) in place.
-inline void softmax_row(float* row, int64_t length) {
+// softmax over row[0, length) in place; with `top_sum`, exp(row - its largest) instead, the largest
+// and the sum of the exps in top_sum[0] and top_sum[group].
+inline void softmax_row(float* row, int64_t length, float* top_sum = nullptr, int64_t group = 0) {
   const int64_t full = length / kLanes * kLanes;
   float top = -INFINITY;
   if (full) {
@@ -96,6 +97,10 @@ inline void softmax_row(float* row, int64_t length) {
     for (int l = 0; l < kLanes; ++l) tail[l] = full + l < length ? row[full + l] - top : -INFINITY;
     vstore(tail, vexp_nonpositive(vload(tail)));
     for (int64_t s = full; s < length; ++s) sum += (row[s] = tail[s - full]);
+  }
+  if (top_sum) {
+    top_sum[0] = top, top_sum[group] = sum;
+    return;
   }
   const float inverse = 1.0f / sum;
   for (int64_t s = 0; s < full; s += kLanes) vstore(row + s, vmul(vload(row + s), vset(inverse)));
@@ -121,7 +126,8 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < B; ++i) {
       const int64_t at = (g0 + h) * a.d + e0 + i * kLanes;
-      if constexpr (kBF16) store_bf16(static_cast<uint16_t*>(a.out) + at, acc[h][i]);
+      if (a.partial) vstore(a.partial + at, acc[h][i]);
+      else if constexpr (kBF16) store_bf16(static_cast<uint16_t*>(a.out) + at, acc[h][i]);
       else vstore(static_cast<float*>(a.out) + at, acc[h][i]);
     }
 }
@@ -243,7 +249,7 @@ void score_bf16dot(const AttendJob& a, float* scores) {
 
 // softmax(q . K^T * scale) V for one kv head's group of query heads: the scores (on the dot product
 // where AVX512-BF16 takes the head size), the probabilities by softmax_row, then the values weighed
-// for several heads at once (weigh_values).
+// for several heads at once (weigh_values); or a part of it (AttendJob's partial).
 template <bool kBF16>
 void attend_job(const AttendJob& a) {
   const int64_t group = a.group, length = a.length, d = a.d, full = d / kLanes * kLanes;
@@ -257,7 +263,8 @@ void attend_job(const AttendJob& a) {
 #else
   score_widened<kBF16>(a, scores);
 #endif
-  for (int64_t g = 0; g < group; ++g) softmax_row(scores + g * length, length);
+  for (int64_t g = 0; g < group; ++g)
+    softmax_row(scores + g * length, length, a.partial ? a.partial + group * d + g : nullptr, group);
   for (int64_t g0 = 0; g0 < group; g0 += kValueHeads) {
     const int64_t heads = std::min<int64_t>(kValueHeads, group - g0);
     if (heads == kValueHeads) weigh_heads<kBF16, kValueHeads>(a, scores, g0);
@@ -270,7 +277,8 @@ void attend_job(const AttendJob& a) {
     for (int64_t e = full; e < d; ++e) {
       float sum = 0.0f;
       for (int64_t s = 0; s < length; ++s) sum += p[s] * widened<kBF16>(a.values, s * a.position_stride + e);
-      store_out<kBF16>(a.out, g * d + e, sum);
+      if (a.partial) a.partial[g * d + e] = sum;
+      else store_out<kBF16>(a.out, g * d + e, sum);
     }
   }
 }

@@ -70,6 +70,7 @@ struct Scratch {  // one set per thread that calls forward (the engine's one), s
 struct Rows {  // where each row's keys and values go: cache slot, length with the new token; the cache's layout
   const int64_t *slot, *length;
   int64_t max_len, layer_stride;
+  const preload::AttendPlan* attention;  // the same jobs for every layer
 };
 
 struct Work {  // one layer's products and attention in one call: blocks, and the counters threads take them from
@@ -126,17 +127,17 @@ class DecodeLayer : public torch::CustomClassHolder {
     qkv_bias_ = std::move(qkv), o_bias_ = std::move(out);
   }
 
-  // x [B, hidden]; cache: this layer's [slots, max_len, 2, KV, D]; slots, lengths int64 [B] (the new
+  // x [B, hidden]; cache: this layer's [slots, 2, KV, max_len, D]; slots, lengths int64 [B] (the new
   // token sits at lengths - 1); rope [B, 1, 2, D]: cos and sign-folded sin rows (kernels/rope.py).
   // variant: 0 avx2, 1 avx512, 2 amx, 3 avx512bf16. Returns the layer's output [B, hidden], x's dtype.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
                      const at::Tensor& rope, int64_t variant) {
-    TORCH_CHECK(cache.dim() == 5, "DecodeLayer: cache must be contiguous [slots, max_len, 2, ", kv_heads_, ", ", d_,
+    TORCH_CHECK(cache.dim() == 5, "DecodeLayer: cache must be contiguous [slots, 2, ", kv_heads_, ", max_len, ", d_,
                 "]");
     return decode({this}, x, cache.unsqueeze(0), slots, lengths, rope, variant);
   }
 
-  // The layers in order over x, as forward runs one: cache [layers, slots, max_len, 2, KV, D].
+  // The layers in order over x, as forward runs one: cache [layers, slots, 2, KV, max_len, D].
   static at::Tensor decode(const std::vector<const DecodeLayer*>& layers, const at::Tensor& x, const at::Tensor& cache,
                            const at::Tensor& slots, const at::Tensor& lengths, const at::Tensor& rope,
                            int64_t variant) {
@@ -148,10 +149,10 @@ class DecodeLayer : public torch::CustomClassHolder {
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) == first.hidden_,
                 "DecodeLayer: x must be contiguous [B, ", first.hidden_, "]");
     TORCH_CHECK(cache.device().is_cpu() && cache.dim() == 6 && cache.is_contiguous() &&
-                cache.size(0) == static_cast<int64_t>(layers.size()) && cache.size(3) == 2 &&
-                cache.size(4) == first.kv_heads_ && cache.size(5) == first.d_ && cache.scalar_type() == dtype,
-                "DecodeStack: cache must be contiguous [", layers.size(), " layers, slots, max_len, 2, ",
-                first.kv_heads_, ", ", first.d_, "] in x's dtype");
+                cache.size(0) == static_cast<int64_t>(layers.size()) && cache.size(2) == 2 &&
+                cache.size(3) == first.kv_heads_ && cache.size(5) == first.d_ && cache.scalar_type() == dtype,
+                "DecodeStack: cache must be contiguous [", layers.size(), " layers, slots, 2, ", first.kv_heads_,
+                ", max_len, ", first.d_, "] in x's dtype");
     for (const DecodeLayer* layer : layers) layer->check(first, dtype);
     const int64_t batch = x.size(0);
     TORCH_CHECK(rope.device().is_cpu() && rope.is_contiguous() && rope.numel() == batch * 2 * first.d_ &&
@@ -164,12 +165,14 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int64_t* length = lengths.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b)
-      TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(1) && length[b] >= 1 && length[b] <= cache.size(2), "row ", b,
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(1) && length[b] >= 1 && length[b] <= cache.size(4), "row ", b,
                   ": slot ", slot[b], " or length ", length[b], " is outside the cache's ", cache.size(1),
-                  " slots of ", cache.size(2), " positions");
+                  " slots of ", cache.size(4), " positions");
     at::Tensor out = x.clone();
     if (batch == 0) return out;
-    const Rows where{slot, length, cache.size(2), cache.stride(0)};
+    preload::AttendPlan attention;
+    attention.build(length, batch, first.kv_heads_, first.heads_ / first.kv_heads_, first.d_);
+    const Rows where{slot, length, cache.size(4), cache.stride(0), &attention};
     if (dtype == at::kFloat)
       run<float>(layers, kernels, out.data_ptr<float>(), cache.data_ptr<float>(), where, rope.data_ptr<float>(), batch);
     else
@@ -276,8 +279,9 @@ class DecodeLayer : public torch::CustomClassHolder {
           head[i] = static_cast<T>(widen(a) + widen(r));
         }
       }
-      T* position = cache + (slot[b] * max_len + length[b] - 1) * 2 * kv_heads_ * d_;
-      std::copy(row + heads_ * d_, row + width, position);  // [2, KV, D]: the keys, then the values
+      T* position = cache + (slot[b] * 2 * kv_heads_ * max_len + length[b] - 1) * d_;  // kv head 0's key
+      for (int64_t h = 0; h < 2 * kv_heads_; ++h)  // the keys' kv heads, then the values'
+        std::copy(row + (heads_ + h) * d_, row + (heads_ + h + 1) * d_, position + h * max_len * d_);
       std::copy(row, row + heads_ * d_, s.q.data() + b * heads_ * d_);
     }
   }
@@ -304,7 +308,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.normed.resize(threads * l.d_);
     s.x.resize(preload::x_floats(kernels, batch, k_max));
     s.attend.resize(threads);
-    for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, rows.max_len, l.d_));
+    for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, std::min(rows.max_len, preload::kAttendPart), l.d_));
     const size_t count = layers.size();
     std::vector<Vectors<T>> vectors;
     std::unique_ptr<Work[]> work(new Work[count]);
@@ -326,8 +330,8 @@ class DecodeLayer : public torch::CustomClassHolder {
   // One thread's part of this layer's step, in the region of run. The work on whole rows of the
   // batch (norms, residual sums, x made ready for a product) is split by rows between the threads,
   // the same rows to the same thread throughout, so that a row needs no barrier between its steps
-  // (nor between the layers); the products take blocks of weight rows, attention (row, kv head)
-  // jobs, and SwiGLU columns.
+  // (nor between the layers); the products take blocks of weight rows, attention (row, kv head,
+  // positions) jobs (AttendPlan; a row's parts merged by the thread of its row), and SwiGLU columns.
   template <typename T>
   void step(const Kernels* kernels, Scratch<T>& s, const Vectors<T>& v, Work& work, T* out, T* cache, const Rows& rows,
             const T* rope, int64_t batch, int thread, int team, preload::Barrier& barrier) const {
@@ -341,13 +345,16 @@ class DecodeLayer : public torch::CustomClassHolder {
     barrier.wait();
     heads(s, v, cache, slot, length, rope, rows.max_len, b0, b1, s.normed.data() + thread * d_);
     barrier.wait();
-    for (int64_t i = work.next[kPhases]++; i < batch * kv_heads_; i = work.next[kPhases]++) {
-      const int64_t b = i / kv_heads_, j = i % kv_heads_;
-      kernels->attend(preload::attend_job(s.q.data(), cache, s.attn.data(), sizeof(T), b, j, heads_, kv_heads_, d_,
-                                          slot[b], length[b], rows.max_len, scale_, s.attend[thread].data()),
+    const auto& jobs = rows.attention->jobs;
+    for (int64_t i = work.next[kPhases]++; i < static_cast<int64_t>(jobs.size()); i = work.next[kPhases]++) {
+      const preload::AttendPlan::Job& job = jobs[i];
+      kernels->attend(preload::attend_job(s.q.data(), cache, s.attn.data(), sizeof(T), job.b, job.j, heads_,
+                                          kv_heads_, d_, slot[job.b], job.begin, job.end, rows.max_len, scale_,
+                                          s.attend[thread].data(), job.partial),
                       std::is_same_v<T, at::BFloat16>);
     }
     barrier.wait();
+    for (int64_t b = b0; b < b1; ++b) rows.attention->merge(b, s.attn.data(), heads_);
     prepare(kernels, kOut, s.attn.data(), batch, b0, b1, s.x);
     barrier.wait();
     product(kernels, kOut, work.blocks[kOut], work.next[kOut], s.x.data(), batch, s.out.data());
@@ -396,7 +403,7 @@ class DecodeStack : public torch::CustomClassHolder {
     layers_.push_back(layer.get());
   }
 
-  // x [B, hidden]; cache [layers, slots, max_len, 2, KV, D]; the rest as DecodeLayer.forward takes them.
+  // x [B, hidden]; cache [layers, slots, 2, KV, max_len, D]; the rest as DecodeLayer.forward takes them.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& lengths,
                      const at::Tensor& rope, int64_t variant) const {
     return DecodeLayer::decode(layers_, x, cache, slots, lengths, rope, variant);

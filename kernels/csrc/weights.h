@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "decode_ops.h"
 #include "qgemv_kernels.h"
@@ -58,17 +59,80 @@ inline const Kernels* variant_kernels(int64_t variant) {
   return check_cpu<&kAmx>(), &kAmx;
 }
 
-// Query heads [j * group, (j + 1) * group) of row b over kv head j of cache slot `slot`, for
-// Kernels::attend: q and out [B, heads, d], the cache [slots, max_len, 2, kv_heads, d] (one layer,
-// position-major: a position's keys, then its values), `element` bytes each.
+// Positions an attention job takes at most. A longer sequence's kv head is split into parts of
+// kAttendPart positions (the last one shorter), which the threads share, and AttendPlan::merge sums
+// their partial results in order. The split depends on the length alone, so a row's result does not
+// depend on the rows beside it or on the number of threads. One sequence of 500 positions on 2
+// threads, 2-core Zen 2: its 3 kv heads as 3 jobs kept one thread idle for a third of the phase.
+constexpr int64_t kAttendPart = 128;
+
+// Query heads [j * group, (j + 1) * group) of row b over positions [begin, end) of kv head j of
+// cache slot `slot`, for Kernels::attend: q and out [B, heads, d], the cache [slots, 2, kv_heads,
+// max_len, d] (one layer: per slot the keys, then the values, each kv head's positions one after
+// another), `element` bytes each. With `partial` the job writes there, not to out (AttendJob).
 inline AttendJob attend_job(const void* q, const void* cache, void* out, size_t element, int64_t b, int64_t j,
-                            int64_t heads, int64_t kv_heads, int64_t d, int64_t slot, int64_t length, int64_t max_len,
-                            float scale, float* scratch) {
-  const int64_t group = heads / kv_heads, position_stride = 2 * kv_heads * d, first = (b * heads + j * group) * d;
-  const char* keys = static_cast<const char*>(cache) + (slot * max_len * position_stride + j * d) * element;
-  return {static_cast<const char*>(q) + first * element, keys, keys + kv_heads * d * element,
-          static_cast<char*>(out) + first * element, group, length, d, position_stride, scale, scratch};
+                            int64_t heads, int64_t kv_heads, int64_t d, int64_t slot, int64_t begin, int64_t end,
+                            int64_t max_len, float scale, float* scratch, float* partial = nullptr) {
+  const int64_t group = heads / kv_heads, first = (b * heads + j * group) * d, plane = kv_heads * max_len * d;
+  const char* keys = static_cast<const char*>(cache) + (((slot * 2 * kv_heads + j) * max_len + begin) * d) * element;
+  return {static_cast<const char*>(q) + first * element, keys, keys + plane * element,
+          static_cast<char*>(out) + first * element, group, end - begin, d, d, scale, scratch, partial};
 }
+
+// One call's attention jobs, by row, kv head and position, and room for the partial results of the
+// rows longer than kAttendPart positions.
+struct AttendPlan {
+  struct Job {
+    int64_t b, j, begin, end;
+    float* partial;  // null: the row's only part, written to the output
+  };
+  std::vector<Job> jobs;
+  std::vector<int64_t> first;  // row b's jobs: [first[b], first[b + 1])
+  std::vector<float> partials;
+  int64_t group = 0, d = 0;
+
+  void build(const int64_t* length, int64_t batch, int64_t kv_heads, int64_t group_, int64_t d_) {
+    group = group_, d = d_;
+    jobs.clear(), first.assign(1, 0);
+    int64_t floats = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t parts = (length[b] + kAttendPart - 1) / kAttendPart;
+      for (int64_t j = 0; j < kv_heads; ++j)
+        for (int64_t p = 0; p < parts; ++p)
+          jobs.push_back({b, j, p * kAttendPart, std::min(length[b], (p + 1) * kAttendPart), nullptr});
+      if (parts > 1) floats += kv_heads * parts * group * (d + 2);
+      first.push_back(static_cast<int64_t>(jobs.size()));
+    }
+    partials.resize(floats);
+    float* next = partials.data();
+    for (Job& job : jobs)
+      if (length[job.b] > kAttendPart) job.partial = next, next += group * (d + 2);
+  }
+
+  // Row b's output (out [B, heads, d]) from its parts, if it has several: per head, each part's
+  // output times exp(its largest score - the largest of all), summed in order, over the parts' sums
+  // of exps weighed likewise.
+  template <typename T>
+  void merge(int64_t b, T* out, int64_t heads) const {
+    const int64_t count = first[b + 1] - first[b], kv_heads = heads / group, parts = count / kv_heads;
+    if (parts < 2) return;
+    std::vector<float> sum(d);
+    for (int64_t i = first[b]; i < first[b + 1]; i += parts)
+      for (int64_t g = 0; g < group; ++g) {
+        float top = -INFINITY, total = 0.0f;
+        for (int64_t c = 0; c < parts; ++c) top = std::max(top, jobs[i + c].partial[group * d + g]);
+        std::fill(sum.begin(), sum.end(), 0.0f);
+        for (int64_t c = 0; c < parts; ++c) {
+          const float* part = jobs[i + c].partial;
+          const float w = std::exp(part[group * d + g] - top);
+          total += w * part[group * (d + 1) + g];
+          for (int64_t e = 0; e < d; ++e) sum[e] += w * part[g * d + e];
+        }
+        T* row = out + (b * heads + jobs[i].j * group + g) * d;
+        for (int64_t e = 0; e < d; ++e) row[e] = static_cast<T>(sum[e] / total);
+      }
+  }
+};
 
 // Everything the kernels index is checked here: a bad shape is an error, never a stray read.
 inline Weight check_weight(const at::Tensor& weight, const at::Tensor& scale,

@@ -35,10 +35,10 @@ def test_rope_table_rows_and_rotate_equal_cos_sin_and_apply_rope_bit_for_bit(dty
 
 @pytest.mark.parametrize("batch, t, s", [(1, 1, 9), (3, 1, 12), (2, 4, 10)])
 def test_cached_attention_over_a_strided_cache_view(batch, t, s):
-    """Keys and values as views of a position-major cache (not contiguous), GQA, rows ending at
+    """Keys and values as views of the engine's cache (not contiguous), GQA, rows ending at
     different positions, against the plain reference."""
-    cache = torch.randn(batch + 1, s + 5, 2, 2, 16)  # [slots, max_len, k/v, kv heads, D]
-    live = cache[1:, :s].permute(2, 0, 3, 1, 4)  # [2, B, KV, S, D]
+    cache = torch.randn(batch + 1, 2, 2, s + 5, 16)  # [slots, k/v, kv heads, max_len, D]
+    live = cache[1:, :, :, :s].transpose(0, 1)  # [2, B, KV, S, D]
     q = torch.randn(batch, t, 8, 16)
     ends = torch.tensor([s - 1 - i for i in range(batch)])
     positions = ends[:, None] - torch.arange(t - 1, -1, -1)[None, :]
@@ -133,14 +133,14 @@ def test_native_rms_norm_on_float32_and_what_it_refuses(variant):
 def test_decode_attention_reads_each_row_s_slot_and_length_in_place(dtype):
     """Rows at scattered slots with their own lengths, GQA, against the plain reference over the
     same keys; what lies past a row's length (here: huge values) is never read."""
-    cache = torch.randn(5, 40, 2, 2, 16).to(dtype)  # [slots, max_len, k/v, kv heads, D]
-    cache[:, 30:] = 1e4
+    cache = torch.randn(5, 2, 2, 40, 16).to(dtype)  # [slots, k/v, kv heads, max_len, D]
+    cache[..., 30:, :] = 1e4
     slots, lengths = torch.tensor([3, 0, 4]), torch.tensor([30, 1, 17])
     q = torch.randn(3, 6, 16).to(dtype)
     out = decode_attention(q, cache, slots, lengths)
     assert out.shape == (3, 96) and out.dtype == dtype
     for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        keys, values = cache[slot, :length].permute(1, 2, 0, 3)[:, None]  # [1, KV, S, D] each
+        keys, values = cache[slot, :, None, :, :length]  # [1, KV, S, D] each
         expected = attention_reference(q[row, None, :, None], keys, values, torch.tensor([[length - 1]]))
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[row], expected.reshape(-1), rtol=tolerance, atol=tolerance)
@@ -154,18 +154,41 @@ def test_decode_attention_on_every_variant_head_size_and_group(variant, dtype, h
     """Each variant's kernel scores keys a register's width of positions at a time and weighs values
     for several heads at once: lengths on and off those blocks (1 to 2 blocks and one more), head
     sizes with a partial block of output registers (80) and elements past the last register (72,
-    24), groups of 1 to 8 heads, against the plain reference. On AVX512-BF16 a bfloat16 model's
-    scores run on the dot product for head sizes 32, 64, 96 and 128."""
-    cache = torch.randn(4, 40, 2, kv_heads, head_dim).to(dtype)
-    slots, lengths = torch.tensor([1, 3, 0, 2]), torch.tensor([1, 16, 17, 33])
-    q = torch.randn(4, heads, head_dim).to(dtype)
+    24), groups of 1 to 8 heads, against the plain reference. Past 128 positions a sequence's kv
+    head is split into parts of 128 whose results merge (129: a part of one position; 300: three).
+    On AVX512-BF16 a bfloat16 model's scores run on the dot product for head sizes 32, 64, 96 and 128."""
+    cache = torch.randn(6, 2, kv_heads, 300, head_dim).to(dtype)
+    slots, lengths = torch.tensor([1, 3, 0, 2, 5, 4]), torch.tensor([1, 16, 17, 33, 129, 300])
+    q = torch.randn(6, heads, head_dim).to(dtype)
     with native.using(variant):
         out = decode_attention(q, cache, slots, lengths)
     for row, (slot, length) in enumerate(zip(slots.tolist(), lengths.tolist())):
-        keys, values = cache[slot, :length].permute(1, 2, 0, 3)[:, None]
+        keys, values = cache[slot, :, None, :, :length]
         expected = attention_reference(q[row, None, :, None], keys, values, torch.tensor([[length - 1]]))
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out[row], expected.reshape(-1), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not has_decode_attention(), reason="the native kernels are not built or not chosen")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_split_rows_do_not_depend_on_their_company_or_the_threads(dtype):
+    """A long sequence's parts go to whichever threads are free, but merge in a fixed order: each row
+    is bit for bit the same alone, beside other rows, and on one thread or two."""
+    cache = torch.randn(4, 2, 3, 600, 64).to(dtype)
+    slots, lengths = torch.tensor([2, 0, 3]), torch.tensor([600, 7, 257])
+    q = torch.randn(3, 9, 64).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        together = decode_attention(q, cache, slots, lengths)
+        torch.set_num_threads(1)
+        one_thread = decode_attention(q, cache, slots, lengths)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, one_thread)
+    for row in range(3):
+        alone = decode_attention(q[row:row + 1], cache, slots[row:row + 1], lengths[row:row + 1])
+        assert torch.equal(alone[0], together[row])
 
 
 @pytest.mark.skipif(not has_decode_attention(), reason="the native kernels are not built or not chosen")
@@ -174,7 +197,7 @@ def test_decode_attention_on_every_variant_head_size_and_group(variant, dtype, h
     ([-1], [3], "slot -1"),
 ])
 def test_decode_attention_refuses_rows_outside_the_cache(slots, lengths, message):
-    cache, q = torch.randn(5, 40, 2, 2, 16), torch.randn(1, 6, 16)
+    cache, q = torch.randn(5, 2, 2, 40, 16), torch.randn(1, 6, 16)
     with pytest.raises(RuntimeError, match=message):
         decode_attention(q, cache, torch.tensor(slots), torch.tensor(lengths))
     with pytest.raises(RuntimeError, match="not a multiple of 2 kv heads"):

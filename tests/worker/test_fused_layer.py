@@ -41,20 +41,21 @@ def quant_checkpoint(checkpoints):
     return path
 
 
-def decode(model, slots: list[int], steps: int, fused: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Logits of `steps` greedy decode steps of the PROMPTS at `slots`, batched, and the cache."""
+def decode(model, slots: list[int], steps: int, fused: bool, prompts: dict = PROMPTS,
+           max_len: int = 32) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of `steps` greedy decode steps of the `prompts` at `slots`, batched, and the cache."""
     saved = model.fused
     model.fused = saved if fused else None
     try:
-        cache = model.new_cache(SLOTS, 32)
+        cache = model.new_cache(SLOTS, max_len)
         tokens = []
         for slot in slots:
-            p = PROMPTS[slot]
+            p = prompts[slot]
             logits = model.forward(torch.tensor([p]), torch.arange(len(p))[None], cache, torch.tensor([slot]))
             tokens.append(int(logits.argmax()))
         out = []
         for step in range(steps):
-            positions = torch.tensor([[len(PROMPTS[s]) + step] for s in slots])
+            positions = torch.tensor([[len(prompts[s]) + step] for s in slots])
             logits = model.forward(torch.tensor(tokens)[:, None], positions, cache, torch.tensor(slots))
             out.append(logits)
             tokens = logits.argmax(-1).tolist()
@@ -101,6 +102,22 @@ def test_decode_steps_equal_the_per_op_path(checkpoints, case, variant):
     with native.using(variant):
         for slots in ([2], [2, 0, 3], list(range(SLOTS))[::-1][:9]):  # 9 rows: more than one pass
             fused, ops = decode(model, slots, 5, fused=True), decode(model, slots, 5, fused=False)
+            same(fused, ops, exact(model, len(slots), "none", variant))
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_steps_over_long_caches_equal_the_per_op_path(checkpoints, variant):
+    """Past 128 cached positions a kv head's attention is split into parts that the threads share
+    and that merge in a fixed order (kernels/csrc/weights.h's AttendPlan), in the fused layer as in
+    the per-op path: 126 positions growing past the split, 260 (three parts), one row and three."""
+    model = load(tiny_model("llama", checkpoints / "fused-gqa-long", dtype=torch.bfloat16, seed=4,
+                            **CASES["llama-gqa"][1]))
+    prompts = {1: [(7 * i) % 250 + 1 for i in range(126)], 2: PROMPTS[2], 5: [(3 * i) % 250 + 1 for i in range(260)]}
+    with native.using(variant):
+        for slots in ([1], [5], [1, 2, 5]):
+            fused = decode(model, slots, 5, fused=True, prompts=prompts, max_len=272)
+            ops = decode(model, slots, 5, fused=False, prompts=prompts, max_len=272)
             same(fused, ops, exact(model, len(slots), "none", variant))
 
 
