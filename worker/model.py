@@ -66,9 +66,9 @@ class KVCache:
     max_len, head_dim], each kv head's keys (and values) in order of position, so that attention
     over one kv head streams through memory, and a layer's live keys are the [slots, kv_heads,
     length, head_dim] view SDPA takes. A forward takes each layer's views with a few indexing calls
-    for all layers. On CPU it lives in one private anonymous mapping, whose pages the kernel zero-fills on first touch: a
-    large cache costs nothing at start-up, and unwritten positions read as zeros, never garbage. On a
-    GPU it is one zeroed allocation."""
+    for all layers. On CPU it lives in one private anonymous mapping, whose pages the kernel
+    zero-fills on first touch: a large cache costs nothing at start-up, and unwritten positions read
+    as zeros, never garbage. On a GPU it is one zeroed allocation."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, max_len: int,
                  dtype: torch.dtype, device: torch.device = torch.device("cpu")):

@@ -11,10 +11,11 @@
 //
 // Decode attention: one new query per sequence over that sequence's cached keys and values, read
 // in place from the engine's KV cache (worker/model.py's KVCache, one layer of it: [slots, 2,
-// kv_heads, max_len, head_dim], each kv head's keys and values in order of position). torch's CPU flash attention costs ~100-150 us
-// a call for one query over a short cache, and a batch needs its live cache gathered and converted
-// first; this reads each key and value once and costs a few microseconds (three heads of 64 over 80
-// positions: ~2.3 us on AVX-512, against ~6.7 us for the plain C++ it replaced).
+// kv_heads, max_len, head_dim], each kv head's keys and values in order of position). torch's CPU
+// flash attention costs ~100-150 us a call for one query over a short cache, and a batch needs its
+// live cache gathered and converted first; this reads each key and value once and costs a few
+// microseconds (three heads of 64 over 80 positions: ~2.3 us on AVX-512, against ~6.7 us for the
+// plain C++ it replaced).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

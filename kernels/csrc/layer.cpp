@@ -308,7 +308,8 @@ class DecodeLayer : public torch::CustomClassHolder {
     s.act.resize(batch * l.inter_), s.down.resize(batch * l.hidden_), s.normed.resize(threads * l.d_);
     s.x.resize(preload::x_floats(kernels, batch, k_max));
     s.attend.resize(threads);
-    for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, std::min(rows.max_len, preload::kAttendPart), l.d_));
+    const int64_t part = std::min(rows.max_len, preload::kAttendPart);
+    for (auto& a : s.attend) a.resize(preload::attend_floats(l.heads_ / l.kv_heads_, part, l.d_));
     const size_t count = layers.size();
     std::vector<Vectors<T>> vectors;
     std::unique_ptr<Work[]> work(new Work[count]);

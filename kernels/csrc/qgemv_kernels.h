@@ -40,8 +40,8 @@ struct Weight {
 // One query head group of one sequence over its kv head's cached keys and values (the decode
 // attention of kernels/csrc/decode.cpp and layer.cpp): out[g] = softmax(q[g] . K^T * scale) V over
 // positions [0, length), in float32 whatever the storage (float32, or bfloat16 with bf16). With
-// `partial`, a part of a longer sequence's positions instead (weights.h's merge_partials sums the
-// parts): there go, in float32, the outputs weighed by exp(score - the part's largest) without
+// `partial`, a part of a longer sequence's positions instead (weights.h's AttendPlan::merge sums
+// the parts): there go, in float32, the outputs weighed by exp(score - the part's largest) without
 // dividing by their sum [group, d], then each head's largest score [group], then its sum [group].
 struct AttendJob {
   const void* q;      // [group, d]
