@@ -74,9 +74,9 @@ inline float lane_max(Vec v) {
 #endif
 }
 
-// softmax over row[0, length) in place; with `top_sum`, exp(row - its largest) instead, the largest
-// and the sum of the exps in top_sum[0] and top_sum[group].
-inline void softmax_row(float* row, int64_t length, float* top_sum = nullptr, int64_t group = 0) {
+// softmax over row[0, length) in place; with `top_out` and `sum_out`, exp(row - its largest)
+// instead, the largest in *top_out and the sum of the exps in *sum_out.
+inline void softmax_row(float* row, int64_t length, float* top_out = nullptr, float* sum_out = nullptr) {
   const int64_t full = length / kLanes * kLanes;
   float top = -INFINITY;
   if (full) {
@@ -98,8 +98,8 @@ inline void softmax_row(float* row, int64_t length, float* top_sum = nullptr, in
     vstore(tail, vexp_nonpositive(vload(tail)));
     for (int64_t s = full; s < length; ++s) sum += (row[s] = tail[s - full]);
   }
-  if (top_sum) {
-    top_sum[0] = top, top_sum[group] = sum;
+  if (top_out) {
+    *top_out = top, *sum_out = sum;
     return;
   }
   const float inverse = 1.0f / sum;
@@ -263,8 +263,9 @@ void attend_job(const AttendJob& a) {
 #else
   score_widened<kBF16>(a, scores);
 #endif
-  for (int64_t g = 0; g < group; ++g)
-    softmax_row(scores + g * length, length, a.partial ? a.partial + group * d + g : nullptr, group);
+  for (int64_t g = 0; g < group; ++g)  // a part: each head's largest score, then its sum (AttendJob)
+    softmax_row(scores + g * length, length, a.partial ? a.partial + group * d + g : nullptr,
+                a.partial ? a.partial + group * (d + 1) + g : nullptr);
   for (int64_t g0 = 0; g0 < group; g0 += kValueHeads) {
     const int64_t heads = std::min<int64_t>(kValueHeads, group - g0);
     if (heads == kValueHeads) weigh_heads<kBF16, kValueHeads>(a, scores, g0);
