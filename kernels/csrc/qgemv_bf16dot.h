@@ -136,6 +136,13 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
 // 0.67-0.85x; in cache at 4 rows 448 -> 270 us).
 constexpr int64_t kDotAhead = 4096;
 constexpr int64_t kDotWideAhead = 4 * kDotAhead;
+// Where those prefetches put the weight: in L2, not L1. L1 (32 KiB on Zen 4) cannot hold 16 KiB of
+// weight on its way besides x and the rows being read, so prefetches into it evicted each other
+// before their loads came (a 2-core Zen 4, 2 threads, 184320x576 bfloat16 from memory, minimum of
+// 55 calls, builds alternated: 4 rows of x 13.1-14.7 -> 7.8-8.8 ms, 8 rows 15.2-17.7 -> 8.3-9.3,
+// one row 7.7-8.2 -> 6.5-7.0 (six times); int8 at one row 4.1-5.8 -> 3.8-4.0, at 8 alike; FP8, MXFP4
+// and NVFP4 at one row alike).
+constexpr auto kDotHint = _MM_HINT_T1;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
 constexpr int64_t kE2M1Ahead = 4 * kDotAhead;
@@ -187,7 +194,7 @@ void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums)
       __m512 scale[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = w.data + (n + r) * w.row_bytes + g * (kDotGroup / 2);
-        if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), _MM_HINT_T0);
+        if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), kDotHint);
         const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         even[r] = (__m512bh)_mm512_permutexvar_epi16(codes, table);
         odd[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
@@ -287,7 +294,7 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
-      if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), kDotHint);
       if constexpr (kMode == kBlock32Scale && !kScaleSums) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
       else v[r] = decode32_bf16<kElem>(p);
     }
@@ -324,7 +331,7 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kE4M3>;
-      if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), _MM_HINT_T0);
+      if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), kDotHint);
       v[r] = decode32_bf16<kE4M3>(p);
     }
     for (int m = 0; m < M; ++m) {
