@@ -140,8 +140,8 @@ constexpr int64_t kDotWideAhead = 4 * kDotAhead;
 // weight on its way besides x and the rows being read, so prefetches into it evicted each other
 // before their loads came (a 2-core Zen 4, 2 threads, 184320x576 bfloat16 from memory, minimum of
 // 55 calls, builds alternated: 4 rows of x 13.1-14.7 -> 7.8-8.8 ms, 8 rows 15.2-17.7 -> 8.3-9.3,
-// one row 7.7-8.2 -> 6.5-7.0 (six times); int8 at one row 4.1-5.8 -> 3.8-4.0, at 8 alike; FP8, MXFP4
-// and NVFP4 at one row alike).
+// one row 7.5-9.3 -> 5.8-8.4 (the hint alone, six times: 7.7-8.2 -> 6.5-7.0); int8 at one row
+// 4.1-5.8 -> 3.8-4.0, at 8 alike; FP8, MXFP4 and NVFP4 at one row alike).
 constexpr auto kDotHint = _MM_HINT_T1;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
