@@ -117,7 +117,7 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
     for (int i = 0; i < B; ++i) acc[h][i] = vzero();
   for (int64_t s = 0; s < a.length; ++s) {
     Vec v[B];
-    for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.position_stride + e0 + i * kLanes);
+    for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.d + e0 + i * kLanes);
     for (int h = 0; h < G; ++h) {
       const Vec weight = vset(probs[(g0 + h) * a.length + s]);
       for (int i = 0; i < B; ++i) acc[h][i] = vfma(weight, v[i], acc[h][i]);
@@ -206,7 +206,7 @@ void score_widened(const AttendJob& a, float* scores) {
   for (int64_t s0 = 0; s0 < length; s0 += kLanes) {
     const int64_t block = std::min<int64_t>(kLanes, length - s0);
     for (int64_t p = 0; p < block; ++p) {
-      const int64_t row = (s0 + p) * a.position_stride;
+      const int64_t row = (s0 + p) * a.d;
       prefetch_ahead<kBF16>(a, row);
       for (int64_t e = 0; e < full; e += kLanes) vstore(keys + p * d + e, load_widened<kBF16>(a.keys, row + e));
       for (int64_t e = full; e < d; ++e) keys[p * d + e] = widened<kBF16>(a.keys, row + e);
@@ -253,7 +253,7 @@ void score_bf16dot(const AttendJob& a, float* scores) {
       for (int p = 0; p < kLanes; ++p) {
         Vec acc = vzero();
         if (p < block) {
-          const uint16_t* key = keys + (s0 + p) * a.position_stride;
+          const uint16_t* key = keys + (s0 + p) * a.d;
           for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qg[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
         }
         dots[p] = acc;
@@ -296,7 +296,7 @@ void attend_job(const AttendJob& a) {
     const float* p = scores + g * length;
     for (int64_t e = full; e < d; ++e) {
       float sum = 0.0f;
-      for (int64_t s = 0; s < length; ++s) sum += p[s] * widened<kBF16>(a.values, s * a.position_stride + e);
+      for (int64_t s = 0; s < length; ++s) sum += p[s] * widened<kBF16>(a.values, s * a.d + e);
       if (a.partial) a.partial[g * d + e] = sum;
       else store_out<kBF16>(a.out, g * d + e, sum);
     }

@@ -45,10 +45,10 @@ struct Weight {
 // dividing by their sum [group, d], then each head's largest score [group], then its sum [group].
 struct AttendJob {
   const void* q;      // [group, d]
-  const void* keys;   // position 0's key; position s's at s * position_stride elements on
+  const void* keys;   // [length, d]: one kv head's keys, position after position
   const void* values; // likewise
   void* out;          // [group, d]
-  int64_t group, length, d, position_stride;
+  int64_t group, length, d;
   float scale;
   float* scratch;     // attend_floats(group, length, d) floats
   float* partial;     // null, or group * (d + 2) floats

@@ -76,7 +76,7 @@ inline AttendJob attend_job(const void* q, const void* cache, void* out, size_t 
   const int64_t group = heads / kv_heads, first = (b * heads + j * group) * d, plane = kv_heads * max_len * d;
   const char* keys = static_cast<const char*>(cache) + (((slot * 2 * kv_heads + j) * max_len + begin) * d) * element;
   return {static_cast<const char*>(q) + first * element, keys, keys + plane * element,
-          static_cast<char*>(out) + first * element, group, end - begin, d, d, scale, scratch, partial};
+          static_cast<char*>(out) + first * element, group, end - begin, d, scale, scratch, partial};
 }
 
 // One call's attention jobs, by row, kv head and position, and room for the partial results of the
