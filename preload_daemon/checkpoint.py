@@ -196,6 +196,33 @@ class Checkpoint:
             self._preadv(info.file, views, offset, name)
             i += len(views)
 
+    def read_strided(self, name: str, out: memoryview, skip: int, width: int, stride: int) -> None:
+        """Fills `out` (a byte memoryview of whole pieces) with pieces of `width` bytes of `name`'s stored
+        bytes, the first at byte `skip`, each `stride` after the one before: a column shard of a 2-D
+        tensor, one piece a row. One pread a piece, in a loop that does nothing else: through
+        read_into, the slicing and checks around each piece cost ~19 us, several times its read from
+        the page cache (one TP=2 rank of a 1 GB synthetic model, page-cached, 2-core Zen 4: its
+        column shards 0.43-0.62 -> 0.12-0.15 s of read time, the whole load 0.38-0.74 -> 0.22-0.30 s)."""
+        info = self.tensors[name]
+        count = len(out) // width if width > 0 else 0
+        if width <= 0 or stride < width or skip < 0 or count * width != len(out) \
+                or (count and skip + (count - 1) * stride + width > info.nbytes):
+            raise ValueError(f"{name}: {len(out)} bytes in pieces of {width} every {stride} from {skip} do not fit "
+                             f"its {info.nbytes} bytes")
+        fd = self._fds.get(info.file)
+        if fd is None:
+            fd = self._fds[info.file] = self._open(info.file)
+        pread, offset = os.preadv, info.start + skip
+        for at in range(0, len(out), width):
+            piece = out[at:at + width]
+            try:
+                done = pread(fd, (piece,), offset)
+            except OSError:
+                done = 0  # _preadv names the error
+            if done != width:  # a short read: the general path retries it, or says why it cannot
+                self._preadv(info.file, [piece], offset, name)
+            offset += stride
+
     def _preadv(self, file: pathlib.Path, views: list[memoryview], offset: int, first: str) -> None:
         """Fills `views` in turn from `file` at `offset`, whatever the reads return at a time (errors
         name the tensor `first` and how many follow it)."""

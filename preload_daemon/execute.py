@@ -224,11 +224,10 @@ class _Reader:
     def read_columns(self, entry: PlanEntry, out: torch.Tensor) -> None:
         """A column shard of a 2-D tensor, one read per row from the file to its place in `out`."""
         info = self.checkpoint.tensors[entry.source]
-        row_bytes = info.nbytes // info.shape[0]
         size = info.dtype.itemsize
-        start, width = entry.shard.start * size, entry.shard.length * size
-        for row in range(info.shape[0]):
-            self.checkpoint.read_into(entry.source, out[row * width:(row + 1) * width], row * row_bytes + start)
+        if entry.shard.length and info.shape[0]:
+            self.checkpoint.read_strided(entry.source, memoryview(out.numpy()), entry.shard.start * size,
+                                         entry.shard.length * size, info.nbytes // info.shape[0])
 
     def read(self, name: str, shard) -> torch.Tensor:
         """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read."""

@@ -84,6 +84,31 @@ def test_tensors_stored_back_to_back_are_read_in_one_call_whatever_each_call_ret
         ckpt.read_many([(name, memoryview(bytearray(ckpt.tensors[name].nbytes)), 0) for name in order])
 
 
+def test_a_column_shard_is_read_row_by_row_whatever_each_call_returns(tmp_path, monkeypatch):
+    """read_strided fills its buffer with each row's slice of columns, through short reads too; a
+    slice past the tensor's end is refused, and a file cut short after it was opened is named."""
+    weight = torch.randn(9, 12)
+    make_dir(tmp_path, {"w": weight, "after": torch.ones(3)})
+    ckpt = Checkpoint(tmp_path)
+    real_preadv = os.preadv
+    for most in (None, 5, 11):
+        monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset, most=most: real_preadv(
+            fd, buffers if most is None else [memoryview(buffers[0])[:most]], offset))
+        for start, length in ((0, 6), (6, 6), (4, 3), (0, 12)):
+            out = bytearray(9 * length * 4)
+            ckpt.read_strided("w", memoryview(out), start * 4, length * 4, 12 * 4)
+            assert torch.equal(torch.frombuffer(out, dtype=torch.float32).view(9, length),
+                               weight[:, start:start + length]), (most, start, length)
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    for skip, width, stride, size in ((28, 24, 48, 9 * 24), (0, 24, 48, 24 * 10), (0, 0, 48, 0), (0, 48, 24, 96)):
+        with pytest.raises(ValueError, match="do not fit"):
+            ckpt.read_strided("w", memoryview(bytearray(size)), skip, width, stride)
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(ckpt.tensors["w"].start + 5 * 48)
+    with pytest.raises(CheckpointError, match="ends early"):
+        ckpt.read_strided("w", memoryview(bytearray(9 * 24)), 24, 24, 48)
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     save_file({"x": torch.ones(2)}, str(tmp_path / "part-1.safetensors"))
