@@ -124,7 +124,7 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
   return true;
 }
 
-// Below 4 rows of x, one weight row at a time, front to back, with the next kDotAhead bytes
+// Below 4 rows of x, one weight row at a time, front to back, with the weight kDotAhead bytes ahead
 // prefetched: rows read side by side (as the AVX-512 kernels step 4 of them) stream at ~17 GB/s
 // from memory on a 2-core Zen 4, a row at a time at ~29 (a 4096x4096 bfloat16 weight, 2 threads; a
 // 49152x576 one: 17 and 28). From 4 rows of x on, the loads of x bound a step instead, and two
@@ -134,8 +134,14 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
 // e2m1 rows pair up likewise (e2m1_rows_bf16; 4096x4096 MXFP4 and NVFP4 from memory, builds
 // alternated twice: 4 rows of x 0.59-0.66x bf16's time -> 0.32-0.34x, 8 rows 0.83-1.07x ->
 // 0.67-0.85x; in cache at 4 rows 448 -> 270 us).
-constexpr int64_t kDotAhead = 4096;
-constexpr int64_t kDotWideAhead = 4 * kDotAhead;
+// Since the prefetches go into L2 (kDotHint), a row at a time asks kDotAhead = 8 KiB ahead, not 4:
+// 4 KiB was enough from memory, but not from L3, whose latency the single stream then waited on (a
+// 2-core Zen 4, 2 threads, minimum of 200 calls, builds alternated: 4096x4096 bfloat16 in cache at
+// one row of x 515-786 -> 392-598 us, at 2 rows 626-651 -> 443-494, at 3 rows 732-759 -> 554-570,
+// int8 at 3 rows 540-547 -> 485-505; 49152x576 1.20-1.51 -> 0.99-1.40 ms; from memory, 184320x576
+// 6.05-7.91 vs 6.42-7.79 ms, and int8 and FP8 at one row, alike).
+constexpr int64_t kDotAhead = 8192;
+constexpr int64_t kDotWideAhead = 16384;
 // Where those prefetches put the weight: in L2, not L1. L1 (32 KiB on Zen 4) cannot hold 16 KiB of
 // weight on its way besides x and the rows being read, so prefetches into it evicted each other
 // before their loads came (a 2-core Zen 4, 2 threads, 184320x576 bfloat16 from memory, minimum of
@@ -145,7 +151,7 @@ constexpr int64_t kDotWideAhead = 4 * kDotAhead;
 constexpr auto kDotHint = _MM_HINT_T1;
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
-constexpr int64_t kE2M1Ahead = 4 * kDotAhead;
+constexpr int64_t kE2M1Ahead = 16384;
 
 // Accumulators a row's M sums are split across: enough chains to hide the dot product's latency (on a
 // 2-core Zen 5, 16 chains run 1.6x as many dot products a second as 8 do, 8 chains 2x as many as 4).
