@@ -155,7 +155,7 @@ void weigh_heads(const AttendJob& a, const float* probs, int64_t g0) {
 }
 
 // How far ahead of the position it widens score_widened asks for keys and values (bytes). A job
-// reads 128 positions' keys, then their values, each a few pages on its own, and the hardware's
+// reads up to kAttendPart positions' keys, then their values, a few pages each, and the hardware's
 // prefetchers alone leave the widening waiting on memory (8 sequences of 500 positions from memory,
 // 2-core Zen 4, the avx2 variant, one thread: 41 -> 27 ns a position and kv head, two threads 23 ->
 // 15; 512 to 4096 bytes ahead time alike). The bfloat16 dot product's scores do not ask: there it

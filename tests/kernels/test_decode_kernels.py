@@ -154,11 +154,11 @@ def test_decode_attention_on_every_variant_head_size_and_group(variant, dtype, h
     """Each variant's kernel scores keys a register's width of positions at a time and weighs values
     for several heads at once: lengths on and off those blocks (1 to 2 blocks and one more), head
     sizes with a partial block of output registers (80) and elements past the last register (72,
-    24), groups of 1 to 8 heads, against the plain reference. Past 128 positions a sequence's kv
-    head is split into parts of 128 whose results merge (129: a part of one position; 300: three).
+    24), groups of 1 to 8 heads, against the plain reference. Past 256 positions a sequence's kv
+    head is split into parts of 256 whose results merge (257: a part of one position; 600: three).
     On AVX512-BF16 a bfloat16 model's scores run on the dot product for head sizes 32, 64, 96 and 128."""
-    cache = torch.randn(6, 2, kv_heads, 300, head_dim).to(dtype)
-    slots, lengths = torch.tensor([1, 3, 0, 2, 5, 4]), torch.tensor([1, 16, 17, 33, 129, 300])
+    cache = torch.randn(6, 2, kv_heads, 600, head_dim).to(dtype)
+    slots, lengths = torch.tensor([1, 3, 0, 2, 5, 4]), torch.tensor([1, 16, 17, 33, 257, 600])
     q = torch.randn(6, heads, head_dim).to(dtype)
     with native.using(variant):
         out = decode_attention(q, cache, slots, lengths)

@@ -108,16 +108,16 @@ def test_decode_steps_equal_the_per_op_path(checkpoints, case, variant):
 @needs_native
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_steps_over_long_caches_equal_the_per_op_path(checkpoints, variant):
-    """Past 128 cached positions a kv head's attention is split into parts that the threads share
+    """Past 256 cached positions a kv head's attention is split into parts that the threads share
     and that merge in a fixed order (kernels/csrc/weights.h's AttendPlan), in the fused layer as in
-    the per-op path: 126 positions growing past the split, 260 (three parts), one row and three."""
+    the per-op path: 254 positions growing past the split, 520 (three parts), one row and three."""
     model = load(tiny_model("llama", checkpoints / "fused-gqa-long", dtype=torch.bfloat16, seed=4,
-                            **CASES["llama-gqa"][1]))
-    prompts = {1: [(7 * i) % 250 + 1 for i in range(126)], 2: PROMPTS[2], 5: [(3 * i) % 250 + 1 for i in range(260)]}
+                            **{**CASES["llama-gqa"][1], "max_position_embeddings": 1024}))
+    prompts = {1: [(7 * i) % 250 + 1 for i in range(254)], 2: PROMPTS[2], 5: [(3 * i) % 250 + 1 for i in range(520)]}
     with native.using(variant):
         for slots in ([1], [5], [1, 2, 5]):
-            fused = decode(model, slots, 5, fused=True, prompts=prompts, max_len=272)
-            ops = decode(model, slots, 5, fused=False, prompts=prompts, max_len=272)
+            fused = decode(model, slots, 5, fused=True, prompts=prompts, max_len=536)
+            ops = decode(model, slots, 5, fused=False, prompts=prompts, max_len=536)
             same(fused, ops, exact(model, len(slots), "none", variant))
 
 
