@@ -137,9 +137,9 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
 // Since the prefetches go into L2 (kDotHint), a row at a time asks kDotAhead = 8 KiB ahead, not 4:
 // 4 KiB was enough from memory, but not from L3, whose latency the single stream then waited on (a
 // 2-core Zen 4, 2 threads, minimum of 200 calls, builds alternated: 4096x4096 bfloat16 in cache at
-// one row of x 515-786 -> 392-598 us, at 2 rows 626-651 -> 443-494, at 3 rows 732-759 -> 554-570,
-// int8 at 3 rows 540-547 -> 485-505; 49152x576 1.20-1.51 -> 0.99-1.40 ms; from memory, 184320x576
-// 6.05-7.91 vs 6.42-7.79 ms, and int8 and FP8 at one row, alike).
+// one row of x 533-786 -> 424-598 us, at 2 rows 626-651 -> 443-494, at 3 rows 732-759 -> 554-570,
+// int8 at 3 rows 540-547 -> 485-505; 49152x576 1.31-1.51 -> 0.99-1.40 ms; from memory, 184320x576
+// 6.05-7.91 vs 6.28-7.79 ms, and int8 and FP8 at one row, alike).
 constexpr int64_t kDotAhead = 8192;
 constexpr int64_t kDotWideAhead = 16384;
 // Where those prefetches put the weight: in L2, not L1. L1 (32 KiB on Zen 4) cannot hold 16 KiB of

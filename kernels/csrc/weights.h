@@ -67,7 +67,7 @@ inline const Kernels* variant_kernels(int64_t variant) {
 // Parts of 256, not 128: a job streams twice as far through its kv head's keys and values, and
 // fewer parts merge (8 sequences of 500 positions, 30 layers' caches from memory, 2 threads, 2-core
 // Zen 4, builds alternated three times, ns a position and kv head: avx512bf16 12.0-12.1 -> 10.5-11.3,
-// avx2 14.1-15.3 -> 12.7-13.1; in cache, avx512bf16, 5.8-6.2 -> 5.5; one sequence, avx2, 14.2-18.1
+// avx2 14.1-15.3 -> 12.7-13.1; in cache, avx512bf16, 5.8-6.5 -> 5.5; one sequence, avx2, 14.2-18.1
 // -> 13.4-16.7). Parts of 512 gained more at 8 sequences (avx512bf16 9.8-10.0), but one sequence's 3
 // kv heads were 3 jobs again (avx2 14.2-17.8 -> 17.5-18.5).
 constexpr int64_t kAttendPart = 256;
