@@ -243,9 +243,14 @@ def test_threads_and_chunks_change_nothing_and_a_rank_reads_its_half(tiny_llama,
     for spec in ({"dtype": "bfloat16"}, {"quantization": "fp8_per_channel"}, {"tp_size": 2, "tp_rank": 1}):
         assert torch.equal(run(1, **spec)[0], run(3, **spec)[0]), spec
 
-    read = []  # bytes each read system call returned
+    read = []  # bytes each read system call returned (list.append is atomic: the reads run on 2 threads)
     real_preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, views, offset: read.append(real_preadv(fd, views, offset)) or read[-1])
+
+    def counted(fd, views, offset):
+        done = real_preadv(fd, views, offset)
+        read.append(done)
+        return done
+    monkeypatch.setattr(os, "preadv", counted)
     for rank in range(2):
         read.clear()
         _, _, ckpt = run(2, tp_size=2, tp_rank=rank)
