@@ -134,7 +134,7 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
 // e2m1 rows pair up likewise (e2m1_rows_bf16; 4096x4096 MXFP4 and NVFP4 from memory, builds
 // alternated twice: 4 rows of x 0.59-0.66x bf16's time -> 0.32-0.34x, 8 rows 0.83-1.07x ->
 // 0.67-0.85x; in cache at 4 rows 448 -> 270 us).
-// Since the prefetches go into L2 (kDotHint), a row at a time asks kDotAhead = 8 KiB ahead, not 4:
+// Since the prefetches go into L2 (prefetch_weight), a row at a time asks kDotAhead = 8 KiB ahead, not 4:
 // 4 KiB was enough from memory, but not from L3, whose latency the single stream then waited on (a
 // 2-core Zen 4, 2 threads, minimum of 200 calls, builds alternated: 4096x4096 bfloat16 in cache at
 // one row of x 533-786 -> 424-598 us, at 2 rows 626-651 -> 443-494, at 3 rows 732-759 -> 554-570,
@@ -142,13 +142,12 @@ inline bool e8m0_within(const Weight& w, int64_t n, uint8_t lo, uint8_t hi) {
 // 6.05-7.91 vs 6.28-7.79 ms, and int8 and FP8 at one row, alike).
 constexpr int64_t kDotAhead = 8192;
 constexpr int64_t kDotWideAhead = 16384;
-// Where those prefetches put the weight: in L2, not L1. L1 (32 KiB on Zen 4) cannot hold 16 KiB of
-// weight on its way besides x and the rows being read, so prefetches into it evicted each other
-// before their loads came (a 2-core Zen 4, 2 threads, 184320x576 bfloat16 from memory, minimum of
-// 55 calls, builds alternated: 4 rows of x 13.1-14.7 -> 7.8-8.8 ms, 8 rows 15.2-17.7 -> 8.3-9.3,
-// one row 7.5-9.3 -> 5.8-8.4 (the hint alone, six times: 7.7-8.2 -> 6.5-7.0); int8 at one row
-// 4.1-5.8 -> 3.8-4.0, at 8 alike; FP8, MXFP4 and NVFP4 at one row alike).
-constexpr auto kDotHint = _MM_HINT_T1;
+// Those prefetches put the weight in L2, not L1 (prefetch_weight). L1 (32 KiB on Zen 4) cannot hold
+// 16 KiB of weight on its way besides x and the rows being read, so prefetches into it evicted each
+// other before their loads came (a 2-core Zen 4, 2 threads, 184320x576 bfloat16 from memory,
+// minimum of 55 calls, builds alternated: 4 rows of x 13.1-14.7 -> 7.8-8.8 ms, 8 rows 15.2-17.7 ->
+// 8.3-9.3, one row 7.5-9.3 -> 5.8-8.4 (the hint alone, six times: 7.7-8.2 -> 6.5-7.0); int8 at one
+// row 4.1-5.8 -> 3.8-4.0, at 8 alike; FP8, MXFP4 and NVFP4 at one row alike).
 // e2m1 rows take longer per byte and prefetch further ahead (a 2-core Zen 5, a 4096x4096 weight from
 // memory: NVFP4 0.30-0.37 -> 0.27-0.29 ms, MXFP4 0.27-0.29 -> 0.26; the other formats are slower so).
 constexpr int64_t kE2M1Ahead = 16384;
@@ -200,7 +199,7 @@ void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums)
       __m512 scale[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = w.data + (n + r) * w.row_bytes + g * (kDotGroup / 2);
-        if constexpr (q % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kE2M1Ahead), kDotHint);
+        prefetch_weight(p, q * (kDotGroup / 2), kE2M1Ahead);  // every other group: g0 steps by an even kGroups
         const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         even[r] = (__m512bh)_mm512_permutexvar_epi16(codes, table);
         odd[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), table);
@@ -300,7 +299,7 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
-      if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), kDotHint);
+      prefetch_weight(p, c * kChunkBytes<kElem>, kAhead);
       if constexpr (kMode == kBlock32Scale && !kScaleSums) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
       else v[r] = decode32_bf16<kElem>(p);
     }
@@ -337,7 +336,7 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kE4M3>;
-      if ((c * kChunkBytes<kE4M3>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + kAhead), kDotHint);
+      prefetch_weight(p, c * kChunkBytes<kE4M3>, kAhead);
       v[r] = decode32_bf16<kE4M3>(p);
     }
     for (int m = 0; m < M; ++m) {

@@ -70,6 +70,12 @@ inline void zero(Vec (&acc)[R][M]) {
 // 3.8-5.8 -> 3.2-4.5 on AVX-512; int8 at 8 rows, and AVX2's at 1, alike).
 constexpr int64_t kPrefetchBytes = int64_t(16) << 10;
 
+// The weight `ahead` bytes past p asked for into L2 (above), once per cache line: `at` is p's byte
+// offset in its row. Every GEMV's weight prefetch goes through this (qgemv_bf16dot.h's too).
+inline __attribute__((always_inline)) void prefetch_weight(const uint8_t* p, int64_t at, int64_t ahead) {
+  if (at % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+}
+
 // Whole rows at least kPrefetchBytes past a row (the same chunk of a later row is prefetched).
 inline int64_t prefetch_distance(const Weight& w) {
   return (kPrefetchBytes + w.row_bytes - 1) / w.row_bytes * w.row_bytes;
@@ -79,7 +85,7 @@ inline int64_t prefetch_distance(const Weight& w) {
 template <int kElem>
 inline __attribute__((always_inline)) void decode_chunk(const uint8_t* row, int64_t c, int64_t ahead, Vec* v) {
   const uint8_t* p = row + c * kChunkBytes<kElem>;
-  if ((c * kChunkBytes<kElem>) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+  prefetch_weight(p, c * kChunkBytes<kElem>, ahead);
   decode32<kElem>(p, v);
 }
 
