@@ -209,10 +209,7 @@ class Checkpoint:
                 or (count and skip + (count - 1) * stride + width > info.nbytes):
             raise ValueError(f"{name}: {len(out)} bytes in pieces of {width} every {stride} from {skip} do not fit "
                              f"its {info.nbytes} bytes")
-        fd = self._fds.get(info.file)
-        if fd is None:
-            fd = self._fds[info.file] = self._open(info.file)
-        pread, offset = os.preadv, info.start + skip
+        fd, pread, offset = self._fd(info.file), os.preadv, info.start + skip
         for at in range(0, len(out), width):
             piece = out[at:at + width]
             try:
@@ -227,9 +224,7 @@ class Checkpoint:
         """Fills `views` in turn from `file` at `offset`, whatever the reads return at a time (errors
         name the tensor `first` and how many follow it)."""
         following = len(views) - 1
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = self._open(file)
+        fd = self._fd(file)
         views, k = [v for v in views if len(v)], 0
         while k < len(views):
             try:
@@ -250,8 +245,14 @@ class Checkpoint:
         """Opens every weight file now (read_into opens them on first use), so that threads reading
         at once share one descriptor per file."""
         for file in self._identity_of:
-            if file not in self._fds:
-                self._fds[file] = self._open(file)
+            self._fd(file)
+
+    def _fd(self, file: pathlib.Path) -> int:
+        """The descriptor reads of `file` share, opened (and checked, _open) on first use."""
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = self._open(file)
+        return fd
 
     def _open(self, file: pathlib.Path) -> int:
         """An fd on `file`, which must still be the file whose header was read: one replaced or
