@@ -113,7 +113,8 @@ class Step:
     consecutive slots: per layer, their live [B, 2, KV, length, D] cache (else gathered per layer)."""
     values: tuple = ()
     causal: bool = False
-    """One sequence from position 0: attention runs over the new keys alone."""
+    """Every row from position 0 (a prefill, or prompts of one length prefilled together): attention
+    runs over the new keys alone, causally."""
     visible: torch.Tensor | None = None
     """One sequence past position 0 with several tokens: SDPA's [1, 1, T, length] mask."""
     lengths: torch.Tensor | None = None
@@ -269,6 +270,9 @@ class CausalLM:
         step.slots, step.positions = slots[:, None].to(self.device), positions.to(self.device)
         if step.lengths is not None:
             return step
+        if t > 1 and all(r == rows[0] for r in rows) and rows[0] == list(range(t)):
+            step.causal = True  # prompts prefilled together: SDPA's causal kernel, no mask, no cache read
+            return step
         first = int(slots[0])
         if slots.tolist() == list(range(first, first + batch)):  # a view, no gather
             step.keys = cache.all[:, first:first + batch, :, :, :length].unbind(0)
@@ -313,6 +317,8 @@ class CausalLM:
             kv[step.slots, :, :, step.positions] = new.view(batch, t, 2, kv_heads, head_dim)
         if step.lengths is not None:
             out = decode_attention(q, kv, step.slot_ids, step.lengths)
+        elif step.causal:
+            out = self._attend_new(q, new, step.length)
         elif exact:
             out = self._attend_one(q, new, step, i)
         else:
@@ -341,18 +347,27 @@ class CausalLM:
         """Output width of q (0), k (1) or v (2) on this rank."""
         return (self.num_heads if member == 0 else self.num_kv_heads) * self.spec.head_dim
 
+    def _attend_new(self, q: torch.Tensor, new: torch.Tensor, t: int) -> torch.Tensor:
+        """Attention of rows of T positions from 0 over their new keys alone, with torch's causal
+        SDPA, as transformers runs it: q [B * T, H, D], new [B * T, 2 * KV, D] (already written to
+        the cache). Returns [B * T, H, D]. Each row is computed as it is alone (the kernel splits
+        its work by row and head), and no [T, T] mask or float32 scores are made: with
+        cached_attention's, 8 prompts of 500 tokens prefilled together took 5.9-9.3 s against 3.7-4.8
+        one after another (int8, 2-core Zen 4); this way 3.9-4.2."""
+        rows, heads, head_dim = q.shape
+        batch, kv_heads = rows // t, self.num_kv_heads
+        keys, values = new.view(batch, t, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q.view(batch, t, heads, head_dim).transpose(1, 2), keys, values,
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(rows, heads, head_dim)
+
     def _attend_one(self, q: torch.Tensor, new: torch.Tensor, step: Step, i: int) -> torch.Tensor:
-        """One sequence's attention with torch's SDPA, as transformers runs it: q [T, H, D], new
-        [T, 2 * KV, D] (already written to the cache). Returns [T, H, D]."""
+        """One sequence's attention past position 0 with torch's SDPA, as transformers runs it: q
+        [T, H, D], new [T, 2 * KV, D] (already written to the cache). Returns [T, H, D]."""
         t, heads, head_dim = q.shape
-        kv_heads = self.num_kv_heads
-        if t == 1 and not step.causal:  # decode: the fewest calls
+        if t == 1:  # decode: the fewest calls
             return F.scaled_dot_product_attention(q.view(1, heads, 1, head_dim), step.keys[i], step.values[i],
                                                   enable_gqa=True).reshape(1, heads, head_dim)
-        if step.causal:  # from position 0: the new keys are all there is
-            keys, values = new.view(1, t, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4)
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, is_causal=True, enable_gqa=True)
-            return out[0].transpose(0, 1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], step.keys[i], step.values[i],
                                              attn_mask=step.visible, enable_gqa=True)
         return out[0].transpose(0, 1)

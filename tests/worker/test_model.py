@@ -139,6 +139,29 @@ def test_rows_at_scattered_slots_with_several_tokens_equal_one_by_one(tiny_llama
         torch.testing.assert_close(together[row], single[0], rtol=1e-5, atol=1e-5)
 
 
+def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own_keys(checkpoints):
+    """Prompts of one length prefilled in one forward (as the engine groups them) take SDPA's causal
+    kernel over their new keys, with no mask and no read of the cache, and give each row's logits
+    and cached keys and values as the row alone does, up to bfloat16 rounding; rows that do not all
+    start at position 0 keep the masked path."""
+    model = load(tiny_model("llama", checkpoints / "together-bf16", dtype=torch.bfloat16, seed=4))
+    prompts = torch.tensor([[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [9, 7, 5, 3, 1]])
+    cache = model.new_cache(3, 16)
+    positions, slots = torch.arange(5).expand(3, 5), torch.tensor([2, 0, 1])
+    step = model._step(positions, slots, cache)
+    assert step.causal and step.hidden is None and not step.keys
+    together = model.forward(prompts, positions, cache, slots)
+    for row, slot in enumerate(slots.tolist()):
+        alone = model.new_cache(1, 16)
+        single = model.forward(prompts[row:row + 1], torch.arange(5)[None], alone, torch.tensor([0]))[0]
+        torch.testing.assert_close(together[row], single, rtol=2e-2, atol=2e-2 * single.abs().max().item())
+        assert int(together[row].argmax()) == int(single.argmax())
+        torch.testing.assert_close(cache.all[:, slot, :, :, :5].float(), alone.all[:, 0, :, :, :5].float(),
+                                   rtol=2e-2, atol=2e-2)
+    later = model._step(torch.tensor([[0, 1], [3, 4]]), torch.tensor([0, 1]), cache)
+    assert not later.causal and later.hidden is not None
+
+
 def test_batched_bfloat16_decode_stays_close_to_each_row_alone(checkpoints):
     """Several bfloat16 rows decode together (the fused layer's GEMV over all the rows, or, without
     native kernels, float32-widened weight tiles: kernels/dense.py): equal to each row alone up to
