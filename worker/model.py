@@ -270,7 +270,7 @@ class CausalLM:
         step.slots, step.positions = slots[:, None].to(self.device), positions.to(self.device)
         if step.lengths is not None:
             return step
-        if t > 1 and all(r == rows[0] for r in rows) and rows[0] == list(range(t)):
+        if rows[0] == list(range(t)) and all(r == rows[0] for r in rows):
             step.causal = True  # prompts prefilled together: SDPA's causal kernel, no mask, no cache read
             return step
         first = int(slots[0])
