@@ -320,7 +320,7 @@ class CausalLM:
         elif step.causal:
             out = self._attend_new(q, new, step.length)
         elif exact:
-            out = self._attend_one(q, new, step, i)
+            out = self._attend_one(q, step, i)
         else:
             live = step.keys[i] if step.keys else kv[..., :step.length, :].index_select(0, step.slots[:, 0])
             cached = live.transpose(0, 1).to(torch.float32, memory_format=torch.contiguous_format)
@@ -361,9 +361,9 @@ class CausalLM:
                                              is_causal=True, enable_gqa=True)
         return out.transpose(1, 2).reshape(rows, heads, head_dim)
 
-    def _attend_one(self, q: torch.Tensor, new: torch.Tensor, step: Step, i: int) -> torch.Tensor:
-        """One sequence's attention past position 0 with torch's SDPA, as transformers runs it: q
-        [T, H, D], new [T, 2 * KV, D] (already written to the cache). Returns [T, H, D]."""
+    def _attend_one(self, q: torch.Tensor, step: Step, i: int) -> torch.Tensor:
+        """One sequence's attention past position 0 over its cached keys (its new ones already
+        written there), with torch's SDPA, as transformers runs it: q [T, H, D]. Returns [T, H, D]."""
         t, heads, head_dim = q.shape
         if t == 1:  # decode: the fewest calls
             return F.scaled_dot_product_attention(q.view(1, heads, 1, head_dim), step.keys[i], step.values[i],
