@@ -64,3 +64,24 @@ def decode_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, 
     q's dtype, the softmax in float32. Only where has_decode_attention()."""
     return native.decode_attention(q.contiguous(), cache, slots, lengths, q.shape[-1] ** -0.5,
                                    native.variant_index()).view(q.shape[0], -1)
+
+
+PREFILL_VARIANTS = ("avx512bf16", "amx")
+"""The kernel variants with a prefill attention (AVX512-BF16's dot product for q.k and p.v)."""
+
+
+def has_prefill_attention(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether prefill_attention runs: bfloat16 on the CPU, heads of 32, 64, 96 or 128, and a
+    variant of PREFILL_VARIANTS chosen."""
+    return (native.prefill_attention is not None and native.VARIANT in PREFILL_VARIANTS and dtype == torch.bfloat16
+            and device.type == "cpu" and head_dim in (32, 64, 96, 128))
+
+
+def prefill_attention(q: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Causal attention of prompts from position 0 over their own keys and values, read in place
+    from the cache (kernels/csrc/decode.cpp), where they were written first: q [B, T, H, D]; cache:
+    one layer of the engine's KV cache, [slots, 2, KV, max_len, D], row b's positions [0, T) in
+    slot slots[b] (int64 [B]). Returns [B, T, H, D], bfloat16 like q: the sums and softmax in
+    float32, the probabilities rounded to bfloat16 for their product with the values (as torch's
+    flash attention rounds them). Each row is computed alone. Only where has_prefill_attention()."""
+    return native.prefill_attention(q.contiguous(), cache, slots, q.shape[-1] ** -0.5, native.variant_index())

@@ -1,8 +1,10 @@
-// The decode path's other ops, beside the linear layers of qgemv.cpp: RMSNorm and decode attention.
-// Both work in float32 whatever the tensors' dtype (float32 or bfloat16), and compute each row
-// alone, so that a row's result does not depend on how many rows come with it. RMSNorm is plain
-// C++ (any x86-64, vectorized by the compiler); attention runs the chosen variant's
-// Kernels::attend (decode_kernels.h), the one the fused layer of layer.cpp runs.
+// The decode path's other ops, beside the linear layers of qgemv.cpp: RMSNorm, decode attention, and
+// a prefill's causal attention (prefill_attention, on the variants with AVX512-BF16's dot product).
+// They work in float32 whatever the tensors' dtype (float32 or bfloat16; the prefill attention takes
+// bfloat16 only), and compute each row alone, so that a row's result does not depend on how many
+// rows come with it. RMSNorm is plain C++ (any x86-64, vectorized by the compiler); the attentions
+// run the chosen variant's Kernels::attend and Kernels::prefill (decode_kernels.h), the decode one
+// being what the fused layer of layer.cpp runs.
 //
 // RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), the normalisation rounded to x's dtype before the
 // weight multiplies it, as kernels/norm.py's torch path does (and Llama/Qwen reference code).
@@ -22,6 +24,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -108,14 +111,65 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
   return out;
 }
 
+// q [B, T, H, D] contiguous bfloat16; cache [slots, 2, KV, max_len, D] contiguous bfloat16, holding
+// each row's keys and values at positions [0, T) of slot slots[b] (written there first): causal
+// attention of each row over its own positions, each row computed alone. Returns [B, T, H, D].
+// Jobs of (row, kv head, kPrefillQueries positions of queries), the latest (longest) first, taken
+// from a shared counter. Only the variants with AVX512-BF16's dot product run it (Kernels::prefill).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& slots, double scale,
+                             int64_t variant) {
+  const preload::Kernels* kernels = preload::variant_kernels(variant);
+  TORCH_CHECK(kernels->prefill, "prefill_attention runs on the avx512bf16 and amx kernels only");
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu() && slots.device().is_cpu(),
+              "prefill_attention runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "q must be contiguous [B, T, H, D]");
+  TORCH_CHECK(cache.dim() == 5 && cache.is_contiguous() && cache.size(1) == 2 && cache.size(4) == q.size(3),
+              "cache must be contiguous [slots, 2, KV, max_len, D] with q's D");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && cache.scalar_type() == at::kBFloat16,
+              "q and cache must both be bfloat16");
+  const int64_t batch = q.size(0), t = q.size(1), heads = q.size(2), d = q.size(3), kv_heads = cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads are not a multiple of ", kv_heads,
+              " kv heads");
+  TORCH_CHECK(d == 32 || d == 64 || d == 96 || d == 128, "head size ", d, " is not 32, 64, 96 or 128");
+  TORCH_CHECK(t >= 1 && t <= cache.size(3), t, " positions do not fit the cache's ", cache.size(3));
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == batch && slots.is_contiguous(),
+              "slots must be contiguous int64 [B]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < cache.size(0), "row ", b, ": slot ", slot[b], " is outside the cache's ",
+                cache.size(0), " slots");
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  const int64_t group = heads / kv_heads, blocks = (t + preload::kPrefillQueries - 1) / preload::kPrefillQueries;
+  const int64_t jobs = batch * kv_heads * blocks, max_len = cache.size(3), plane = kv_heads * max_len * d;
+  const uint16_t* queries = static_cast<const uint16_t*>(q.data_ptr());
+  const uint16_t* stored = static_cast<const uint16_t*>(cache.data_ptr());
+  uint16_t* outputs = static_cast<uint16_t*>(out.data_ptr());
+  const float s = static_cast<float>(scale);
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    std::vector<float> scratch(preload::prefill_floats(group, preload::kPrefillQueries, d));
+    for (int64_t i = next++; i < jobs; i = next++) {
+      const int64_t block = blocks - 1 - i / (batch * kv_heads), b = i % (batch * kv_heads) / kv_heads,
+                    j = i % kv_heads, first = (b * t * heads + j * group) * d;
+      const uint16_t* keys = stored + (slot[b] * 2 * kv_heads + j) * max_len * d;
+      kernels->prefill({queries + first, keys, keys + plane, outputs + first, group, block * preload::kPrefillQueries,
+                        std::min(t, (block + 1) * preload::kPrefillQueries), d, heads * d, s, scratch.data()});
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(preload, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor cache, Tensor slots, Tensor lengths, float scale, int variant) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor cache, Tensor slots, float scale, int variant) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(preload, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
 }

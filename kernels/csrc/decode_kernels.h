@@ -1,7 +1,8 @@
 // The decode step's vector kernels beside the GEMV, in the vector layer of qgemv_simd.h: attention
-// (one query head group over its kv head's cached keys and values) and SwiGLU. Included by
-// qgemv_kernels.cpp inside its unnamed namespace, so that each of its compilations (AVX2, AVX-512,
-// AMX) has a copy for its instruction set (Kernels::attend, Kernels::silu_mul).
+// (one query head group over its kv head's cached keys and values) and SwiGLU; and, on AVX512-BF16,
+// a prefill's causal attention (prefill_job, below). Included by qgemv_kernels.cpp inside its
+// unnamed namespace, so that each of its compilations (AVX2, AVX-512, AMX) has a copy for its
+// instruction set (Kernels::attend, Kernels::prefill, Kernels::silu_mul).
 //
 // Scores a block of positions at a time (their keys widened once for the group's heads, or on
 // AVX512-BF16 multiplied as stored), each block's sums out of their registers at once; the
@@ -302,6 +303,108 @@ void attend_job(const AttendJob& a) {
     }
   }
 }
+
+#ifdef PRELOAD_BF16DOT
+// A prefill's causal attention for a block of queries (PrefillJob), bfloat16, on AVX512-BF16's dot
+// product for q.k and for p.v alike. Every query keeps a running softmax over the keys, kPrefillChunk
+// positions at a time: its largest score so far, the sum of exps against it, and its float32
+// output, scaled down when the largest grows. A chunk's scores are score_bf16dot's (each key
+// multiplied as stored, the dot products summed by lane_sums); its values are interleaved once for
+// all the job's queries, positions 2k and 2k + 1 in each 32-bit lane, so that the probabilities,
+// rounded to bfloat16 in the same pairs, weigh two positions per dot product (as torch's flash
+// attention rounds them to the storage type for its p.v product). C: the head size in 32s.
+// One 500-token prompt of the default model's shape (9 heads, 3 kv heads of 64), 2-core Zen 4:
+// 1.9 ms a layer against 4.5 for torch's SDPA (its flash kernel), 2,000 tokens 29.7 against 38.3.
+// The same on float32 multiply-adds (keys and values widened once a chunk) took 3.0 and 38.6.
+template <int C>
+void prefill_job(const PrefillJob& a) {
+  constexpr int kRegs = kPrefillChunk / kLanes;
+  const int64_t group = a.group, d = a.d, queries = (a.q1 - a.q0) * group;
+  const uint16_t* q = static_cast<const uint16_t*>(a.q);
+  const uint16_t* keys = static_cast<const uint16_t*>(a.keys);
+  const uint16_t* values = static_cast<const uint16_t*>(a.values);
+  float* acc = a.scratch;           // [queries, d]: their outputs so far
+  float* top = acc + queries * d;   // [queries]: each one's largest score so far
+  float* total = top + queries;     // [queries]: its sum of exps against that
+  uint32_t* pairs = reinterpret_cast<uint32_t*>(total + queries);  // [kPrefillChunk / 2, d]
+  std::fill(acc, acc + queries * d, 0.0f);
+  std::fill(top, top + queries, -INFINITY);
+  std::fill(total, total + queries, 0.0f);
+  for (int64_t s0 = 0; s0 < a.q1; s0 += kPrefillChunk) {
+    const int64_t chunk = std::min<int64_t>(kPrefillChunk, a.q1 - s0);
+    for (int64_t k = 0; 2 * k < chunk; ++k) {  // lane e of pair k: value e of position 2k, then of 2k + 1 (or 0)
+      const uint16_t* first = values + (s0 + 2 * k) * d;
+      for (int64_t e = 0; e < d; e += kLanes) {
+        const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + e)));
+        const __m512i high = 2 * k + 1 < chunk ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                     reinterpret_cast<const __m256i*>(first + d + e))), 16)
+                                               : _mm512_setzero_si512();
+        _mm512_storeu_si512(pairs + k * d + e, _mm512_or_si512(low, high));
+      }
+    }
+    for (int64_t p = std::max(a.q0, s0); p < a.q1; ++p) {
+      const int64_t visible = std::min(chunk, p - s0 + 1);  // the chunk's positions up to p
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t i = (p - a.q0) * group + g;
+        __m512bh query[C];
+        for (int c = 0; c < C; ++c) query[c] = (__m512bh)_mm512_loadu_si512(q + p * a.q_stride + g * d + 32 * c);
+        alignas(64) float probs[kPrefillChunk];
+        for (int r = 0; r < kRegs; ++r) {
+          const int64_t block = std::min<int64_t>(kLanes, visible - r * kLanes);
+          Vec dots[kLanes];
+#pragma GCC unroll 16
+          for (int l = 0; l < kLanes; ++l) {
+            Vec sum = vzero();
+            if (l < block) {
+              const uint16_t* key = keys + (s0 + r * kLanes + l) * d;
+              for (int c = 0; c < C; ++c) sum = _mm512_dpbf16_ps(sum, query[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
+            }
+            dots[l] = sum;
+          }
+          vstore(probs + r * kLanes, vmul(lane_sums(dots), vset(a.scale)));
+        }
+        for (int64_t s = visible; s < kPrefillChunk; ++s) probs[s] = -INFINITY;
+        Vec most = vload(probs);
+        for (int r = 1; r < kRegs; ++r) most = vmax(most, vload(probs + r * kLanes));
+        const float largest = std::max(top[i], lane_max(most));
+        Vec sum = vzero();
+        for (int r = 0; r < kRegs; ++r)  // exp(-inf - largest) is clamped, not 0: zeroed below
+          vstore(probs + r * kLanes, vexp_nonpositive(vadd(vload(probs + r * kLanes), vset(-largest))));
+        for (int64_t s = visible; s < kPrefillChunk; ++s) probs[s] = 0.0f;
+        for (int r = 0; r < kRegs; ++r) sum = vadd(sum, vload(probs + r * kLanes));
+        const float factor = largest > top[i] ? std::exp(top[i] - largest) : 1.0f;  // 0 at first (top -inf)
+        total[i] = total[i] * factor + vsum(sum), top[i] = largest;
+        alignas(64) uint32_t weights[kPrefillChunk / 2];  // the probabilities as bfloat16, in pairs
+        static_assert(kPrefillChunk == 2 * kLanes, "one conversion makes a chunk's pairs");
+        _mm512_store_si512(weights, (__m512i)_mm512_cvtne2ps_pbh(vload(probs + kLanes), vload(probs)));
+        float* o = acc + i * d;
+        Vec out[2 * C];
+        for (int r = 0; r < 2 * C; ++r) out[r] = vmul(vload(o + r * kLanes), vset(factor));
+        for (int64_t k = 0; 2 * k < visible; ++k) {
+          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[k]));
+          for (int r = 0; r < 2 * C; ++r)
+            out[r] = _mm512_dpbf16_ps(out[r], (__m512bh)_mm512_loadu_si512(pairs + k * d + r * kLanes), weight);
+        }
+        for (int r = 0; r < 2 * C; ++r) vstore(o + r * kLanes, out[r]);
+      }
+    }
+  }
+  for (int64_t p = a.q0; p < a.q1; ++p)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = (p - a.q0) * group + g;
+      const Vec inverse = vset(1.0f / total[i]);
+      for (int64_t e = 0; e < d; e += kLanes)
+        store_bf16(static_cast<uint16_t*>(a.out) + p * a.q_stride + g * d + e, vmul(vload(acc + i * d + e), inverse));
+    }
+}
+
+void prefill(const PrefillJob& job) {
+  if (job.d == 32) prefill_job<1>(job);
+  else if (job.d == 64) prefill_job<2>(job);
+  else if (job.d == 96) prefill_job<3>(job);
+  else prefill_job<4>(job);
+}
+#endif
 
 inline Vec vexp(Vec x) {  // any x: infinity above 88.7
   const Vec e = vexp_nonpositive(vmin(x, vset(88.0f)));

@@ -324,14 +324,15 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 }  // namespace
 
 #if defined(PRELOAD_AMX)
-extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend, &silu_mul};
+extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend, &prefill,
+                           &silu_mul};
 #elif defined(PRELOAD_BF16DOT)
 extern const Kernels kAvx512Bf16 = {&gemv_bf16dot, &dequantize, kE2M1Order, kBF16Order, &pack_bf16dot, 4, &attend,
-                                    &silu_mul};
+                                    &prefill, &silu_mul};
 #elif defined(PRELOAD_AVX512)
-extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, &silu_mul};
+extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, nullptr, &silu_mul};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, &silu_mul};
+extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, nullptr, &silu_mul};
 #endif
 
 }  // namespace preload

@@ -59,6 +59,27 @@ inline int64_t attend_floats(int64_t group, int64_t length, int64_t d) {
   return group * (length + d) + kAttendBlock * d;
 }
 
+// Causal attention of one prompt's bfloat16 queries over its own keys and values (a prefill from
+// position 0: kernels/csrc/decode.cpp's prefill_attention): the query at position p of each head of
+// one kv head's group sees positions [0, p], for the queries at positions [q0, q1). q and out hold
+// position p's head g at element p * q_stride + g * d; keys and values are the kv head's [q1, d].
+// Float32 sums and softmax; d is 32, 64, 96 or 128.
+struct PrefillJob {
+  const uint16_t* q;
+  const uint16_t* keys;
+  const uint16_t* values;
+  uint16_t* out;
+  int64_t group, q0, q1, d, q_stride;
+  float scale;
+  float* scratch;  // prefill_floats(group, q1 - q0, d) floats
+};
+
+constexpr int64_t kPrefillQueries = 16;  // positions of queries a job takes at most (decode.cpp)
+constexpr int64_t kPrefillChunk = 32;    // positions of keys and values a query's softmax takes at a time
+inline int64_t prefill_floats(int64_t group, int64_t positions, int64_t d) {
+  return positions * group * (d + 2) + kPrefillChunk / 2 * d;
+}
+
 // Entry points of one instruction set. Rows [begin, end) of the output; begin and end need not
 // fall on any step, so callers may split N between threads however they like.
 struct Kernels {
@@ -80,6 +101,8 @@ struct Kernels {
   void (*pack)(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);
+  // Where not null (the variants with AVX512-BF16's dot product): a prefill's attention.
+  void (*prefill)(const PrefillJob& job);
   // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
   void (*silu_mul)(const void* gate, const void* up, void* out, int64_t n, bool bf16);
 };

@@ -1,11 +1,13 @@
 """The decode path's kernels against their plain references: rope tables and rotation, attention
-over a float32 cache view, the widened reduced-precision product, the norm on reduced precision."""
+over a float32 cache view, the decode and prefill attentions over the KV cache, the widened
+reduced-precision product, the norm on reduced precision."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import attention_reference, cached_attention, decode_attention, has_decode_attention
+from kernels.attention import (PREFILL_VARIANTS, attention_reference, cached_attention, decode_attention,
+                               has_decode_attention, prefill_attention)
 from kernels import native
 from kernels.dense import Dense, native_rows, widened_linear
 from kernels.norm import rms_norm
@@ -202,3 +204,76 @@ def test_decode_attention_refuses_rows_outside_the_cache(slots, lengths, message
         decode_attention(q, cache, torch.tensor(slots), torch.tensor(lengths))
     with pytest.raises(RuntimeError, match="not a multiple of 2 kv heads"):
         decode_attention(torch.randn(1, 5, 16), cache, torch.tensor([0]), torch.tensor([3]))
+
+
+PREFILL = [v for v in native.available() if v in PREFILL_VARIANTS]
+needs_prefill = pytest.mark.skipif(not PREFILL, reason="no kernel variant with AVX512-BF16's dot product on this CPU")
+
+
+def prefill_reference(q, cache, slots):
+    """SDPA's causal attention and the float32 reference, over each row's first T cache positions."""
+    t = q.shape[1]
+    keys, values = cache[slots, 0, :, :t], cache[slots, 1, :, :t]
+    positions = torch.arange(t).expand(q.shape[0], t)
+    exact = attention_reference(q.transpose(1, 2).float(), keys.float(), values.float(), positions).transpose(1, 2)
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=True, enable_gqa=True)
+    return exact, sdpa.transpose(1, 2).float()
+
+
+@needs_prefill
+@pytest.mark.parametrize("variant", PREFILL)
+@pytest.mark.parametrize("head_dim, kv_heads, heads", [(64, 3, 9), (128, 2, 16), (96, 1, 3), (32, 4, 4)])
+@pytest.mark.parametrize("t", [1, 5, 16, 17, 31, 32, 33, 47, 300])
+def test_prefill_attention_matches_the_reference_and_sdpa(variant, head_dim, kv_heads, heads, t):
+    """Each query at position p sees positions 0..p of its own slot: lengths on and off the chunks of
+    32 keys and the blocks of 16 queries, every head size the kernel takes, groups of 1 to 8 heads,
+    rows at scattered slots. What lies past a row's T positions (here: huge values) is never read.
+    Against the float32 reference the outputs are as close as SDPA's own bfloat16 ones."""
+    cache = torch.randn(4, 2, kv_heads, t + 9, head_dim).to(torch.bfloat16)
+    cache[:, :, :, t:] = 1e4
+    slots, q = torch.tensor([3, 0]), torch.randn(2, t, heads, head_dim).to(torch.bfloat16)
+    with native.using(variant):
+        out = prefill_attention(q, cache, slots)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    exact, sdpa = prefill_reference(q, cache, slots)
+    torch.testing.assert_close(out.float(), exact, rtol=2e-2, atol=2e-2)
+    assert (out.float() - exact).abs().max() <= 1.5 * (sdpa - exact).abs().max() + 1e-3
+
+
+@needs_prefill
+def test_prefill_attention_rows_do_not_depend_on_their_company_or_the_threads():
+    """Jobs of 16 query positions go to whichever thread is free: each row is bit for bit the same
+    alone, beside other rows, and on one thread or two."""
+    cache = torch.randn(3, 2, 3, 120, 64).to(torch.bfloat16)
+    slots, q = torch.tensor([2, 0]), torch.randn(2, 100, 9, 64).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    with native.using(PREFILL[0]):
+        try:
+            torch.set_num_threads(2)
+            together = prefill_attention(q, cache, slots)
+            torch.set_num_threads(1)
+            one_thread = prefill_attention(q, cache, slots)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(together, one_thread)
+        for row in range(2):
+            assert torch.equal(prefill_attention(q[row:row + 1], cache, slots[row:row + 1])[0], together[row])
+
+
+@needs_prefill
+def test_prefill_attention_refuses_what_it_cannot_take():
+    cache, q = torch.randn(2, 2, 2, 40, 64).bfloat16(), torch.randn(1, 8, 4, 64).bfloat16()
+    with native.using(PREFILL[0]):
+        for bad, message in ((dict(slots=torch.tensor([2])), "slot 2 is outside"),
+                             (dict(q=torch.randn(1, 41, 4, 64).bfloat16()), "41 positions do not fit"),
+                             (dict(q=q.float(), cache=cache.float()), "bfloat16"),
+                             (dict(q=torch.randn(1, 8, 4, 80).bfloat16(), cache=torch.randn(2, 2, 2, 40, 80).bfloat16()),
+                              "head size 80"),
+                             (dict(q=torch.randn(1, 8, 3, 64).bfloat16()), "not a multiple of 2 kv heads")):
+            args = dict(q=q, cache=cache, slots=torch.tensor([0])) | bad
+            with pytest.raises(RuntimeError, match=message):
+                prefill_attention(**args)
+    for variant in ("avx2", "avx512"):
+        if variant in native.available():
+            with native.using(variant), pytest.raises(RuntimeError, match="avx512bf16 and amx kernels only"):
+                native.prefill_attention(q, cache, torch.tensor([0]), 0.125, native.variant_index())

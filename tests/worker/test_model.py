@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from kernels import native
+from kernels.attention import PREFILL_VARIANTS
 from preload_cli.models import tiny_model
 from preload_daemon.buffers import SlabViews
 from preload_daemon.checkpoint import Checkpoint
@@ -144,7 +145,7 @@ def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own
     kernel over their new keys, with no mask and no read of the cache, and give each row's logits
     and cached keys and values as the row alone does, up to bfloat16 rounding; rows that do not all
     start at position 0 keep the masked path."""
-    model = load(tiny_model("llama", checkpoints / "together-bf16", dtype=torch.bfloat16, seed=4))
+    model = load(tiny_model("llama", checkpoints / "together-bf16", dtype=torch.bfloat16, seed=4, head_dim=32))
     prompts = torch.tensor([[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [9, 7, 5, 3, 1]])
     cache = model.new_cache(3, 16)
     positions, slots = torch.arange(5).expand(3, 5), torch.tensor([2, 0, 1])
@@ -160,6 +161,28 @@ def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own
                                    rtol=2e-2, atol=2e-2)
     later = model._step(torch.tensor([[0, 1], [3, 4]]), torch.tensor([0, 1]), cache)
     assert not later.causal and later.hidden is not None
+
+
+@pytest.mark.parametrize("variant", native.available())
+def test_a_bfloat16_prefill_stays_close_to_transformers_on_every_variant(checkpoints, variant, monkeypatch):
+    """A bfloat16 prompt's prefill with heads of 32: on the variants with AVX512-BF16's dot product
+    its attention is the native prefill attention (its calls counted), elsewhere SDPA's; every
+    position's logits are close to transformers', and the greedy token after the prompt is its."""
+    path = tiny_model("llama", checkpoints / "prefill-bf16", dtype=torch.bfloat16, seed=5, head_dim=32)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model = load(path)
+    prompt = torch.randint(3, 250, (1, 45), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        theirs = ref(prompt).logits.float()
+    calls = []
+    with native.using(variant), monkeypatch.context() as patch:  # undone before `using` restores
+        op = native.prefill_attention
+        if op is not None:
+            patch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].shape) or op(*a))
+        ours = model.forward(prompt, torch.arange(45)[None], model.new_cache(1, 64), torch.tensor([0]), all_logits=True)
+    assert len(calls) == (len(model.layers) if variant in PREFILL_VARIANTS else 0)
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
+    assert int(ours[0, -1].argmax()) == int(theirs[0, -1].argmax())
 
 
 def test_batched_bfloat16_decode_stays_close_to_each_row_alone(checkpoints):
