@@ -105,7 +105,7 @@ class Step:
     """One sequence: torch's own products for several rows (a prefill), whose rows do not depend on
     how many come together; one row takes the native GEMV where it is built (kernels/dense.py). With
     PRELOAD_KERNELS=torch the logits are bit for bit those transformers computes; the native GEMV,
-    norm and decode attention round in another order. Several sequences: the faster paths
+    norm and decode and prefill attentions round in another order. Several sequences: the faster paths
     (kernels/dense.py, cached_attention), equal up to rounding."""
     writes: torch.Tensor | None = None
     """One sequence: [layers, 2, KV, T, D], where its new keys and values go in each layer's cache."""
