@@ -115,7 +115,8 @@ class Step:
     values: tuple = ()
     causal: bool = False
     """Every row from position 0 (a prefill, or prompts of one length prefilled together): attention
-    runs over the new keys alone, causally."""
+    runs over the new keys alone, causally (the native prefill attention reads them back from the
+    cache, where they were just written; SDPA takes them as computed)."""
     visible: torch.Tensor | None = None
     """One sequence past position 0 with several tokens: SDPA's [1, 1, T, length] mask."""
     lengths: torch.Tensor | None = None
@@ -358,13 +359,13 @@ class CausalLM:
         [B * T, 2 * KV, D], already written to this layer's cache `kv`. Returns [B * T, H, D]. Each
         row is computed as it is alone, and no [T, T] mask is made. On the kernels with AVX512-BF16's
         dot product a bfloat16 model runs the native prefill attention over the cache (one 500-token
-        prompt on a 2-core Zen 4: 1.9 ms a layer against SDPA's 4.5; 2,000 tokens 29.7 against 38.3);
+        prompt on a 2-core Zen 4: 1.9-2.1 ms a layer against SDPA's 4.3-5.9; 2,000 tokens 30-32 against 38-40);
         elsewhere, torch's causal SDPA, as transformers runs it. With cached_attention's mask and
         float32 scores, 8 prompts of 500 tokens prefilled together had taken 5.9-9.3 s against
         3.7-4.8 one after another (int8, 2-core Zen 4); SDPA's causal kernel took 3.9-4.2."""
         rows, heads, head_dim = q.shape
         t = step.length
-        if has_prefill_attention(q.dtype, q.device, head_dim):
+        if has_prefill_attention(q.dtype, q.device, head_dim) and kv.dtype == q.dtype:
             return prefill_attention(q.view(rows // t, t, heads, head_dim), kv, step.slot_ids).view(rows, heads, head_dim)
         batch, kv_heads = rows // t, self.num_kv_heads
         keys, values = new.view(batch, t, 2, kv_heads, head_dim).permute(2, 0, 3, 1, 4)

@@ -241,6 +241,28 @@ def test_prefill_attention_matches_the_reference_and_sdpa(variant, head_dim, kv_
 
 
 @needs_prefill
+def test_prefill_attention_is_causal_and_reads_nothing_past_its_positions():
+    """A query at position p depends on positions 0..p alone: a prompt's first T' positions give the
+    same bits whatever follows them, even where what follows (and what lies past the prompt in the
+    cache) is NaN."""
+    cache = torch.randn(2, 2, 3, 120, 64).to(torch.bfloat16)
+    q = torch.randn(1, 100, 9, 64).to(torch.bfloat16)
+    slots = torch.tensor([1])
+    with native.using(PREFILL[0]):
+        full = prefill_attention(q, cache, slots)
+        for t in (1, 2, 15, 16, 17, 31, 32, 33, 64, 99):
+            poisoned = cache.clone()
+            poisoned[:, :, :, t:] = float("nan")
+            prefix = prefill_attention(q[:, :t], poisoned, slots)
+            assert torch.equal(prefix, full[:, :t]), t
+            # A later position inside the prompt: the query just before it pairs with it on the dot
+            # product, but must not take its NaN in (a zero weight would not keep it out).
+            poisoned = cache.clone()
+            poisoned[1, :, :, t] = float("nan")
+            assert torch.equal(prefill_attention(q, poisoned, slots)[:, :t], full[:, :t]), t
+
+
+@needs_prefill
 def test_prefill_attention_rows_do_not_depend_on_their_company_or_the_threads():
     """Jobs of 16 query positions go to whichever thread is free: each row is bit for bit the same
     alone, beside other rows, and on one thread or two."""

@@ -141,10 +141,11 @@ def test_rows_at_scattered_slots_with_several_tokens_equal_one_by_one(tiny_llama
 
 
 def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own_keys(checkpoints):
-    """Prompts of one length prefilled in one forward (as the engine groups them) take SDPA's causal
-    kernel over their new keys, with no mask and no read of the cache, and give each row's logits
-    and cached keys and values as the row alone does, up to bfloat16 rounding; rows that do not all
-    start at position 0 keep the masked path."""
+    """Prompts of one length prefilled in one forward (as the engine groups them) take the causal
+    route over their new keys, with no mask and no gathered cache (SDPA's causal kernel, or the native
+    prefill attention where the variant has it), and give each row's logits and cached keys and
+    values as the row alone does, up to bfloat16 rounding; rows that do not all start at position 0
+    keep the masked path."""
     model = load(tiny_model("llama", checkpoints / "together-bf16", dtype=torch.bfloat16, seed=4, head_dim=32))
     prompts = torch.tensor([[5, 6, 7, 8, 9], [40, 41, 42, 43, 44], [9, 7, 5, 3, 1]])
     cache = model.new_cache(3, 16)
@@ -165,9 +166,10 @@ def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own
 
 @pytest.mark.parametrize("variant", native.available())
 def test_a_bfloat16_prefill_stays_close_to_transformers_on_every_variant(checkpoints, variant, monkeypatch):
-    """A bfloat16 prompt's prefill with heads of 32: on the variants with AVX512-BF16's dot product
-    its attention is the native prefill attention (its calls counted), elsewhere SDPA's; every
-    position's logits are close to transformers', and the greedy token after the prompt is its."""
+    """A bfloat16 prompt's prefill with heads of 32, in cache slot 2 of 3: on the variants with
+    AVX512-BF16's dot product its attention is the native prefill attention (its calls counted),
+    elsewhere SDPA's; every position's logits are close to transformers', and the greedy token
+    after the prompt is its."""
     path = tiny_model("llama", checkpoints / "prefill-bf16", dtype=torch.bfloat16, seed=5, head_dim=32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = load(path)
@@ -179,7 +181,7 @@ def test_a_bfloat16_prefill_stays_close_to_transformers_on_every_variant(checkpo
         op = native.prefill_attention
         if op is not None:
             patch.setattr(native, "prefill_attention", lambda *a: calls.append(a[0].shape) or op(*a))
-        ours = model.forward(prompt, torch.arange(45)[None], model.new_cache(1, 64), torch.tensor([0]), all_logits=True)
+        ours = model.forward(prompt, torch.arange(45)[None], model.new_cache(3, 64), torch.tensor([2]), all_logits=True)
     assert len(calls) == (len(model.layers) if variant in PREFILL_VARIANTS else 0)
     torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2 * theirs.abs().max().item())
     assert int(ours[0, -1].argmax()) == int(theirs[0, -1].argmax())
