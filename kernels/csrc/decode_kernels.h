@@ -240,6 +240,22 @@ void score_widened(const AttendJob& a, float* scores) {
 // subnormal bfloat16 inputs, which the dot product reads as zero (as it flushes subnormal sums);
 // the float32 sums run in another order (the dot product's pairs), so scores differ from the other
 // variants' in their last bits.
+// q . key p in lane p, for the `block` (up to kLanes) keys from `keys` on, d elements apart; the
+// lanes past block are 0.
+template <int C>
+inline __attribute__((always_inline)) Vec dots_bf16(const __m512bh (&q)[C], const uint16_t* keys, int64_t d,
+                                                    int64_t block) {
+  Vec dots[kLanes];
+#pragma GCC unroll 16
+  for (int p = 0; p < kLanes; ++p) {
+    Vec acc = vzero();
+    if (p < block)
+      for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, q[c], (__m512bh)_mm512_loadu_si512(keys + p * d + 32 * c));
+    dots[p] = acc;
+  }
+  return lane_sums(dots);
+}
+
 template <int C>
 void score_bf16dot(const AttendJob& a, float* scores) {
   const uint16_t* q = static_cast<const uint16_t*>(a.q);
@@ -249,18 +265,8 @@ void score_bf16dot(const AttendJob& a, float* scores) {
     for (int c = 0; c < C; ++c) qg[c] = (__m512bh)_mm512_loadu_si512(q + g * a.d + 32 * c);
     for (int64_t s0 = 0; s0 < a.length; s0 += kLanes) {
       const int64_t block = std::min<int64_t>(kLanes, a.length - s0);
-      Vec dots[kLanes];
-#pragma GCC unroll 16
-      for (int p = 0; p < kLanes; ++p) {
-        Vec acc = vzero();
-        if (p < block) {
-          const uint16_t* key = keys + (s0 + p) * a.d;
-          for (int c = 0; c < C; ++c) acc = _mm512_dpbf16_ps(acc, qg[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-        }
-        dots[p] = acc;
-      }
       alignas(64) float sums[kLanes];
-      vstore(sums, lane_sums(dots));
+      vstore(sums, dots_bf16<C>(qg, keys + s0 * a.d, a.d, block));
       for (int64_t p = 0; p < block; ++p) scores[g * a.length + s0 + p] = sums[p] * a.scale;
     }
   }
@@ -308,8 +314,8 @@ void attend_job(const AttendJob& a) {
 // A prefill's causal attention for a block of queries (PrefillJob), bfloat16, on AVX512-BF16's dot
 // product for q.k and for p.v alike. Every query keeps a running softmax over the keys, kPrefillChunk
 // positions at a time: its largest score so far, the sum of exps against it, and its float32
-// output, scaled down when the largest grows. A chunk's scores are score_bf16dot's (each key
-// multiplied as stored, the dot products summed by lane_sums); its values are interleaved once for
+// output, scaled down when the largest grows. A chunk's scores are score_bf16dot's (dots_bf16: each
+// key multiplied as stored, the dot products summed by lane_sums); its values are interleaved once for
 // all the job's queries, positions 2k and 2k + 1 in each 32-bit lane, so that the probabilities,
 // rounded to bfloat16 in the same pairs, weigh two positions per dot product (as torch's flash
 // attention rounds them to the storage type for its p.v product). C: the head size in 32s.
@@ -353,17 +359,7 @@ void prefill_job(const PrefillJob& a) {
         for (int r = 0; r < kRegs; ++r) {
           const int64_t block = std::min<int64_t>(kLanes, visible - r * kLanes);
           if (block <= 0) break;  // set to -inf below
-          Vec dots[kLanes];
-#pragma GCC unroll 16
-          for (int l = 0; l < kLanes; ++l) {
-            Vec sum = vzero();
-            if (l < block) {
-              const uint16_t* key = keys + (s0 + r * kLanes + l) * d;
-              for (int c = 0; c < C; ++c) sum = _mm512_dpbf16_ps(sum, query[c], (__m512bh)_mm512_loadu_si512(key + 32 * c));
-            }
-            dots[l] = sum;
-          }
-          vstore(probs + r * kLanes, vmul(lane_sums(dots), vset(a.scale)));
+          vstore(probs + r * kLanes, vmul(dots_bf16<C>(query, keys + (s0 + r * kLanes) * d, d, block), vset(a.scale)));
         }
         for (int64_t s = visible; s < kPrefillChunk; ++s) probs[s] = -INFINITY;
         Vec most = vload(probs);
