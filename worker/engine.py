@@ -41,7 +41,7 @@ class Engine:
         self._pending: queue.Queue[Request | None] = queue.Queue()
         self._free = list(range(max_batch))
         """A heap: a new request takes the lowest free slot, so running requests tend to hold
-        consecutive slots, whose caches a batched step reads as one view (worker/model.py)."""
+        consecutive slots, whose caches a batched step reads as one view (worker/kv_cache.py)."""
         self._running: list[Request] = []
         self._held: list[Request] = []
         """Taken from the queue, waiting for enough free slots for all its choices (n > 1)."""

@@ -8,7 +8,8 @@ import torch
 from kernels.norm import rms_norm
 from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import CheckpointError
-from worker.model import CausalLM, KVCache, SingleRank, Weight
+from worker.kv_cache import KVCache
+from worker.model import CausalLM, SingleRank, Weight
 
 
 class MTPDraft(CausalLM):

@@ -12,7 +12,7 @@
 // 576-wide layer's GEMV; this costs a few.
 //
 // Decode attention: one new query per sequence over that sequence's cached keys and values, read
-// in place from the engine's KV cache (worker/model.py's KVCache, one layer of it: [slots, 2,
+// in place from the engine's KV cache (worker/kv_cache.py's KVCache, one layer of it: [slots, 2,
 // kv_heads, max_len, head_dim], each kv head's keys and values in order of position). torch's CPU
 // flash attention costs ~100-150 us a call for one query over a short cache, and a batch needs its
 // live cache gathered and converted first; this reads each key and value once and costs a few
