@@ -3,8 +3,8 @@ rope, the cache write, attention, o, residual, norm, gate/up, SwiGLU, down and r
 sequence of the batch at once, without the Python, dispatch and thread wake-ups between the ~25
 operations of a layer. It runs the fused GEMV of kernels/csrc for every product and rounds where
 torch rounds; where the per-op path picks the same GEMV (one row; a few rows of bfloat16 on CPUs
-without bfloat16 matrix units; quantized weights up to kernels/linear.py's GEMV limit, but int8 on
-AVX-512, which takes torch's kernel there) a bfloat16 model gets the same bits, elsewhere values
+without bfloat16 matrix units; quantized weights, int8 included, up to kernels/linear.py's GEMV
+limit) a bfloat16 model gets the same bits, elsewhere values
 equal up to rounding. Batches of more than `FusedLayers.max_rows` rows run op by op (the GEMM paths
 win there).
 

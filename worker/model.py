@@ -257,7 +257,7 @@ class CausalLM:
         [B * T, 2 * KV, D], already written to this layer's cache `kv`. Returns [B * T, H, D]. Each
         row is computed as it is alone, and no [T, T] mask is made. On the kernels with AVX512-BF16's
         dot product a bfloat16 model runs the native prefill attention over the cache (one 500-token
-        prompt on a 2-core Zen 4: 1.9-2.1 ms a layer against SDPA's 4.3-5.9; 2,000 tokens 30-32 against 38-40);
+        prompt on a 2-core Zen 4: 1.9-2.2 ms a layer against SDPA's 4.3-5.9; 2,000 tokens 30-32 against 38-40);
         elsewhere, torch's causal SDPA, as transformers runs it. With cached_attention's mask and
         float32 scores, 8 prompts of 500 tokens prefilled together had taken 5.9-9.3 s against
         3.7-4.8 one after another (int8, 2-core Zen 4); SDPA's causal kernel took 3.9-4.2."""

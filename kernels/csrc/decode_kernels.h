@@ -320,7 +320,7 @@ void attend_job(const AttendJob& a) {
 // rounded to bfloat16 in the same pairs, weigh two positions per dot product (as torch's flash
 // attention rounds them to the storage type for its p.v product). C: the head size in 32s.
 // One 500-token prompt of the default model's shape (9 heads, 3 kv heads of 64), 2-core Zen 4:
-// 1.9-2.1 ms a layer against 4.3-5.9 for torch's SDPA (its flash kernel), 2,000 tokens 29.7-32.3
+// 1.9-2.2 ms a layer against 4.3-5.9 for torch's SDPA (its flash kernel), 2,000 tokens 29.7-32.3
 // against 38.3-39.7.
 // The same on float32 multiply-adds (keys and values widened once a chunk) took 3.0 and 38.6.
 template <int C>
