@@ -241,7 +241,8 @@ class Engine:
             for r in (request, *request.siblings):
                 r.prompt_picks = request.prompt_picks
                 self._running.append(r)
-                self._emit(r, self._pick(logits[row], r))
+                if (picked := self._pick(logits[row], r)) is not None:
+                    self._emit(r, picked)
 
     def _decode(self) -> None:
         if self.speculator is not None:
@@ -261,8 +262,9 @@ class Engine:
         self.stats["decode_steps"] += 1
         best = greedy(logits)  # one call for the batch's plain greedy rows
         for row, request in enumerate(batch):
-            plain = not needs_work(request.params)
-            self._emit(request, Pick(best[row]) if plain else self._pick(logits[row], request))
+            picked = Pick(best[row]) if not needs_work(request.params) else self._pick(logits[row], request)
+            if picked is not None:
+                self._emit(request, picked)
 
     def _speculate(self) -> None:
         """One speculative step for every running request: propose, verify in one forward, keep the
@@ -288,14 +290,23 @@ class Engine:
         self.stats["decode_steps"] += 1
         for row, (request, proposal, n) in enumerate(zip(batch, proposals, lengths)):
             params = request.params
-            accepted, token = accept(logits[row], proposal, params.temperature, params.top_p, request.generator)
+            try:
+                accepted, token = accept(logits[row], proposal, params.temperature, params.top_p, request.generator)
+            except Exception as e:
+                self._failed_pick(request, e)
+                continue
             draft.verified(request.slot, n, k, accepted, states[row] if states is not None else None)
             self.stats["spec_proposed"] += k
             self.stats["spec_accepted"] += accepted
             self.stats["spec_verified"] += 1
             for i, t in enumerate([*proposal.tokens[:accepted], token]):
                 self.stats["spec_emitted"] += 1  # log-probabilities: the main model's
-                self._emit(request, describe(t, logits[row][i], params, request.prompt, request.output))
+                try:
+                    picked = describe(t, logits[row][i], params, request.prompt, request.output)
+                except Exception as e:
+                    self._failed_pick(request, e)
+                    break
+                self._emit(request, picked)
                 if request not in self._running:
                     break
 
@@ -364,6 +375,16 @@ class Engine:
             request.cancelled = True
             log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, request: Request) -> Pick:
-        return pick(logits, request.params, request.prompt, request.output, request.generator)
+    def _pick(self, logits: torch.Tensor, request: Request) -> Pick | None:
+        """The request's next token, or None if choosing it failed: that request then ends with the
+        error, and the scheduler goes on with everyone else's."""
+        try:
+            return pick(logits, request.params, request.prompt, request.output, request.generator)
+        except Exception as e:
+            self._failed_pick(request, e)
+            return None
+
+    def _failed_pick(self, request: Request, error: Exception) -> None:
+        log.warning("cannot choose the next token of a request (%s: %s); ending that request", type(error).__name__,
+                    error)
+        self._finish(request, f"error: cannot choose the next token: {error}")

@@ -11,6 +11,7 @@ from worker.sampling import MAX_TOP_LOGPROBS
 
 MAX_N = 16
 MAX_STOPS = 16
+MAX_STOP_CHARS = 1024
 
 # Fields both endpoints take.
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
@@ -88,6 +89,8 @@ def parse_options(body: dict, *, chat: bool) -> Options:
     if not 1 <= n <= MAX_N:
         raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {n}")
     max_tokens = _number(body, "max_completion_tokens", None, int) if chat else None
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequestError(f"max_completion_tokens must be at least 1, got {max_tokens}")
     max_tokens = max_tokens if max_tokens is not None else _number(body, "max_tokens", None, int)
     until_full = max_tokens is None and chat  # chat, as OpenAI's: up to the context's end (completions: 16)
     max_tokens = max_tokens if max_tokens is not None else 16
@@ -105,17 +108,24 @@ def parse_options(body: dict, *, chat: bool) -> Options:
     if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage", "continuous_usage_stats"} \
             or stream_options.get("continuous_usage_stats"):
         raise InvalidRequestError("stream_options takes only include_usage (true or false)")
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise InvalidRequestError(f"stream_options.include_usage must be true or false, got "
+                                  f"{stream_options['include_usage']!r}")
     stream = _flag(body, "stream")
     if stream_options and not stream:
         raise InvalidRequestError("stream_options needs stream: true")
-    stops = body.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else stops
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > MAX_STOPS:
-        raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings")
+    stops = body.get("stop")
+    stops = [] if stops is None else [stops] if isinstance(stops, str) else stops
+    if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops) \
+            or len(stops) > MAX_STOPS:
+        raise InvalidRequestError(f"stop must be a string or a list of at most {MAX_STOPS} non-empty strings of at "
+                                  f"most {MAX_STOP_CHARS} characters")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise InvalidRequestError("stop_token_ids must be a list of token ids")
     seed = _number(body, "seed", None, int)
+    if seed is not None and not -2**63 <= seed <= 2**63 - n:  # choice i draws with seed + i, a 64-bit integer
+        raise InvalidRequestError(f"seed must be in [-2**63, 2**63 - n] (n = {n}), got {seed}")
     base = dict(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0),
                 top_p=_number(body, "top_p", 1.0), stop_token_ids=tuple(stop_ids),
                 ignore_eos=_flag(body, "ignore_eos"), logprobs=logprobs,

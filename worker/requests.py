@@ -2,6 +2,7 @@
 as they are made), the request as the scheduler tracks it, and the result of a blocking generate."""
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import torch
@@ -10,11 +11,15 @@ from preload_daemon.errors import InvalidRequestError
 from worker.sampling import MAX_TOP_LOGPROBS, Pick
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature below this samples greedily (as vLLM's): dividing logits by less overflows."""
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 0.0
-    """0 is greedy."""
+    """0 is greedy (and so is anything below GREEDY_BELOW)."""
     top_p: float = 1.0
     seed: int | None = None
     """With temperature > 0, the same seed gives the same tokens."""
@@ -33,8 +38,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):  # JSON's NaN and Infinity parse as floats
+                raise InvalidRequestError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:  # logits / 1e-40 overflow to inf; as vLLM, this is greedy
+            object.__setattr__(self, "temperature", 0.0)
         if not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -12,6 +12,7 @@ import torch
 from worker.speculative import greedy, probabilities
 
 MAX_TOP_LOGPROBS = 20
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,6 +41,7 @@ def penalized(logits: torch.Tensor, params, prompt: list[int], output: list[int]
         values = x[seen]
         x = x.clone()
         x[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+        x.clamp_(-FLOAT32_MAX, FLOAT32_MAX)  # a penalty near 0 or 10 pushes logits past float32's range
     if output and (params.presence_penalty or params.frequency_penalty):
         ids, counts = torch.tensor(output).unique(return_counts=True)
         x = x.clone() if x is logits else x
@@ -47,10 +49,19 @@ def penalized(logits: torch.Tensor, params, prompt: list[int], output: list[int]
     return x
 
 
+def check_finite(x: torch.Tensor) -> torch.Tensor:
+    """x, if it holds no NaN or infinity: sampling from such logits fails, and their log-probabilities
+    are not JSON."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("the model's logits hold NaN or infinity: its weights do (check the checkpoint, e.g. "
+                         "with torch.isfinite on each tensor), or a value overflowed its dtype")
+    return x
+
+
 def pick(logits: torch.Tensor, params, prompt: list[int], output: list[int],
          generator: torch.Generator | None) -> Pick:
     """The next token for one row of logits ([V]), with the log-probabilities `params` asks for."""
-    x = penalized(logits, params, prompt, output)
+    x = check_finite(penalized(logits, params, prompt, output))
     if params.temperature == 0:
         token, probs = greedy(x), None
     else:
@@ -89,7 +100,8 @@ def prompt_logprobs(logits: torch.Tensor, prompt: list[int], k: int) -> list[Pic
     out: list[Pick | None] = [None]
     following = torch.tensor(prompt[1:])
     for start in range(0, len(prompt) - 1, PROMPT_CHUNK):  # a [chunk, V] float copy at a time
-        raw = torch.log_softmax(logits[start:start + PROMPT_CHUNK].float(), -1)[:len(prompt) - 1 - start]
+        chunk = check_finite(logits[start:start + PROMPT_CHUNK].float())
+        raw = torch.log_softmax(chunk, -1)[:len(prompt) - 1 - start]
         chosen = raw.gather(1, following[start:start + len(raw), None])[:, 0].tolist()
         tops = raw.topk(k, dim=-1) if k else None
         for i, token in enumerate(prompt[start + 1:start + 1 + len(raw)]):

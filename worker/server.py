@@ -60,9 +60,13 @@ def build_app(state: WorkerState) -> Starlette:
             run = Generation(state, prompts, texts, options, chat)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
-        if options.stream:
+        if options.stream:  # a choice that fails ends with finish_reason "error: ..."
             return StreamingResponse(run.stream(), media_type="text/event-stream")
-        return JSONResponse(await run.collect())
+        response = await run.collect()
+        failed = [c.reason for c in run.choices if (c.reason or "").startswith("error")]
+        if failed:
+            return error(500, failed[0].removeprefix("error: "), "server_error")
+        return JSONResponse(response)
 
     async def completions(request: Request):
         return await generate(request, chat=False)
@@ -90,6 +94,17 @@ def parse_prompts(prompt, state: WorkerState) -> tuple[list[list[int]], list[str
         return prompt, [None] * len(prompt)
     raise InvalidRequestError("prompt must be a string, a list of strings, a list of token ids or a list of lists "
                               "of token ids")
+
+
+def stop_prefix(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that `stop` begins with (shorter than `stop`): what a
+    stream holds back until the next token says whether the stop string follows."""
+    at = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while at >= 0:
+        if stop.startswith(text[at:]):
+            return len(text) - at
+        at = text.find(stop[0], at + 1)
+    return 0
 
 
 class Choice:
@@ -159,15 +174,18 @@ class Generation:
 
     def _delta(self, choice: Choice, final: bool) -> str:
         """New text of one choice since the last call. A trailing partial UTF-8 character waits for
-        its next token; a stop string ends the choice there."""
+        its next token, and so does text that may be the start of a stop string; a stop string ends
+        the choice there."""
         text = self.state.decode(choice.tokens)
         for stop in self.options.stops:
             cut = text.find(stop)
             if cut >= 0:
                 text = text[:cut]
                 choice.request.cancelled = choice.stopped = True
-        if text.endswith("\ufffd") and not final:
-            return ""
+        if not (final or choice.stopped):
+            if text.endswith("\ufffd"):
+                return ""
+            text = text[:len(text) - max((stop_prefix(text, stop) for stop in self.options.stops), default=0)]
         delta, choice.sent = text[len(choice.sent):], text
         return delta
 

@@ -32,8 +32,9 @@ def greedy(logits: torch.Tensor) -> int | list[int]:
 
 
 def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The sampling distribution over the vocabulary (logits: [V], temperature > 0)."""
-    probs = torch.softmax(logits / temperature, dim=-1)
+    """The sampling distribution over the vocabulary (logits: [V] finite, temperature > 0). The
+    largest logit is subtracted before dividing, so that a small temperature cannot overflow."""
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the top token

@@ -1,5 +1,6 @@
 """The generation engine in-process: sampling, stopping, batching."""
 
+import re
 import threading
 
 import pytest
@@ -69,6 +70,60 @@ def test_bad_sampling_params():
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        for value in (float("nan"), float("inf")):  # JSON's NaN and Infinity parse as floats
+            with pytest.raises(InvalidRequestError, match=f"{name} must be a finite number"):
+                SamplingParams(**{name: value})
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(engine):
+    """logits / 1e-40 overflow to inf, from which nothing can be sampled: below 1e-5 is greedy."""
+    assert SamplingParams(temperature=1e-40).temperature == 0 and SamplingParams(temperature=1e-5).temperature == 1e-5
+    greedy = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))
+    tiny = engine.generate(PROMPT, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1e-40, seed=3))
+    assert tiny.tokens == greedy.tokens
+
+
+def generate(engine, prompt, params, timeout=60) -> tuple[list[int], str]:
+    """engine.generate with a bound: (tokens, finish reason); fails if the engine never answers."""
+    tokens, reasons, done = [], [], threading.Event()
+    engine.submit(prompt, params, tokens.append, lambda r: (reasons.append(r), done.set()))
+    assert done.wait(timeout), "the engine never finished the request (its scheduler died?)"
+    return tokens, reasons[0]
+
+
+def test_extreme_penalties_and_small_temperatures_still_sample(engine):
+    """A repetition penalty near 0 pushes the seen tokens' logits past float32's range, and a small
+    temperature divides them further: the request still samples, and the scheduler lives on."""
+    for penalty, temperature in ((1e-40, 1.0), (1e-40, 1e-5), (10.0, 1e-5)):
+        tokens, reason = generate(engine, PROMPT, SamplingParams(max_tokens=6, temperature=temperature, seed=1,
+                                                                 repetition_penalty=penalty, ignore_eos=True,
+                                                                 logprobs=2))
+        assert reason == "length" and len(tokens) == 6
+    assert generate(engine, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[1] == "length"
+
+
+def test_logits_that_are_not_finite_end_that_request_and_the_engine_serves_on(tiny_llama):
+    """A checkpoint with a NaN in its lm_head: sampling from its logits (or their log-probabilities)
+    fails. That request ends with an error that names the cause, and the scheduler goes on: before,
+    the exception ended the scheduler's thread and every later request waited forever."""
+    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(tiny_llama))))
+    model = CausalLM.from_config(weights.config, weights.tensors)
+    good = model.lm_head
+    model.lm_head = good.clone()
+    model.lm_head[7] = float("nan")
+    engine = Engine(model, max_batch=4, max_len=128).start()
+    try:
+        for params in (SamplingParams(max_tokens=4, temperature=1.0, seed=1), SamplingParams(max_tokens=4, logprobs=1),
+                       SamplingParams(max_tokens=4), SamplingParams(max_tokens=4, prompt_logprobs=0)):
+            _, reason = generate(engine, PROMPT, params)
+            assert re.fullmatch("error: (cannot choose the next token: )?the model's logits hold NaN or infinity: its "
+                                "weights do .*", reason), reason
+        assert engine._thread.is_alive()
+        model.lm_head = good  # the same engine, its weights mended: it still serves
+        assert generate(engine, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[1] == "length"
+    finally:
+        engine.stop()
 
 
 def test_stopping_ends_every_open_request_with_an_error(tiny_llama):

@@ -186,6 +186,13 @@ def test_chat_streaming_and_not_with_usage_only_when_asked(engine):
     ({"prompt": PROMPT, "presence_penalty": 3}, "presence_penalty"),
     ({"prompt": PROMPT, "stream_options": {"include_usage": True}}, "needs stream"),
     ({"prompt": PROMPT, "stop": [""]}, "stop must be"),
+    ({"prompt": PROMPT, "stop": ""}, "stop must be"),
+    ({"prompt": PROMPT, "temperature": float("nan")}, "temperature must be a finite number"),
+    ({"prompt": PROMPT, "repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+    ({"prompt": PROMPT, "seed": 2**64}, "seed must be in"),
+    ({"prompt": PROMPT, "seed": 2**63 - 1, "n": 2}, "seed must be in"),
+    ({"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage must be"),
+    ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
     ({"messages": MESSAGES, "tools": []}, "tool calling"),
 ])
 def test_fields_not_supported_are_refused_by_name(tiny_engine, body, message):
@@ -266,3 +273,12 @@ def test_with_speculation_the_logprobs_are_the_main_models(chat_model, reference
             api.completions.create(model="tiny-chat", prompt=PROMPT, max_tokens=2, presence_penalty=1.0)
     finally:
         process.stop()
+
+
+def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
+    from worker.server import stop_prefix
+    assert stop_prefix("The capital is Par", " Paris.") == 4
+    assert stop_prefix("The capital is", " Paris.") == 0
+    assert stop_prefix("aaa", "aab") == 2  # not 1: the longest
+    assert stop_prefix("xab", "abc") == 2 and stop_prefix("aba", "ab") == 1 and stop_prefix("ab", "ab") == 0
+    assert stop_prefix("", "ab") == 0 and stop_prefix("a" * 10_000, "a" * 1024) == 1023

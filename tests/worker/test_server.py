@@ -149,6 +149,15 @@ def test_openai_client_against_the_default_model(runtime_dir, default_model, sta
     stopped = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                         max_tokens=8, temperature=0, stop=["Paris"])
     assert "Paris" not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    # Streamed, the text that may begin the stop string waits for the next token: " Paris" is held
+    # until "." ends the stop string, and nothing of it goes out (it did before).
+    stop = result.choices[0].text[result.choices[0].text.index(" Paris"):][:len(" Paris") + 1]
+    assert len(stop) == len(" Paris") + 1, result.choices[0].text
+    for stream in (False, True):
+        out = client.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
+                                        max_tokens=8, temperature=0, stop=[stop], stream=stream)
+        text = "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
+        assert text == result.choices[0].text[:result.choices[0].text.index(stop)], (stream, text)
 
 
 def test_engine_survives_a_killed_daemon_and_reattaches_to_its_successor(daemon, tiny_llama, start_engine,
