@@ -32,16 +32,30 @@ class Loading:
         self.retention = (model.keep, model.max_bytes)
 
     def __enter__(self) -> "Loading":
-        if not self.model.load_lock.acquire(blocking=False):
-            if not self.wait:
-                raise LoadingError(f"{self.model.name} is being loaded or published on {self.loads.device}; "
-                                   "publish again once that finishes (`preload status`)")
-            self.on_progress(LoadProgress("queued"))
-            self.model.load_lock.acquire()
-        with self.loads.lock:
-            self.loads.count += 1
-            self.loads.models.setdefault(self.model.name, self.model)  # evicted while queued
-            self.retention = (self.model.keep, self.model.max_bytes)
+        """Holds the load lock of the model the store has under this name: `self.model` from then
+        on, which the caller must use (not the one it passed)."""
+        queued = False
+        while True:
+            if not self.model.load_lock.acquire(blocking=False):
+                if not self.wait:
+                    raise LoadingError(f"{self.model.name} is being loaded or published on {self.loads.device}; "
+                                       "publish again once that finishes (`preload status`)")
+                if not queued:
+                    self.on_progress(LoadProgress("queued"))
+                    queued = True
+                self.model.load_lock.acquire()
+            with self.loads.lock:
+                # An eviction while this load waited may have dropped the model (back it goes), and
+                # a load since may have made a new one of that name: this load then queues on that
+                # one, or it would fill a model the store no longer holds (a slab nothing frees,
+                # whose record a restarted daemon would adopt).
+                current = self.loads.models.setdefault(self.model.name, self.model)
+                if current is self.model:
+                    self.loads.count += 1
+                    self.retention = (self.model.keep, self.model.max_bytes)
+                    break
+            self.model.load_lock.release()
+            self.model = current
         self.loads.on_change()
         return self
 
@@ -67,6 +81,6 @@ class Loading:
                     what = "-"
                 self.model.failures.appendleft(f"{what}: {kind.__name__}: {error}"[:500])
             self.model.load_lock.release()
-            if not self.model.versions and not self.model.failures:
-                self.loads.models.pop(self.model.name, None)
+            if not self.model.versions and not self.model.failures and self.loads.models.get(self.model.name) is self.model:
+                self.loads.models.pop(self.model.name)
         self.loads.on_change()

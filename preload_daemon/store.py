@@ -99,8 +99,8 @@ class ModelStore:
         from the same files if there is one, else into a new version (numbered `version`, or the
         next), which becomes active if `activate` or if it is the model's first. Returns the variants
         in the order asked; a failure frees whatever this call made."""
-        model = self._model(spec.name, create=True)
-        with Loading(self._loads, model, version, on_progress) as loading:
+        with Loading(self._loads, self._model(spec.name, create=True), version, on_progress) as loading:
+            model = loading.model
             loading.set_retention(retention)
             checkpoint = Checkpoint(spec.path, allow_external=self.allow_external)
             try:
@@ -122,8 +122,8 @@ class ModelStore:
                        on_progress: Callable[[LoadProgress], None] = lambda p: None) -> list[Variant]:
         """A new version from tensors streamed by a live process (stream.py), in `layouts`, else those
         of the active version on this device, else the default layout."""
-        model = self._model(name, create=True)
-        with Loading(self._loads, model, version, on_progress, wait=False) as loading:  # a stream cannot queue
+        with Loading(self._loads, self._model(name, create=True), version, on_progress, wait=False) as loading:
+            model = loading.model  # a stream cannot queue
             loading.set_retention(retention)
             with self._lock:
                 number = loading.number = new_number(model, version, self.device)

@@ -120,3 +120,25 @@ def test_a_daemon_that_fails_to_start_leaves_no_socket_or_lock_behind(runtime_di
             server.DaemonServer(config)
     assert not session_path(config.socket_path).exists()
     server.DaemonServer(config).stop(grace=0)  # the device lock was released
+
+
+def test_a_load_that_waited_through_an_eviction_fills_the_model_the_store_holds(tmp_path, tiny_llama, monkeypatch):
+    """A load looks its model up, then waits for the model's load lock. If the model is evicted
+    meanwhile (dropped, as it has no versions left) and another load makes a new one of that name,
+    the waiting load must fill that new model: it filled the dropped one, whose slab nothing then
+    freed, not even a graceful close, and whose record a restarted daemon adopted as a version the
+    user had evicted (two clients looping load and evict, found by a hostile probe)."""
+    shm = tmp_path / "shm"
+    store = ModelStore("cpu:0", shm)
+    store.load(LoadSpec(path=str(tiny_llama), name="m"))
+    stale = store._model("m")  # what a load that is about to queue holds
+    store.evict("m", force=True)
+    store.load(LoadSpec(path=str(tiny_llama), name="m"))  # a new model of that name, v1
+    monkeypatch.setattr(store, "_model", lambda name, create=False: stale)
+    store.load(LoadSpec(path=str(tiny_llama), name="m", dtype="bfloat16"))
+    monkeypatch.undo()
+    assert [(n, sorted(str(x.layout) for x in v.variants.values())) for n, v in store._model("m").versions.items()] \
+        == [(1, ["bfloat16/none rank 0/1 main", "float32/none rank 0/1 main"])]
+    store.close()
+    assert sorted(p.name for p in shm.iterdir() if p.name.endswith((".slab", ".slab.json"))) == []
+    assert ModelStore("cpu:0", shm).adopt().bytes == 0
