@@ -6,8 +6,10 @@ size of what it renders and on the values it may build on the way."""
 import datetime
 import functools
 import json
+import os
 import pathlib
 import re
+from collections.abc import Callable
 
 import jinja2
 import jinja2.ext
@@ -23,21 +25,25 @@ _MAX_POWER_BITS = 4096
 """Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
 
 
-def read_template(path: pathlib.Path, config: dict) -> tuple[str | None, str]:
+def read_template(path: pathlib.Path, config: dict, read: Callable[[str, int], bytes]) -> tuple[str | None, str]:
     """The chat template's source (chat_template.jinja, else tokenizer_config.json's chat_template)
-    and where it came from, for error messages; refuses one over MAX_TEMPLATE_BYTES."""
+    and where it came from, for error messages; refuses one over MAX_TEMPLATE_BYTES. `read(name,
+    limit)` reads a file of the checkpoint as the tokenizer's other files are (worker/tokenizer.py)."""
     file = path / "chat_template.jinja"
-    if file.is_file():  # not a FIFO or a device, whose read would block or never end
-        origin, size = str(file), file.stat().st_size
-        source = file.read_text(encoding="utf-8") if size <= MAX_TEMPLATE_BYTES else None
-    else:
-        origin, source = f"{path / 'tokenizer_config.json'} (chat_template)", config.get("chat_template")
-        if not isinstance(source, str):
-            return None, origin
-        size = len(source.encode())
-    if size > MAX_TEMPLATE_BYTES:
-        raise CheckpointError(f"{origin}: the chat template is {size} bytes, over the {MAX_TEMPLATE_BYTES}-byte "
-                              "limit (real ones are a few KiB); replace it with the model's published template")
+    if os.path.lexists(file):  # a FIFO, a device or a link out of the directory: `read` refuses it
+        origin = str(file)
+        try:
+            source = read(file.name, MAX_TEMPLATE_BYTES).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CheckpointError(f"{origin}: the chat template is not UTF-8 ({e}); re-save it as UTF-8") from None
+        return source, origin
+    origin, source = f"{path / 'tokenizer_config.json'} (chat_template)", config.get("chat_template")
+    if not isinstance(source, str):
+        return None, origin
+    if len(source.encode()) > MAX_TEMPLATE_BYTES:
+        raise CheckpointError(f"{origin}: the chat template is {len(source.encode())} bytes, over the "
+                              f"{MAX_TEMPLATE_BYTES}-byte limit (real ones are a few KiB); replace it with the model's "
+                              "published template")
     return source, origin
 
 

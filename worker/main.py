@@ -22,6 +22,7 @@ from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
+from preload_daemon.safepath import read_regular
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.requests import SamplingParams
@@ -33,7 +34,7 @@ from worker.quiesce import Quiescer
 from worker.speculative import Speculator
 from worker.server import build_app
 from worker.state import WorkerState, process_start_time
-from worker.tokenizer import Tokenizer
+from worker.tokenizer import FIX, TOKENIZER_MAX_BYTES, Tokenizer
 
 log = logging.getLogger(__name__)
 # The processes of TP ranks 1..N-1 that this engine started: [(rank, process)].
@@ -132,7 +133,7 @@ def check_draft_vocabulary(model: pathlib.Path, draft: pathlib.Path) -> None:
                                   f"{sizes[0]}; a draft must share the main model's tokenizer and vocabulary")
     tokenizers = [d / "tokenizer.json" for d in (model, draft)]
     if all(t.is_file() for t in tokenizers):
-        digests = [hashlib.sha256(t.read_bytes()).hexdigest() for t in tokenizers]
+        digests = [hashlib.sha256(read_regular(t, TOKENIZER_MAX_BYTES, FIX)).hexdigest() for t in tokenizers]
         if digests[0] != digests[1]:
             raise InvalidRequestError(f"the draft model {draft} has another tokenizer.json than {model}; a draft "
                                       "must share the main model's tokenizer")
@@ -253,7 +254,8 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             where = uds or server.servers[0].sockets[0].getsockname()[1]
             if quiet is not None:  # a snapshot's resume listens where this engine does (--port 0 included)
                 quiet.listen["port"] = where
-            body = state.set_ready(built.weights, engine, Tokenizer.load(config.model), built.ranks)
+            tokenizer = Tokenizer.load(config.model, config.allow_external_links)
+            body = state.set_ready(built.weights, engine, tokenizer, built.ranks)
             print(json.dumps({"event": "ready", "port": where if not uds else 0, "uds": uds, **body}), flush=True)
             log.info("engine for %s ready on %s (%s%s)", state.name, where, built.weights.load_format,
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
@@ -302,7 +304,7 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
     """One request, JSON on stdout. `prompt` is text, or token ids for checkpoints without a tokenizer."""
     process_start = process_start_time()
     config.check_fits()
-    tokenizer = Tokenizer.load(config.model)
+    tokenizer = Tokenizer.load(config.model, config.allow_external_links)
     if tokenizer is None and isinstance(prompt, str):
         raise InvalidRequestError(f"{config.model} has no tokenizer.json; pass the prompt as --prompt-ids")
     if isinstance(prompt, str):

@@ -1,32 +1,52 @@
 """Text <-> token ids with the checkpoint's tokenizer.json (the `tokenizers` library, not the much
 slower-to-import transformers), plus its chat template (rendered in a sandbox: chat_template.py)."""
 
-import json
+import os
 import pathlib
 
 import tokenizers
 
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
+from preload_daemon.hfconfig import load_json
+from preload_daemon.safepath import inside, read_regular
 from worker.chat_template import compile_template, read_template, render_template
+
+TOKENIZER_MAX_BYTES = 256 << 20
+"""Largest tokenizer.json read (real ones are up to a few tens of MiB)."""
+TOKENIZER_CONFIG_MAX_BYTES = 16 << 20
+"""Largest tokenizer_config.json read (real ones are KiB to a few MiB)."""
+FIX = "fix or re-export tokenizer.json and tokenizer_config.json"
 
 
 class Tokenizer:
-    def __init__(self, path: pathlib.Path):
-        self._tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    def __init__(self, path: pathlib.Path, allow_external: bool = False):
+        """Reads the tokenizer's files as the checkpoint's are read: regular files only (a FIFO
+        would block the engine for good), bounded in size, and inside the directory unless
+        `allow_external` (a link out of it would hand its target to every client: a chat template's
+        text comes back in prompt_token_ids)."""
+        root = pathlib.Path(os.path.realpath(path))
+
+        def read(name: str, limit: int) -> bytes:
+            return read_regular(inside(root, path / name, allow_external), limit, FIX)
+
+        self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
         self._texts: dict[int, str] = {}
         config_path = path / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = load_json(read(config_path.name, TOKENIZER_CONFIG_MAX_BYTES), str(config_path), FIX) \
+            if os.path.lexists(config_path) else {}
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{config_path} is not a JSON object; {FIX}")
         self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
-        source, self._template_origin = read_template(path, config)
+        source, self._template_origin = read_template(path, config, read)
         self._template = compile_template(source, self._template_origin) if source is not None else None
 
     @classmethod
-    def load(cls, path: pathlib.Path) -> "Tokenizer | None":
+    def load(cls, path: pathlib.Path, allow_external: bool = False) -> "Tokenizer | None":
         """The checkpoint's tokenizer, or None if it ships none (then only token-id prompts work)."""
-        if not (path / "tokenizer.json").exists():
+        if not os.path.lexists(path / "tokenizer.json"):
             return None
         try:
-            return cls(path)
+            return cls(path, allow_external)
         except PreloadError:
             raise
         except Exception as e:  # the tokenizers library raises plain Exception on a malformed file

@@ -4,6 +4,7 @@ says whose fault it is. A normal template still renders as transformers would re
 
 import datetime
 import json
+import os
 import pathlib
 
 import pytest
@@ -121,7 +122,8 @@ def test_helpers_real_templates_use(tmp_path):
 
 
 def test_oversized_template_is_refused_at_load(tmp_path):
-    with pytest.raises(CheckpointError, match=rf"chat template is {MAX_TEMPLATE_BYTES + 1} bytes, over the") as e:
+    with pytest.raises(CheckpointError, match=rf"chat_template.jinja is {MAX_TEMPLATE_BYTES + 1} bytes, more than the "
+                                              "1 MiB a chat_template.jinja may be") as e:
         Tokenizer.load(checkpoint(tmp_path / "model", template_file="x" * (MAX_TEMPLATE_BYTES + 1)))
     assert_one_line(e)
     with pytest.raises(CheckpointError, match="over the"):
@@ -165,3 +167,42 @@ def test_ordinary_numbers_and_formats_still_work(tmp_path):
     assert render(tmp_path, "{{ 1700000000 }} {{ '%d' % 1700000000 }} {{ '%5s|' % 'ab' }} {{ 2 ** 64 }} "
                             "{{ '{:,}'.format(1234567890) }} {{ '{0:>{1}}|'.format('a', 3) }}") == \
         "1700000000 1700000000    ab| 18446744073709551616 1,234,567,890   a|"
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_tokenizer_file_that_is_a_fifo_is_refused_not_read(tmp_path, name):
+    """Reading a FIFO blocks until someone writes to it: the engine froze (tokenizer.json), or sat
+    at "loading weights" for good (tokenizer_config.json)."""
+    path = checkpoint(tmp_path / "model", CHATML, template_file="x")
+    (path / name).unlink()
+    os.mkfifo(path / name)
+    with pytest.raises(CheckpointError, match=f"{name} is a FIFO \\(named pipe\\), not a regular file") as e:
+        Tokenizer.load(path)
+    assert_one_line(e)
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"])
+def test_a_tokenizer_file_linking_out_of_the_checkpoint_is_refused_unless_allowed(tmp_path, name):
+    """A chat template linked to a secret came back to any client in prompt_token_ids."""
+    path = checkpoint(tmp_path / "model", CHATML, template_file=CHATML)
+    outside = tmp_path / ("real-" + name)
+    (path / name).rename(outside)
+    (path / name).symlink_to(outside)
+    with pytest.raises(CheckpointError, match=f"{name} links to {outside}, outside the checkpoint directory"):
+        Tokenizer.load(path)
+    assert Tokenizer.load(path, allow_external=True).chat_prompt(USER).endswith("<|im_start|>assistant\n")
+
+
+def test_oversized_and_malformed_tokenizer_files_are_refused(tmp_path, monkeypatch):
+    path = checkpoint(tmp_path / "model", CHATML)
+    monkeypatch.setattr("worker.tokenizer.TOKENIZER_CONFIG_MAX_BYTES", 100)
+    (path / "tokenizer_config.json").write_text(json.dumps({"pad": "x" * 200}))
+    with pytest.raises(CheckpointError, match="tokenizer_config.json is 2.. bytes, more than the 0 MiB"):
+        Tokenizer.load(path)
+    monkeypatch.undo()
+    for text, message in (("[1, 2]", "is not a JSON object"), ("{", "is not valid JSON"),
+                          ("[" * 100_000, "is nested too deeply")):
+        (path / "tokenizer_config.json").write_text(text)
+        with pytest.raises(CheckpointError, match=f"tokenizer_config.json {message}") as e:
+            Tokenizer.load(path)
+        assert_one_line(e)
