@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from kernels import formats
 from preload_daemon.errors import CheckpointError, PlanError
-from preload_daemon.hfconfig import architecture_name, bool_field, check_rope_scaling, float_field, int_field
+from preload_daemon.hfconfig import (MAX_LAYERS, architecture_name, bool_field, check_rope_scaling, float_field,
+                                     int_field)
 from preload_daemon.safepath import short_repr
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -208,8 +209,8 @@ class ArchSpec:
             source=source, architecture=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
             head_dim=int_field(config, "head_dim", source, hidden // heads),
             intermediate_size=int_field(config, "intermediate_size", source), vocab_size=int_field(config, "vocab_size", source),
-            num_layers=int_field(config, "num_hidden_layers", source),
-            num_mtp_layers=int_field(config, "num_nextn_predict_layers", source, 0, minimum=0),
+            num_layers=int_field(config, "num_hidden_layers", source, maximum=MAX_LAYERS),
+            num_mtp_layers=int_field(config, "num_nextn_predict_layers", source, 0, minimum=0, maximum=MAX_LAYERS),
             rms_norm_eps=float_field(config, "rms_norm_eps", source, 1e-6),
             rope_theta=float_field(rope, "rope_theta", source, float_field(config, "rope_theta", source, 10000.0)),
             rope_scaling=scaling, tie_word_embeddings=bool_field(config, "tie_word_embeddings", source),

@@ -13,6 +13,9 @@ from preload_daemon.safepath import read_regular, short_repr
 CONFIG_MAX_BYTES = 4 << 20
 JSON_MAX_DEPTH = 64  # real configs nest 3 or 4 levels
 MAX_DIMENSION = 1 << 40
+MAX_LAYERS = 4096
+"""Most decoder (or MTP) layers a config may declare: a load lists every layer's tensor names first
+(num_hidden_layers of 3,000,000 took a daemon 33 s and 2.7 GB to refuse; the largest models have ~100)."""
 
 
 def read_config(directory: str | os.PathLike) -> dict:
@@ -87,15 +90,17 @@ def check_rope_scaling(scaling: dict, where: str) -> None:
             float_field(scaling, key, where, None)
 
 
-def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1) -> int:
+def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1,
+              maximum: int = MAX_DIMENSION) -> int:
     value = config.get(key)
     value = default if value is None else value
     if value is None:
         raise CheckpointError(f"{source}: missing field {key!r}; a {key} is needed to lay out the weights")
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise CheckpointError(f"{source}: {key} must be an integer >= {minimum}, got {short_repr(value)}")
-    if value > MAX_DIMENSION:
-        raise CheckpointError(f"{source}: {key}={value} is more than 2**40; that is no real model's {key}")
+    if value > maximum:
+        limit = "2**40" if maximum == MAX_DIMENSION else f"{maximum:,}"
+        raise CheckpointError(f"{source}: {key}={value} is more than {limit}; that is no real model's {key}")
     return value
 
 
