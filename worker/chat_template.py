@@ -3,16 +3,21 @@ rendered in Jinja's immutable sandbox, as transformers does, with the helpers re
 (`raise_exception`, `strftime_now`, transformers' `tojson`), and with bounds on its size, on the
 size of what it renders and on the values it may build on the way."""
 
+import contextlib
 import datetime
 import functools
 import json
 import os
 import pathlib
 import re
+import sys
+import time
 from collections.abc import Callable
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
+import jinja2.filters
 import jinja2.sandbox
 
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
@@ -21,6 +26,8 @@ MAX_TEMPLATE_BYTES = 1 << 20
 """Real chat templates are a few KiB; a bigger one is refused when the tokenizer loads."""
 MAX_PROMPT_CHARS = 8 << 20
 """Largest rendered chat prompt, and largest string or list the template may build on the way."""
+MAX_RENDER_SECONDS = 5.0
+"""Longest a template may run on one request's messages (real ones take milliseconds)."""
 _MAX_POWER_BITS = 4096
 """Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
 
@@ -56,19 +63,24 @@ def compile_template(source: str, origin: str) -> jinja2.Template:
 
 
 def render_template(template: jinja2.Template, origin: str, **context) -> str:
-    """The rendered prompt, stopped once over MAX_PROMPT_CHARS. Whatever goes wrong inside the
-    template becomes a PreloadError whose message says whose fault it is."""
+    """The rendered prompt, stopped once over MAX_PROMPT_CHARS or MAX_RENDER_SECONDS. Whatever goes
+    wrong inside the template becomes a PreloadError whose message says whose fault it is."""
     pieces, size = [], 0
     try:
-        for piece in template.generate(**context):
-            size += len(piece)
-            if size > MAX_PROMPT_CHARS:
-                raise InvalidRequestError(f"the chat prompt rendered from these messages exceeds {MAX_PROMPT_CHARS} "
-                                          f"characters; send shorter messages (if they are short, {origin} is "
-                                          "at fault: replace its chat template)")
-            pieces.append(piece)
+        with _deadline(MAX_RENDER_SECONDS):
+            for piece in template.generate(**context):
+                size += len(piece)
+                if size > MAX_PROMPT_CHARS:
+                    raise InvalidRequestError(f"the chat prompt rendered from these messages exceeds "
+                                              f"{MAX_PROMPT_CHARS} characters; send shorter messages (if they are "
+                                              f"short, {origin} is at fault: replace its chat template)")
+                pieces.append(piece)
     except PreloadError:
         raise
+    except RenderTimeout:
+        raise CheckpointError(f"{origin}: the chat template ran for more than {MAX_RENDER_SECONDS:g} s on these "
+                              "messages and was stopped (real ones take milliseconds); the template is broken or "
+                              "malicious: replace it with the model's published template") from None
     except TemplateRaised as e:
         raise InvalidRequestError(f"the chat template refuses these messages: {e.message}; change them as "
                                   "it asks, or send a plain prompt") from None
@@ -80,6 +92,33 @@ def render_template(template: jinja2.Template, origin: str, **context) -> str:
         raise CheckpointError(f"{origin}: the chat template failed on these messages ({type(e).__name__}: "
                               f"{_short(e)}); fix the template, or send a plain prompt") from None
     return "".join(pieces)
+
+
+class RenderTimeout(Exception):
+    """A template that ran past its time: raised into its own code by _deadline's tracer."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Stops the code run inside (in this thread) once `seconds` have passed: a trace function sees
+    every line the template's compiled code runs and raises RenderTimeout into it. Loops are what a
+    template can run forever (three nested range(100000) loops with an empty body build nothing the
+    size bounds could catch); the lines in between cost a few microseconds of tracing."""
+    deadline, lines = time.monotonic() + seconds, 0
+
+    def tracer(frame, event, arg):
+        nonlocal lines
+        lines += 1
+        if lines % 256 == 0 and time.monotonic() > deadline:
+            raise RenderTimeout()
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
 
 
 def _short(error: Exception) -> str:
@@ -136,13 +175,27 @@ class GenerationTag(jinja2.ext.Extension):
         return jinja2.nodes.Scope(body).set_lineno(lineno)
 
 
+class _BoundedConcat(jinja2.compiler.CodeGenerator):
+    """Compiles `~` into ChatSandbox.checked_join (the sandbox intercepts operators like + and *, but
+    Jinja compiles ~ into a plain join). Autoescaping is off for chat templates, so the join is
+    always str_join's."""
+
+    def visit_Concat(self, node, frame) -> None:
+        self.write("environment.checked_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
     """The immutable sandbox (no attribute that reaches Python internals, no mutating methods) that
     also refuses to build a huge value in one step ('x' * 10**10, 2 ** 10**10, '%9999999999d' % 1,
     'x'.ljust(10**10), '{:>9999999999}'.format(1), ...), which would exhaust memory or CPU before
     the output bound could act."""
 
-    intercepted_binops = frozenset(("*", "**", "%"))
+    intercepted_binops = frozenset(("*", "**", "%", "+"))
+    code_generator_class = _BoundedConcat
 
     def unsafe_undefined(self, obj, attribute):
         """Jinja returns an undefined that fails only if used further, so `''.__class__` alone prints
@@ -159,7 +212,18 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
                 raise jinja2.sandbox.SecurityError(f"{left} ** {right} is too large a number")
         elif operator == "%" and isinstance(left, str):
             _check_format(left, right)
+        elif operator == "+":
+            _check_length(left, right)
         return super().call_binop(context, operator, left, right)
+
+    @staticmethod
+    def checked_join(values) -> str:
+        """`a ~ b ~ ...`: Jinja's str_join, refusing a result over MAX_PROMPT_CHARS (40 doublings of a
+        string by ~ would exhaust memory before the output bound could act)."""
+        pieces = [str(v) for v in values]
+        if sum(map(len, pieces)) > MAX_PROMPT_CHARS:
+            raise jinja2.sandbox.SecurityError(f"joining strings with ~ into more than {MAX_PROMPT_CHARS} characters")
+        return "".join(pieces)
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
         if getattr(__obj, "__name__", "") in _SIZED_METHODS and isinstance(getattr(__obj, "__self__", None), str):
@@ -200,6 +264,27 @@ def _check_repeat(sequence, times) -> None:
     if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_PROMPT_CHARS:
         raise jinja2.sandbox.SecurityError(f"repeating a {type(sequence).__name__} of length {len(sequence)} "
                                            f"{times} times exceeds {MAX_PROMPT_CHARS}")
+
+
+def _check_length(left, right) -> None:
+    """`a + b` of strings, lists or tuples: refused past MAX_PROMPT_CHARS (doubling by + builds 2**40)."""
+    if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+            and len(left) + len(right) > MAX_PROMPT_CHARS:
+        raise jinja2.sandbox.SecurityError(f"adding a {type(left).__name__} of length {len(left)} and one of "
+                                           f"{len(right)} exceeds {MAX_PROMPT_CHARS}")
+
+
+@jinja2.pass_eval_context
+def _replace_filter(eval_ctx, value, old, new, count=None):
+    """Jinja's replace filter, refusing a result over MAX_PROMPT_CHARS ('x' | replace('x', 'xxxxx') in
+    a loop grows fivefold a turn)."""
+    if isinstance(value, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        times = value.count(old) if old else len(value) + 1
+        if count is not None and isinstance(count, int) and count >= 0:
+            times = min(times, count)
+        if len(value) + times * (len(new) - len(old)) > MAX_PROMPT_CHARS:
+            raise jinja2.sandbox.SecurityError(f"replace would build more than {MAX_PROMPT_CHARS} characters")
+    return jinja2.filters.do_replace(eval_ctx, value, old, new, count)
 
 
 def _check_sizes(args, kwargs) -> None:
@@ -248,6 +333,7 @@ def _environment() -> ChatSandbox:
     compiled in it cannot affect one another."""
     env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag])
     env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
-    env.filters.update(tojson=_bounded_filter(tojson), format=_format_filter)
+    env.filters.update(tojson=_bounded_filter(tojson), format=_format_filter, replace=_replace_filter)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=TemplateNamespace)
+    del env.globals["lipsum"]  # lorem ipsum of any length: no chat template needs it
     return env

@@ -12,7 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from preload_daemon.errors import InvalidRequestError
+from preload_daemon.errors import InvalidRequestError, PreloadError
+from worker.chat_template import MAX_PROMPT_CHARS
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
@@ -47,19 +48,24 @@ def build_app(state: WorkerState) -> Starlette:
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return error(400, f"bad JSON body: {e}")
+        except RecursionError:
+            return error(400, "bad JSON body: nested too deeply (arrays or objects thousands of levels deep)")
         if body.get("model") not in (None, state.name):
             return error(404, f"model {body.get('model')!r} is not served here; this engine serves {state.name!r}",
                          "not_found_error")
-        try:
+        def prepare():  # the template and the tokenizer may take seconds: not on the event loop
             options = parse_options(body, chat=chat)
             if chat:
-                prompts = [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))]
-                texts = [None]
-            else:
-                prompts, texts = parse_prompts(body.get("prompt"), state)
+                return options, [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))], [None]
+            return options, *parse_prompts(body.get("prompt"), state)
+
+        try:
+            options, prompts, texts = await asyncio.to_thread(prepare)
             run = Generation(state, prompts, texts, options, chat)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
+        except PreloadError as e:  # the checkpoint's chat template failed: not the request's fault
+            return error(500, str(e), "server_error")
         if options.stream:  # a choice that fails ends with finish_reason "error: ..."
             return StreamingResponse(run.stream(), media_type="text/event-stream")
         response = await run.collect()
@@ -83,6 +89,10 @@ def build_app(state: WorkerState) -> Starlette:
 def parse_prompts(prompt, state: WorkerState) -> tuple[list[list[int]], list[str | None]]:
     """OpenAI accepts a string, a list of strings, a list of token ids or a list of such lists.
     Returns the token ids of each prompt and its text where it came as text (for echo)."""
+    if isinstance(prompt, list) and sum(len(p) for p in prompt if isinstance(p, str)) > MAX_PROMPT_CHARS \
+            or isinstance(prompt, str) and len(prompt) > MAX_PROMPT_CHARS:
+        raise InvalidRequestError(f"the prompt text is over {MAX_PROMPT_CHARS} characters in all, more than any "
+                                  "context this engine serves holds; send a shorter prompt")
     if isinstance(prompt, str):
         return [state.encode(prompt)], [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -90,7 +90,11 @@ class WorkerState:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint ships no tokenizer.json; send token ids as the prompt")
-        return self.tokenizer.encode(text)
+        try:
+            return self.tokenizer.encode(text)
+        except (TypeError, ValueError) as e:  # the tokenizers library's own words: "TextInputSequence must be str"
+            raise InvalidRequestError(f"the text cannot be tokenized ({e}); send valid Unicode text (a lone "
+                                      "surrogate such as \\ud800 is not)") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""

@@ -282,3 +282,19 @@ def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
     assert stop_prefix("aaa", "aab") == 2  # not 1: the longest
     assert stop_prefix("xab", "abc") == 2 and stop_prefix("aba", "ab") == 1 and stop_prefix("ab", "ab") == 0
     assert stop_prefix("", "ab") == 0 and stop_prefix("a" * 10_000, "a" * 1024) == 1023
+
+
+@pytest.mark.parametrize("raw, status, message", [
+    (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "the text cannot be tokenized"),
+    (b'{"prompt": "' + b"a" * ((8 << 20) + 1) + b'", "max_tokens": 1}', 400, "over 8388608 characters"),
+])
+def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, status, message):
+    """Before: a traceback and a plain-text 500 (deep nesting), the tokenizer's 'TextInputSequence
+    must be str' (a lone surrogate), and 8 s of tokenizing on the event loop before the length check."""
+    request = urllib.request.Request(default_engine.url + "/v1/completions", raw, {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    answer = json.load(err.value)
+    assert err.value.code == status and message in answer["error"]["message"], answer
+    assert urllib.request.urlopen(default_engine.url + "/health", timeout=10).status == 200

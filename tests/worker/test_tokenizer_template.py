@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import pathlib
+import time
 
 import pytest
 import tokenizers
@@ -140,6 +141,42 @@ def test_rendered_prompt_is_bounded(tmp_path):
     template = "{% for i in range(99999) %}{% for j in range(99999) %}{{ 'x' * 1000 }}{% endfor %}{% endfor %}"
     with pytest.raises(InvalidRequestError, match=f"exceeds {MAX_PROMPT_CHARS} characters"):
         render(tmp_path, template)
+
+
+@pytest.mark.parametrize("template", [
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set ns = namespace(s=[1]) %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(20) %}{% set ns.s = ns.s|replace('x', 'xxxxx') %}{% endfor %}"
+    "{{ ns.s|length }}",
+])
+def test_values_grown_step_by_step_are_refused_before_they_exhaust_memory(tmp_path, template):
+    """Doubling a string 40 times (by ~ or +) or replacing one character by five 20 times: each step
+    is small, the 20th or 40th is terabytes. Before, only the output was bounded, after the fact."""
+    with pytest.raises(CheckpointError, match="sandbox forbids .*(exceeds|more than) 8388608") as e:
+        render(tmp_path, template)
+    assert_one_line(e)
+
+
+def test_a_template_that_runs_too_long_is_stopped(tmp_path, monkeypatch):
+    """Loops with an empty body build nothing a size bound catches: three nested range(100000) would
+    run for days, on the engine's thread, for every request."""
+    monkeypatch.setattr("worker.chat_template.MAX_RENDER_SECONDS", 0.5)
+    loops = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}" \
+            "{% endfor %}{% endfor %}done"
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"chat template ran for more than 0.5 s on these messages") as e:
+        render(tmp_path, loops)
+    assert_one_line(e)
+    assert time.monotonic() - started < 30
+    assert render(tmp_path, CHATML).endswith("<|im_start|>assistant\n")  # and a real one renders
+
+
+def test_lipsum_is_not_there_and_ordinary_joins_still_work(tmp_path):
+    with pytest.raises(CheckpointError, match="failed on these messages .*lipsum"):
+        render(tmp_path, "{{ lipsum(n=100000) }}")
+    assert render(tmp_path, "{{ 'a' ~ 1 ~ none ~ [2] }}|{{ 'ab' + 'c' }}|{{ ([1] + [2])|length }}|{{ 'aXa'|replace('a', 'bb') }}"
+                  "|{{ 'aaa'|replace('a', 'bb', 2) }}") == "a1None[2]|abc|2|bbXbb|bbbba"
 
 
 @pytest.mark.parametrize("expression", ["'x' * 10**10", "[0] * 10**10", "2 ** 100000", "(10**10) ** (10**10)",
