@@ -178,8 +178,9 @@ class Engine:
             block = not self._running
             arrived, slots = [], len(self._free)
             while self._held and 1 + len(self._held[0].siblings) <= slots:
-                arrived.append(self._held.pop(0))
-                slots -= 1 + len(arrived[-1].siblings)
+                if not self._dropped(held := self._held.pop(0)):
+                    arrived.append(held)
+                    slots -= 1 + len(held.siblings)
             while slots and not self._held and not self._pause.is_set():
                 try:
                     request = self._pending.get(block=block)
@@ -191,6 +192,8 @@ class Engine:
                     self._abandon(self._held + arrived)  # and, as always, what runs
                     return
                 block = False
+                if self._dropped(request):
+                    continue
                 if 1 + len(request.siblings) > slots:  # n > 1: waits for as many free slots
                     self._held.append(request)
                     break
@@ -241,7 +244,7 @@ class Engine:
             for r in (request, *request.siblings):
                 r.prompt_picks = request.prompt_picks
                 self._running.append(r)
-                if (picked := self._pick(logits[row], r)) is not None:
+                if (picked := self._guarded(r, self._pick, logits[row])) is not None:
                     self._emit(r, picked)
 
     def _decode(self) -> None:
@@ -262,8 +265,8 @@ class Engine:
         self.stats["decode_steps"] += 1
         best = greedy(logits)  # one call for the batch's plain greedy rows
         for row, request in enumerate(batch):
-            picked = Pick(best[row]) if not needs_work(request.params) else self._pick(logits[row], request)
-            if picked is not None:
+            plain = not needs_work(request.params)
+            if (picked := Pick(best[row]) if plain else self._guarded(request, self._pick, logits[row])) is not None:
                 self._emit(request, picked)
 
     def _speculate(self) -> None:
@@ -290,23 +293,20 @@ class Engine:
         self.stats["decode_steps"] += 1
         for row, (request, proposal, n) in enumerate(zip(batch, proposals, lengths)):
             params = request.params
-            try:
-                accepted, token = accept(logits[row], proposal, params.temperature, params.top_p, request.generator)
-            except Exception as e:
-                self._failed_pick(request, e)
+            chosen = self._guarded(request, lambda r: accept(logits[row], proposal, params.temperature, params.top_p,
+                                                             r.generator))
+            if chosen is None:
                 continue
+            accepted, token = chosen
             draft.verified(request.slot, n, k, accepted, states[row] if states is not None else None)
             self.stats["spec_proposed"] += k
             self.stats["spec_accepted"] += accepted
             self.stats["spec_verified"] += 1
             for i, t in enumerate([*proposal.tokens[:accepted], token]):
                 self.stats["spec_emitted"] += 1  # log-probabilities: the main model's
-                try:
-                    picked = describe(t, logits[row][i], params, request.prompt, request.output)
-                except Exception as e:
-                    self._failed_pick(request, e)
-                    break
-                self._emit(request, picked)
+                picked = self._guarded(request, lambda r: describe(t, logits[row][i], params, r.prompt, r.output))
+                if picked is not None:
+                    self._emit(request, picked)
                 if request not in self._running:
                     break
 
@@ -330,6 +330,15 @@ class Engine:
         self._call(request, request.on_token, token)
         if len(request.output) >= request.params.max_tokens:
             self._finish(request, "length")
+
+    def _dropped(self, request: Request) -> bool:
+        """A queued request whose caller cancelled every choice of it (the client went away) ends
+        here, unprefilled: 3,000 prompts of a client gone were prefilled one by one before."""
+        if not all(r.cancelled for r in (request, *request.siblings)):
+            return False
+        for r in (request, *request.siblings):
+            self._call(r, r.on_done, "stop")
+        return True
 
     def _orphans(self) -> bool:
         """Parking: the HTTP server has closed, so requests still queued or held have nobody
@@ -375,16 +384,16 @@ class Engine:
             request.cancelled = True
             log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
 
-    def _pick(self, logits: torch.Tensor, request: Request) -> Pick | None:
-        """The request's next token, or None if choosing it failed: that request then ends with the
-        error, and the scheduler goes on with everyone else's."""
+    def _guarded(self, request: Request, choose: Callable, *args):
+        """choose(request, *args), the request's next token; None if that fails (NaN logits): the
+        request then ends with the error, and the scheduler goes on with everyone else's."""
         try:
-            return pick(logits, request.params, request.prompt, request.output, request.generator)
+            return choose(request, *args)
         except Exception as e:
-            self._failed_pick(request, e)
+            log.warning("cannot choose the next token of a request (%s: %s); ending it", type(e).__name__, e)
+            self._finish(request, f"error: cannot choose the next token: {e}")
             return None
 
-    def _failed_pick(self, request: Request, error: Exception) -> None:
-        log.warning("cannot choose the next token of a request (%s: %s); ending that request", type(error).__name__,
-                    error)
-        self._finish(request, f"error: cannot choose the next token: {error}")
+    @staticmethod
+    def _pick(request: Request, logits: torch.Tensor) -> Pick:
+        return pick(logits, request.params, request.prompt, request.output, request.generator)

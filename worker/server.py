@@ -68,7 +68,11 @@ def build_app(state: WorkerState) -> Starlette:
             return error(500, str(e), "server_error")
         if options.stream:  # a choice that fails ends with finish_reason "error: ..."
             return StreamingResponse(run.stream(), media_type="text/event-stream")
-        response = await run.collect()
+        watcher = asyncio.create_task(cancel_when_gone(request, run))
+        try:
+            response = await run.collect()
+        finally:
+            watcher.cancel()
         failed = [c.reason for c in run.choices if (c.reason or "").startswith("error")]
         if failed:
             return error(500, failed[0].removeprefix("error: "), "server_error")
@@ -84,6 +88,15 @@ def build_app(state: WorkerState) -> Starlette:
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+
+
+async def cancel_when_gone(request: Request, run: "Generation") -> None:
+    """Stops generating for a client that disconnects before its (non-streamed) answer is complete:
+    Starlette cancels a streaming response's generator then, but not a plain handler, which went on
+    generating every token it had asked for (8 choices of 600 tokens, a client gone after 1 s)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    run.cancel()
 
 
 def parse_prompts(prompt, state: WorkerState) -> tuple[list[list[int]], list[str | None]]:

@@ -4,7 +4,9 @@ log-probabilities against transformers' log-softmax, n choices, seeds, penalties
 
 import json
 import math
+import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -298,3 +300,28 @@ def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, st
     answer = json.load(err.value)
     assert err.value.code == status and message in answer["error"]["message"], answer
     assert urllib.request.urlopen(default_engine.url + "/health", timeout=10).status == 200
+
+
+def engine_counter(engine, name: str) -> float:
+    metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=10).read().decode()
+    return float(re.search(rf"^preload_engine_{name}(?:_total)?{{[^}}]*}} (\S+)$", metrics, re.M).group(1))
+
+
+def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(tiny_engine):
+    """400 prompts of 200 tokens, queued behind a batch of 4: the client gives up after a second.
+    The engine stops their generation, and drops the prompts still queued without prefilling them
+    (before: it prefilled and generated every one, for a client that was gone)."""
+    before = engine_counter(tiny_engine, "requests")
+    body = {"prompt": [[5, 6, 7]] * 400, "max_tokens": 200, "ignore_eos": True}
+    request = urllib.request.Request(tiny_engine.url + "/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with pytest.raises((TimeoutError, urllib.error.URLError)):
+        urllib.request.urlopen(request, timeout=1)
+    counts = [engine_counter(tiny_engine, "requests")]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (len(counts) < 3 or counts[-1] != counts[-3]):
+        time.sleep(0.5)
+        counts.append(engine_counter(tiny_engine, "requests"))
+    assert counts[-1] - before < 400, counts
+    ok = client(tiny_engine).completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
