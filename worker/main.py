@@ -25,6 +25,7 @@ from preload_daemon.plan import LoadSpec
 from preload_daemon.safepath import read_regular
 from worker.config import EngineConfig
 from worker.engine import Engine
+from worker.http_limits import BoundedH11
 from worker.requests import SamplingParams
 from worker.loader import LeaseKeeper, LoadedWeights, LoadRequest, load_weights
 from worker.model import CausalLM
@@ -294,9 +295,9 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
 
 def new_server(app, listen: dict) -> uvicorn.Server:
     """The engine's HTTP server: open requests get 30 s to finish when it shuts down (a snapshot's
-    quiet point sets its own drain time)."""
+    quiet point sets its own drain time); connections are bounded (worker/http_limits.py)."""
     return uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=30,
-                                         **listen))
+                                         http=BoundedH11, **listen))
 
 
 def run_generate(config: EngineConfig, prompt: str | list[int], params: SamplingParams, chat: bool = False,

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
+from worker.http_limits import BoundedH11
 from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def run_router(num_replicas: int, socket_dir: pathlib.Path, command: list[str], 
     Replica i runs `command` plus `--replica i --uds SOCKET` (an engine command with --dp-size 1)."""
     router = Router(num_replicas, socket_dir, command)
     server = uvicorn.Server(uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
-                                           lifespan="off"))
+                                           lifespan="off", http=BoundedH11))
     outcome = {"code": 0}
 
     def announce() -> None:
