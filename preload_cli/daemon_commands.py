@@ -8,6 +8,7 @@ import pathlib
 import sys
 import time
 
+from preload_cli.argtypes import MAX_VERSION
 from preload_daemon.config import DaemonConfig, parse_device
 from preload_daemon.errors import AccessDeniedError, PreloadError
 
@@ -140,8 +141,8 @@ def split_target(target: str) -> tuple[str, int]:
     name, sep, version = target.rpartition("@")
     if not sep:
         return target, 0
-    if not version.isdigit() or int(version) == 0:
-        raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with N >= 1, e.g. llama@2, or MODEL "
+    if not version.isdigit() or not 1 <= int(version) <= MAX_VERSION:
+        raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with 1 <= N <= {MAX_VERSION}, e.g. llama@2, or MODEL "
                            "alone for every version")
     return name, int(version)
 
@@ -215,12 +216,10 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) 
 
 def cmd_evict(args) -> int:
     from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
-    name, sep, version = args.target.rpartition("@")
-    if not sep:
-        name, version = args.target, ""
-    if version and (not version.isdigit() or int(version) == 0):
-        print(f"preload evict: bad version {version!r} in {args.target!r}; use MODEL@N with N >= 1, e.g. llama@2, "
-              "or MODEL alone for every version", file=sys.stderr)
+    try:
+        name, number = split_target(args.target)
+    except PreloadError as e:
+        print(f"preload evict: {e}", file=sys.stderr)
         return 2
     device = parse_device(args.device) if args.device else ""
     holders = [(d, s) for d, s in collect_stats(args.runtime_dir, device)
@@ -230,7 +229,7 @@ def cmd_evict(args) -> int:
         return 1
     for dev, _ in holders:
         with DaemonClient.for_device(dev, args.runtime_dir) as client:
-            for m in client.evict(name, int(version or 0), args.force):
+            for m in client.evict(name, number, args.force):
                 print(f"evicted {m.name} v{m.version} ({m.key.dtype}/{m.key.quantization} rank "
                       f"{m.key.tp_rank}/{m.key.tp_size}) from {dev} ({human_bytes(m.slab_bytes)})")
     return 0

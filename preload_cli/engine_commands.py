@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 
+from preload_cli import argtypes
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 from preload_daemon.config import ensure_private_dir, parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
@@ -64,7 +65,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-external-links", action="store_true",
                    help="a cold load may read checkpoint files that link out of MODEL's directory (a Hugging Face "
                         "cache snapshot)")
-    p.add_argument("--wait-for-daemon", type=float, default=0.0, metavar="S",
+    p.add_argument("--wait-for-daemon", type=argtypes.seconds, default=0.0, metavar="S",
                    help="with ipc_cache, wait up to S seconds for a daemon that is absent or still loading before "
                         "falling back (default 0: fall back at once)")
     p.add_argument("--device", default="cpu:0", type=device_arg, help="the device at TP 1 (default cpu:0)")
@@ -92,7 +93,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--port", type=argtypes.port, default=8000, help="0 picks a free port (printed in the ready line)")
     p.add_argument("--dp-size", type=int, default=1,
                    help="data-parallel replicas behind the port; with ipc_cache they share one copy of the weights")
     p.add_argument("--uds", default="", help=argparse.SUPPRESS)

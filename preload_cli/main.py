@@ -13,6 +13,7 @@ import pathlib
 import sys
 from types import ModuleType
 
+from preload_cli import argtypes
 from preload_daemon.config import LOG_LEVELS, configure_logging, default_runtime_dir
 from preload_daemon.errors import PreloadError
 
@@ -72,11 +73,11 @@ def _daemon(sub) -> list:
                        epilog="examples:\n  preload daemon --device cpu:0\n  preload daemon --device cpu:1 "
                               "--http-port 8101", formatter_class=RAW)
     p.add_argument("--device", default="cpu:0", type=device_arg, help="cpu:N or cuda:N (default cpu:0)")
-    p.add_argument("--http-port", type=int, default=None,
+    p.add_argument("--http-port", type=argtypes.port, default=None,
                    help="also serve HTTP /health, /ready and /metrics on this port")
     p.add_argument("--max-sessions", type=int, default=1024,
                    help="attached processes beyond which new sessions are refused (default 1024)")
-    p.add_argument("--load-timeout", type=float, default=3600.0, metavar="S",
+    p.add_argument("--load-timeout", type=argtypes.seconds, default=3600.0, metavar="S",
                    help="a load or publish still running after S seconds fails and frees what it made (default 3600)")
     add_external_links(p)
     p.set_defaults(func=dc.cmd_daemon)
@@ -119,9 +120,10 @@ def _wait_ready(sub) -> list:
     from preload_cli import daemon_commands as dc
     p = sub.add_parser("wait-ready", help=HELP["wait-ready"], epilog=EPILOG_WAIT_READY, formatter_class=RAW)
     p.add_argument("--model", default="", help="also require this model's active version to be ready")
-    p.add_argument("--version", type=int, default=None, help="require this version of --model instead")
+    p.add_argument("--version", type=argtypes.bounded(1, argtypes.MAX_VERSION, "a version"), default=None,
+                   help="require this version of --model instead")
     p.add_argument("--device", default="", help="only this daemon (default: every daemon found)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds (default 300)")
+    p.add_argument("--timeout", type=argtypes.seconds, default=300.0, help="seconds (default 300)")
     p.set_defaults(func=dc.cmd_wait_ready)
     return [p]
 

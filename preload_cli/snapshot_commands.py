@@ -10,6 +10,8 @@ import sys
 import time
 from collections.abc import Mapping
 
+from preload_cli import argtypes
+
 EPILOG = """examples:
   preload snapshot check                                  # can this host snapshot? (CRIU, root, namespaces)
   preload snapshot create --engine http://127.0.0.1:8000 --dir /var/lib/preload/snap1
@@ -36,7 +38,7 @@ def add_arguments(sub, helps: Mapping[str, str]) -> list[argparse.ArgumentParser
                         "http://127.0.0.1:8000")
     create.add_argument("--dir", required=True, type=pathlib.Path, help="new (or empty) snapshot directory")
     create.add_argument("--stop", action="store_true", help="end the original engine after the dump")
-    create.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+    create.add_argument("--drain-timeout", type=argtypes.seconds, default=30.0, metavar="S",
                         help="seconds in-flight requests get to finish first (default 30)")
     create.add_argument("--json", action="store_true", help="print the manifest as JSON")
     create.set_defaults(func=cmd_create)
@@ -49,11 +51,11 @@ def add_arguments(sub, helps: Mapping[str, str]) -> list[argparse.ArgumentParser
                                          "timings), then supervises it until interrupted (or returns with --detach).",
                                   formatter_class=raw)
     restore.add_argument("dir", type=pathlib.Path)
-    restore.add_argument("--port", type=int, default=None, help="listen here (default: where the original did; "
+    restore.add_argument("--port", type=argtypes.port, default=None, help="listen here (default: where the original did; "
                          "0 picks a free port)")
     restore.add_argument("--host", default=None, help="listen on this address (default: the original's)")
     restore.add_argument("--detach", action="store_true", help="return once ready, leaving the engine running")
-    restore.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for ready (default 120)")
+    restore.add_argument("--timeout", type=argtypes.seconds, default=120.0, help="seconds to wait for ready (default 120)")
     restore.add_argument("--log", type=pathlib.Path, default=None, help="with --detach, the engine's log file "
                          "(default: RUNTIME_DIR/snapshots/engine-TIME.log)")
     restore.set_defaults(func=cmd_restore)

@@ -9,6 +9,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from preload_cli.argtypes import MAX_VERSION, bounded
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 from preload_daemon.config import resolve_devices
 from preload_daemon.errors import PreloadError
@@ -32,7 +33,7 @@ def byte_size(text: str) -> int:
 
 def model_at_version(text: str) -> tuple[str, int]:
     name, sep, version = text.rpartition("@")
-    if not sep or not name or not version.isdigit() or int(version) < 1:
+    if not sep or not name or not version.isdigit() or not 1 <= int(version) <= MAX_VERSION:
         raise argparse.ArgumentTypeError(f"{text!r}: use NAME@VERSION, e.g. llama@3 (see `preload status`)")
     return name, int(version)
 
@@ -57,7 +58,7 @@ def add_arguments(sub, helps: Mapping[str, str]) -> None:
     p = sub.add_parser("rollback", help=helps["rollback"],
                        epilog="examples:\n  preload rollback llama --to 3", formatter_class=raw)
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--to", dest="version", type=int, required=True, metavar="V")
+    p.add_argument("--to", dest="version", type=bounded(1, MAX_VERSION, "a version"), required=True, metavar="V")
     p.set_defaults(func=cmd_rollback)
 
     for command, pinned in (("pin", True), ("unpin", False)):
@@ -68,7 +69,7 @@ def add_arguments(sub, helps: Mapping[str, str]) -> None:
 
 
 def add_retention(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--keep", type=int, default=None, metavar="K",
+    p.add_argument("--keep", type=bounded(0, MAX_VERSION, "versions to keep"), default=None, metavar="K",
                    help="older versions kept for rollback when not pinned, leased or active (default 2)")
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="budget of all the model's versions per device, e.g. 40G (0: none); a load that does not "

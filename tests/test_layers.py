@@ -85,7 +85,8 @@ def test_a_command_imports_only_its_own_modules():
             "print(sorted(m for m in sys.modules if m.startswith(('preload_cli.', 'preload_daemon.arch', 'grpc', "
             "'torch'))))")
     imported = run_python(code)
-    assert imported == "['preload_cli.main', 'preload_cli.snapshot_commands']", imported
+    # argtypes: the argument types every command's parser shares (argparse and math only)
+    assert imported == "['preload_cli.argtypes', 'preload_cli.main', 'preload_cli.snapshot_commands']", imported
     listed = subprocess.run([sys.executable, "-m", "preload_cli", "--help"], capture_output=True, text=True,
                             timeout=120, cwd=REPO)
     from preload_cli.main import HELP

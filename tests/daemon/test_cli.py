@@ -9,6 +9,7 @@ import sys
 import time
 
 import psutil
+import pytest
 
 from safetensors.torch import save_file
 
@@ -134,3 +135,20 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     os.kill(daemon_pids(runtime_dir)[1], signal.SIGKILL)
     assert proc.wait(30) == 1
     assert "cpu:1" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("engine", "--port", "70000"), "argument --port: 70000 is not a port"),
+    (("engine", "--port", "-1"), "argument --port: -1 is not a port"),
+    (("engine", "--wait-for-daemon", "nan"), "argument --wait-for-daemon: 'nan': seconds must be a finite number"),
+    (("wait-ready", "--timeout", "inf", "--model", "x"), "argument --timeout: 'inf': seconds must be a finite"),
+    (("serve", "--keep", "-1"), "argument --keep: -1: versions to keep must be in [0, "),
+    (("rollback", "m", "--to", "99999999999999"), "argument --to: 99999999999999: a version must be in [1, "),
+    (("evict", "m@99999999999999"), "bad version '99999999999999' in 'm@99999999999999'"),
+    (("snapshot", "restore", "D", "--port", "65536"), "argument --port: 65536 is not a port"),
+])
+def test_numbers_out_of_range_get_a_usage_error_not_a_traceback(runtime_dir, args, message):
+    """A port past 65535 crashed the engine's server with a traceback (once an abort), a timeout of
+    nan or inf waited for good, --keep -1 failed inside protobuf, a version past 2**31 in the RPC."""
+    out = run_cli(*args, runtime_dir=runtime_dir)
+    assert out.returncode in (1, 2) and message in out.stderr and "Traceback" not in out.stderr, out.stderr

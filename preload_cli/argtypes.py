@@ -1,0 +1,46 @@
+"""Argument types for the CLI's numbers, which argparse alone would take as any int or float: a
+port past 65535 crashed the engine's server with a traceback, a timeout of nan or inf waited for
+good, --keep -1 failed inside protobuf."""
+
+import argparse
+import math
+
+MAX_VERSION = 2**31 - 1
+"""The daemon's largest version number (preload_daemon.records; not imported: the CLI's parsers load
+neither torch nor grpc)."""
+
+
+def port(text: str) -> int:
+    value = _int(text, "a port")
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1-65535, or 0 to pick a free one")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A finite, non-negative number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number >= 0")
+    return value
+
+
+def bounded(low: int, high: int, what: str):
+    """An integer type in [low, high]."""
+    def parse(text: str) -> int:
+        value = _int(text, what)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value}: {what} must be in [{low}, {high}]")
+        return value
+    parse.__name__ = what  # argparse names the type in its own messages
+    return parse
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
