@@ -16,7 +16,7 @@ def find_model(models: dict[str, Model], name: str, device: str, create: bool = 
     model = models.get(name)
     if model is None:
         if not create:
-            loaded = ", ".join(sorted(models)) or "none"
+            loaded = ", ".join(sorted(n for n, m in models.items() if m.versions)) or "none"  # not failed loads
             raise NotFoundError(f"model {name!r} is not loaded on {device} (loaded: {loaded}); "
                                 f"load it with `preload serve`")
         model = models[name] = Model(name)

@@ -22,7 +22,10 @@ def spec_from_proto(msg: pb.LoadSpec) -> LoadSpec:
     if not msg.path or len(msg.path) > MAX_NAME or "\0" in msg.path:
         raise InvalidRequestError("LoadModel needs spec.path, the checkpoint directory (at most "
                                   f"{MAX_NAME} characters, no NUL)")
-    return LoadSpec(path=os.path.abspath(msg.path), name=msg.name, dtype=msg.dtype or "auto",
+    if not os.path.isabs(msg.path):  # the daemon's working directory is not the caller's
+        raise InvalidRequestError(f"spec.path {msg.path[:200]!r} is relative; send the checkpoint directory's "
+                                  "absolute path (DaemonClient.load and the CLI make it absolute)")
+    return LoadSpec(path=os.path.normpath(msg.path), name=msg.name, dtype=msg.dtype or "auto",
                     quantization=msg.quantization or "none", tp_size=msg.tp_size or 1, tp_rank=msg.tp_rank,
                     component=msg.component or "main")
 

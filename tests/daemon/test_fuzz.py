@@ -507,3 +507,12 @@ def test_a_publish_refused_mid_stream_ends_with_its_error_not_cancelled(ctx):
                         mutation="second_header", at=1, value=0)
         code, details = failure(ctx, "PublishStream", [ctx.resolve(c) for c in build_stream(ctx, recipe)])
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "one header" in details, f"{code.name}: {details!r}"
+
+
+def test_a_relative_checkpoint_path_is_refused_not_resolved_against_the_daemons_directory(ctx):
+    """The daemon's working directory is not the caller's: a relative path over raw gRPC named some
+    other directory (the CLI and DaemonClient send absolute ones)."""
+    request = pb.LoadModelRequest(spec=pb.LoadSpec(path=os.path.relpath(ctx.checkpoint)))
+    code, details = failure(ctx, "LoadModel", request)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "is relative; send the checkpoint directory's absolute" \
+        in details, details
