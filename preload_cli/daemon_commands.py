@@ -141,7 +141,7 @@ def split_target(target: str) -> tuple[str, int]:
     name, sep, version = target.rpartition("@")
     if not sep:
         return target, 0
-    if not version.isdigit() or not 1 <= int(version) <= MAX_VERSION:
+    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:  # not '²'
         raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with 1 <= N <= {MAX_VERSION}, e.g. llama@2, or MODEL "
                            "alone for every version")
     return name, int(version)

@@ -33,7 +33,7 @@ def byte_size(text: str) -> int:
 
 def model_at_version(text: str) -> tuple[str, int]:
     name, sep, version = text.rpartition("@")
-    if not sep or not name or not version.isdigit() or not 1 <= int(version) <= MAX_VERSION:
+    if not sep or not name or not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:
         raise argparse.ArgumentTypeError(f"{text!r}: use NAME@VERSION, e.g. llama@3 (see `preload status`)")
     return name, int(version)
 

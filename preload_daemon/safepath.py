@@ -76,7 +76,8 @@ def read_regular(path: pathlib.Path, limit: int, missing_fix: str) -> bytes:
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from e
     if info.st_size > limit or len(data) > limit:
-        raise CheckpointError(f"{path} is {max(info.st_size, len(data))} bytes, more than the {limit >> 20} MiB a "
+        most = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
+        raise CheckpointError(f"{path} is {max(info.st_size, len(data))} bytes, more than the {most} a "
                               f"{path.name} may be; that is not a real one")
     return data
 

@@ -122,8 +122,9 @@ class ModelStore:
                        on_progress: Callable[[LoadProgress], None] = lambda p: None) -> list[Variant]:
         """A new version from tensors streamed by a live process (stream.py), in `layouts`, else those
         of the active version on this device, else the default layout."""
+        # A stream cannot queue (wait=False): its sender would time out.
         with Loading(self._loads, self._model(name, create=True), version, on_progress, wait=False) as loading:
-            model = loading.model  # a stream cannot queue
+            model = loading.model
             loading.set_retention(retention)
             with self._lock:
                 number = loading.number = new_number(model, version, self.device)

@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 import sys
 import time
 from collections.abc import Callable
@@ -21,15 +20,13 @@ import jinja2.filters
 import jinja2.sandbox
 
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
+from worker import template_bounds as bounds
+from worker.template_bounds import MAX_PROMPT_CHARS
 
 MAX_TEMPLATE_BYTES = 1 << 20
 """Real chat templates are a few KiB; a bigger one is refused when the tokenizer loads."""
-MAX_PROMPT_CHARS = 8 << 20
-"""Largest rendered chat prompt, and largest string or list the template may build on the way."""
 MAX_RENDER_SECONDS = 5.0
 """Longest a template may run on one request's messages (real ones take milliseconds)."""
-_MAX_POWER_BITS = 4096
-"""Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
 
 
 def read_template(path: pathlib.Path, config: dict, read: Callable[[str, int], bytes]) -> tuple[str | None, str]:
@@ -100,18 +97,24 @@ class RenderTimeout(Exception):
 
 @contextlib.contextmanager
 def _deadline(seconds: float):
-    """Stops the code run inside (in this thread) once `seconds` have passed: a trace function sees
-    every line the template's compiled code runs and raises RenderTimeout into it. Loops are what a
+    """Stops the template run inside (in this thread) once `seconds` have passed: a trace function
+    sees every line the template's compiled code runs and raises RenderTimeout into it. Loops are what a
     template can run forever (three nested range(100000) loops with an empty body build nothing the
     size bounds could catch); the lines in between cost a few microseconds of tracing."""
     deadline, lines = time.monotonic() + seconds, 0
 
-    def tracer(frame, event, arg):
+    def in_template(frame, event, arg):
         nonlocal lines
         lines += 1
         if lines % 256 == 0 and time.monotonic() > deadline:
             raise RenderTimeout()
-        return tracer
+        return in_template
+
+    def tracer(frame, event, arg):
+        # Only the template's own code: raised in a library's frame, inside a `try: ... except
+        # Exception` (Jinja's `is sequence` test has one), the timeout would be swallowed, and a
+        # trace function that raises is switched off for good.
+        return in_template if frame.f_code.co_filename == "<template>" else None
 
     previous = sys.gettrace()
     sys.settrace(tracer)
@@ -205,30 +208,36 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
     def call_binop(self, context, operator, left, right):
         if operator == "*":
-            _check_repeat(left, right)
-            _check_repeat(right, left)
+            bounds.check_repeat(left, right)
+            bounds.check_repeat(right, left)
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-            if left.bit_length() * right > _MAX_POWER_BITS:
+            if left.bit_length() * right > bounds.MAX_POWER_BITS:
                 raise jinja2.sandbox.SecurityError(f"{left} ** {right} is too large a number")
         elif operator == "%" and isinstance(left, str):
-            _check_format(left, right)
+            bounds.check_percent(left, right)
         elif operator == "+":
-            _check_length(left, right)
+            bounds.check_add(left, right)
         return super().call_binop(context, operator, left, right)
 
     @staticmethod
     def checked_join(values) -> str:
-        """`a ~ b ~ ...`: Jinja's str_join, refusing a result over MAX_PROMPT_CHARS (40 doublings of a
-        string by ~ would exhaust memory before the output bound could act)."""
-        pieces = [str(v) for v in values]
-        if sum(map(len, pieces)) > MAX_PROMPT_CHARS:
-            raise jinja2.sandbox.SecurityError(f"joining strings with ~ into more than {MAX_PROMPT_CHARS} characters")
-        return "".join(pieces)
+        """`a ~ b ~ ...`: Jinja's str_join, measured first (40 doublings of a string by ~ would
+        exhaust memory before the output bound could act)."""
+        bounds.check_weight(values, what="joining with ~")
+        return "".join(map(str, values))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
-        if getattr(__obj, "__name__", "") in _SIZED_METHODS and isinstance(getattr(__obj, "__self__", None), str):
-            _check_sizes(args, kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+        name, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
+        if isinstance(owner, str):
+            if name in bounds.SIZED_METHODS:
+                bounds.check_sizes(args, kwargs)
+            elif name == "join" and args:
+                args = (bounds.check_join(args[0], owner), *args[1:])
+            elif name == "replace" and len(args) >= 2:
+                bounds.check_replace(owner, *args[:3])
+        result = super().call(__context, __obj, *args, **kwargs)
+        bounds.check_result(result)
+        return result
 
     def wrap_str_format(self, value):
         """Jinja's sandboxed str.format and format_map (it wraps them when they are looked up), bounded."""
@@ -238,102 +247,77 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
 
         @functools.wraps(wrapped)
         def bounded(*args, **kwargs):
-            _check_format_fields(value.__self__, args, kwargs)
+            bounds.check_format(value.__self__, args, kwargs)
             return wrapped(*args, **kwargs)
         return bounded
 
 
-_SIZED_METHODS = frozenset(("center", "ljust", "rjust", "zfill", "expandtabs"))
-"""str methods whose integer argument is the length of the string they build."""
-_FORMAT_FIELD = re.compile(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
-
-
-def _check_format_fields(text: str, args, kwargs) -> None:
-    """'{:>9999999999}'.format(1) builds a 10 GB string: refuse widths over the limit in the fields'
-    specs, and (for a width taken from the arguments, '{0:>{1}}') among the arguments."""
-    for field in _FORMAT_FIELD.findall(text):
-        spec = field.partition(":")[2]
-        if any(len(n) > 9 or int(n) > MAX_PROMPT_CHARS for n in re.findall(r"\d+", spec)):
-            raise jinja2.sandbox.SecurityError(f"a width or precision in {field[:40]!r} exceeds the limit")
-        if "{" in spec:
-            mappings = [a for a in args if isinstance(a, dict)]  # format_map's argument
-            _check_sizes((*args, *(v for m in mappings for v in m.values())), kwargs)
-
-
-def _check_repeat(sequence, times) -> None:
-    if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_PROMPT_CHARS:
-        raise jinja2.sandbox.SecurityError(f"repeating a {type(sequence).__name__} of length {len(sequence)} "
-                                           f"{times} times exceeds {MAX_PROMPT_CHARS}")
-
-
-def _check_length(left, right) -> None:
-    """`a + b` of strings, lists or tuples: refused past MAX_PROMPT_CHARS (doubling by + builds 2**40)."""
-    if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
-            and len(left) + len(right) > MAX_PROMPT_CHARS:
-        raise jinja2.sandbox.SecurityError(f"adding a {type(left).__name__} of length {len(left)} and one of "
-                                           f"{len(right)} exceeds {MAX_PROMPT_CHARS}")
-
-
-@jinja2.pass_eval_context
-def _replace_filter(eval_ctx, value, old, new, count=None):
-    """Jinja's replace filter, refusing a result over MAX_PROMPT_CHARS ('x' | replace('x', 'xxxxx') in
-    a loop grows fivefold a turn)."""
-    if isinstance(value, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
-        times = value.count(old) if old else len(value) + 1
-        if count is not None and isinstance(count, int) and count >= 0:
-            times = min(times, count)
-        if len(value) + times * (len(new) - len(old)) > MAX_PROMPT_CHARS:
-            raise jinja2.sandbox.SecurityError(f"replace would build more than {MAX_PROMPT_CHARS} characters")
-    return jinja2.filters.do_replace(eval_ctx, value, old, new, count)
-
-
-def _check_sizes(args, kwargs) -> None:
-    """Refuses integer arguments beyond MAX_PROMPT_CHARS: as widths or counts they would build huge values."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, int) and abs(value) > MAX_PROMPT_CHARS:
-            raise jinja2.sandbox.SecurityError(f"the argument {value} exceeds the limit of {MAX_PROMPT_CHARS}")
-
-
-_FORMAT_WIDTHS = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
-
-
-def _check_format(text: str, values) -> None:
-    """'%10000000000d' % 1 builds a 10 GB string: refuse widths and precisions over the limit, in the
-    format or (for '%*d') among the values."""
-    for width, precision in _FORMAT_WIDTHS.findall(text):
-        if len(width) > 9 or len(precision) > 9 or int(width or 0) > MAX_PROMPT_CHARS \
-                or int(precision or 0) > MAX_PROMPT_CHARS:
-            raise jinja2.sandbox.SecurityError(f"a %-format width or precision in {text[:40]!r} exceeds the limit")
-    if "*" in text:
-        _check_sizes(values if isinstance(values, tuple) else (values,), {})
-
-
-def _bounded_filter(function):
+def _bounded_filter(name: str, function):
     """A filter that refuses huge integer arguments after its value (center(10**10), indent(10**10),
-    slice(10**10), ...): they are widths and counts."""
+    slice(10**10), ...: widths and counts), measures the value of a filter that turns it into text,
+    and refuses a result over the limit."""
     first_option = 2 if getattr(function, "jinja_pass_arg", None) else 1  # after the context, if passed
 
     @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marker
     def bounded(*args, **kwargs):
-        _check_sizes(args[first_option:], kwargs)
-        return function(*args, **kwargs)
+        bounds.check_sizes(args[first_option:], kwargs)
+        if name in bounds.TEXT_FILTERS and len(args) >= first_option:
+            bounds.check_weight(args[first_option - 1], what=f"the value of the {name} filter")
+        result = function(*args, **kwargs)
+        bounds.check_result(result)
+        return result
     return bounded
+
+
+@jinja2.pass_eval_context
+def _join_filter(eval_ctx, value, d="", attribute=None):
+    if attribute is not None:
+        value = map(jinja2.filters.make_attrgetter(eval_ctx.environment, attribute), value)
+    return jinja2.filters.do_join(eval_ctx, bounds.check_join(value, d), d)
+
+
+@jinja2.pass_environment
+def _sum_filter(environment, iterable, attribute=None, start=0):
+    if attribute is not None:
+        iterable = map(jinja2.filters.make_attrgetter(environment, attribute), iterable)
+    return jinja2.filters.do_sum(environment, bounds.check_sum(iterable, start), start=start)
+
+
+@jinja2.pass_eval_context
+def _replace_filter(eval_ctx, value, old, new, count=None):
+    bounds.check_replace(value, old, new, count)
+    return jinja2.filters.do_replace(eval_ctx, value, old, new, count)
+
+
+def _indent_filter(value, width=4, first=False, blank=False):
+    bounds.check_indent(value, width)
+    return jinja2.filters.do_indent(value, width, first, blank)
 
 
 def _format_filter(value, *args, **kwargs):
     """Jinja's format filter ('%5d'|format(n)) with the same bounds as the % operator."""
     if isinstance(value, str):
-        _check_format(value, args)
+        bounds.check_percent(value, args if args else kwargs)
     return jinja2.filters.do_format(value, *args, **kwargs)
+
+
+def _finalize(value):
+    """Every {{ value }} printed: a list of references to one long string is light to hold but
+    huge as text, so it is measured before it is turned into text."""
+    if not isinstance(value, str):
+        bounds.check_weight(value, what="a value printed")
+    return value
 
 
 @functools.cache
 def _environment() -> ChatSandbox:
     """One shared environment: sandboxed and immutable, so templates of different checkpoints
     compiled in it cannot affect one another."""
-    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag])
-    env.filters = {name: _bounded_filter(f) for name, f in env.filters.items()}
-    env.filters.update(tojson=_bounded_filter(tojson), format=_format_filter, replace=_replace_filter)
+    env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag],
+                      finalize=_finalize)
+    env.filters.update(tojson=tojson, format=_format_filter, replace=_replace_filter, join=_join_filter,
+                       sum=_sum_filter, indent=_indent_filter)
+    env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=TemplateNamespace)
     del env.globals["lipsum"]  # lorem ipsum of any length: no chat template needs it
     return env

@@ -15,7 +15,7 @@ import torch
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
 from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
-from worker.sampling import Pick, describe, needs_work, pick, prompt_logprobs
+from worker.sampling import Pick, check_finite, describe, needs_work, pick, prompt_logprobs
 from worker.speculative import Speculator, accept, greedy, probabilities
 
 log = logging.getLogger(__name__)
@@ -158,9 +158,7 @@ class Engine:
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Result:
         """Blocking convenience: all tokens of one request."""
-        tokens, done = [], threading.Event()
-        reason = []
-        start = time.perf_counter()
+        tokens, reason, done, start = [], [], threading.Event(), time.perf_counter()
         request = self.submit(prompt, params, tokens.append, lambda r: (reason.append(r), done.set()))
         done.wait()
         if reason[0].startswith("error"):
@@ -177,10 +175,13 @@ class Engine:
                 continue
             block = not self._running
             arrived, slots = [], len(self._free)
-            while self._held and 1 + len(self._held[0].siblings) <= slots:
-                if not self._dropped(held := self._held.pop(0)):
+            while self._held:  # n > 1 waiting for slots, in order; one cancelled meanwhile goes
+                if not self._dropped(held := self._held[0]):
+                    if 1 + len(held.siblings) > slots:
+                        break
                     arrived.append(held)
                     slots -= 1 + len(held.siblings)
+                self._held.pop(0)
             while slots and not self._held and not self._pause.is_set():
                 try:
                     request = self._pending.get(block=block)
@@ -244,7 +245,7 @@ class Engine:
             for r in (request, *request.siblings):
                 r.prompt_picks = request.prompt_picks
                 self._running.append(r)
-                if (picked := self._guarded(r, self._pick, logits[row])) is not None:
+                if (picked := self._guarded(r, lambda: self._pick(r, logits[row]))) is not None:
                     self._emit(r, picked)
 
     def _decode(self) -> None:
@@ -263,10 +264,11 @@ class Engine:
                 self._finish(r, f"error: {e}")
             return
         self.stats["decode_steps"] += 1
-        best = greedy(logits)  # one call for the batch's plain greedy rows
+        best, finite = greedy(logits), torch.isfinite(logits).all(-1).tolist()  # a row of NaN: pick() says so
         for row, request in enumerate(batch):
-            plain = not needs_work(request.params)
-            if (picked := Pick(best[row]) if plain else self._guarded(request, self._pick, logits[row])) is not None:
+            if finite[row] and not needs_work(request.params):
+                self._emit(request, Pick(best[row]))
+            elif (picked := self._guarded(request, lambda: self._pick(request, logits[row]))) is not None:
                 self._emit(request, picked)
 
     def _speculate(self) -> None:
@@ -293,19 +295,17 @@ class Engine:
         self.stats["decode_steps"] += 1
         for row, (request, proposal, n) in enumerate(zip(batch, proposals, lengths)):
             params = request.params
-            chosen = self._guarded(request, lambda r: accept(logits[row], proposal, params.temperature, params.top_p,
-                                                             r.generator))
-            if chosen is None:
+            if (chosen := self._guarded(request, lambda: accept(check_finite(logits[row]), proposal, params.temperature,
+                                                                params.top_p, request.generator))) is None:
                 continue
             accepted, token = chosen
             draft.verified(request.slot, n, k, accepted, states[row] if states is not None else None)
-            self.stats["spec_proposed"] += k
-            self.stats["spec_accepted"] += accepted
-            self.stats["spec_verified"] += 1
+            for key, count in (("spec_proposed", k), ("spec_accepted", accepted), ("spec_verified", 1)):
+                self.stats[key] += count
             for i, t in enumerate([*proposal.tokens[:accepted], token]):
                 self.stats["spec_emitted"] += 1  # log-probabilities: the main model's
-                picked = self._guarded(request, lambda r: describe(t, logits[row][i], params, r.prompt, r.output))
-                if picked is not None:
+                if (picked := self._guarded(request, lambda: describe(t, logits[row][i], params, request.prompt,
+                                                                      request.output))) is not None:
                     self._emit(request, picked)
                 if request not in self._running:
                     break
@@ -384,11 +384,11 @@ class Engine:
             request.cancelled = True
             log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
 
-    def _guarded(self, request: Request, choose: Callable, *args):
-        """choose(request, *args), the request's next token; None if that fails (NaN logits): the
-        request then ends with the error, and the scheduler goes on with everyone else's."""
+    def _guarded(self, request: Request, choose: Callable):
+        """choose(), the request's next token; None if that fails (NaN logits): the request then
+        ends with the error, and the scheduler goes on with everyone else's."""
         try:
-            return choose(request, *args)
+            return choose()
         except Exception as e:
             log.warning("cannot choose the next token of a request (%s: %s); ending it", type(e).__name__, e)
             self._finish(request, f"error: cannot choose the next token: {e}")

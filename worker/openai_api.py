@@ -69,7 +69,10 @@ def _number(body: dict, name: str, default, kind=float):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
         raise InvalidRequestError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
-    return kind(value)
+    try:
+        return kind(value)
+    except OverflowError:  # a 400-digit integer as a float
+        raise InvalidRequestError(f"{name} is out of range ({str(value)[:20]}...)") from None
 
 
 def _flag(body: dict, name: str) -> bool:

@@ -18,6 +18,9 @@ from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
 
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body read (the prompt text is at most 8 Mi characters, as UTF-8 up to 32 MiB)."""
+
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
@@ -43,7 +46,7 @@ def build_app(state: WorkerState) -> Starlette:
         if not state.is_ready():
             return error(503, f"the engine is not ready: {state.not_ready_reason()}", "unavailable")
         try:
-            body = await request.json()
+            body = json.loads(await read_body(request))
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
@@ -53,6 +56,7 @@ def build_app(state: WorkerState) -> Starlette:
         if body.get("model") not in (None, state.name):
             return error(404, f"model {body.get('model')!r} is not served here; this engine serves {state.name!r}",
                          "not_found_error")
+
         def prepare():  # the template and the tokenizer may take seconds: not on the event loop
             options = parse_options(body, chat=chat)
             if chat:
@@ -88,6 +92,16 @@ def build_app(state: WorkerState) -> Starlette:
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body, refused (ValueError) past MAX_BODY_BYTES as it arrives."""
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise ValueError(f"the body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
+    return bytes(body)
 
 
 async def cancel_when_gone(request: Request, run: "Generation") -> None:

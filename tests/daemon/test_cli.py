@@ -145,6 +145,8 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     (("serve", "--keep", "-1"), "argument --keep: -1: versions to keep must be in [0, "),
     (("rollback", "m", "--to", "99999999999999"), "argument --to: 99999999999999: a version must be in [1, "),
     (("evict", "m@99999999999999"), "bad version '99999999999999' in 'm@99999999999999'"),
+    (("evict", "m@²"), "bad version '²' in 'm@²'"),
+    (("pin", "m@²"), "'m@²': use NAME@VERSION"),
     (("snapshot", "restore", "D", "--port", "65536"), "argument --port: 65536 is not a port"),
 ])
 def test_numbers_out_of_range_get_a_usage_error_not_a_traceback(runtime_dir, args, message):

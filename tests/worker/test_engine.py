@@ -2,6 +2,7 @@
 
 import re
 import threading
+import time
 
 import pytest
 
@@ -121,6 +122,16 @@ def test_logits_that_are_not_finite_end_that_request_and_the_engine_serves_on(ti
                                 "weights do .*", reason), reason
         assert engine._thread.is_alive()
         model.lm_head = good  # the same engine, its weights mended: it still serves
+        tokens, reasons, done = [], [], threading.Event()
+
+        def poison(token):  # on the engine's thread, between the prefill and the first decode step
+            tokens.append(token)
+            model.lm_head = bad
+        bad = model.lm_head.clone()
+        bad[7] = float("nan")
+        engine.submit(PROMPT, SamplingParams(max_tokens=4), poison, lambda r: (reasons.append(r), done.set()))
+        assert done.wait(60) and len(tokens) == 1 and "the model's logits hold NaN" in reasons[0], (tokens, reasons)
+        model.lm_head = good  # a plain greedy row of a decode step is checked too (argmax took the NaN's index)
         assert generate(engine, PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))[1] == "length"
     finally:
         engine.stop()
@@ -215,3 +226,31 @@ def test_pause_parks_the_scheduler_and_generate_parked_runs_its_path(engine):
                                   torch.tensor([0]))
     first = torch.log_softmax(logits[0].float(), -1)[scheduled.tokens[0]]
     assert scheduled.logprobs[0] == pytest.approx(float(first), abs=1e-5)
+
+
+def test_a_held_request_cancelled_while_it_waits_for_slots_does_not_block_the_queue(tiny_llama):
+    """n = 2 choices wait for two free slots, in order; cancelled meanwhile (its client left), they
+    must not hold up a one-slot request queued behind them until the running one ends."""
+    weights = load_safetensors(LoadRequest(spec=LoadSpec(path=str(tiny_llama))))
+    engine = Engine(CausalLM.from_config(weights.config, weights.tensors), max_batch=2, max_len=256).start()
+    try:
+        order, done = [], threading.Semaphore(0)
+        long_done = threading.Event()
+        engine.submit(PROMPT, SamplingParams(max_tokens=250, ignore_eos=True), lambda t: time.sleep(0.004),
+                      lambda r: (order.append("long"), long_done.set()))  # a second at least
+        held = engine.submit_choices(PROMPT, [SamplingParams(max_tokens=2)] * 2, [lambda t: None] * 2,
+                                     [lambda r: (order.append("held"), done.release())] * 2)
+        deadline = time.monotonic() + 30
+        while not engine._held and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert engine._held, "the two choices never waited for slots"
+        for request in held:
+            request.cancelled = True
+        engine.submit(PROMPT, SamplingParams(max_tokens=2, ignore_eos=True), lambda t: None,
+                      lambda r: (order.append("small"), done.release()))
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        assert order[:3] == ["held", "held", "small"], order
+        assert long_done.wait(120)
+    finally:
+        engine.stop()

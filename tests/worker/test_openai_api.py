@@ -192,6 +192,7 @@ def test_chat_streaming_and_not_with_usage_only_when_asked(engine):
     ({"prompt": PROMPT, "temperature": float("nan")}, "temperature must be a finite number"),
     ({"prompt": PROMPT, "repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
     ({"prompt": PROMPT, "seed": 2**64}, "seed must be in"),
+    ({"prompt": PROMPT, "temperature": 10**400}, "temperature is out of range"),
     ({"prompt": PROMPT, "seed": 2**63 - 1, "n": 2}, "seed must be in"),
     ({"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": "yes"}}, "include_usage must be"),
     ({"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens must be at least 1"),
@@ -322,6 +323,6 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(tiny_e
     while time.monotonic() < deadline and (len(counts) < 3 or counts[-1] != counts[-3]):
         time.sleep(0.5)
         counts.append(engine_counter(tiny_engine, "requests"))
-    assert counts[-1] - before < 400, counts
+    assert time.monotonic() < deadline and counts[-1] - before < 50, counts  # a batch or two had started
     ok = client(tiny_engine).completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"

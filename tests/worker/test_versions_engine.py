@@ -105,10 +105,12 @@ def test_weights_that_do_not_fit_the_engine_config_are_refused(daemon, base, che
 def test_bad_weights_version_flags(runtime_dir, base, capsys):
     from preload_cli.main import main
     for flags, message in ((["--weights-version", "two"], "give a version number"),
-                           (["--weights-version", "1", "--load-format", "safetensors"], "needs --load-format ipc_cache"),
-                           (["--wait-for-daemon", "-1"], "--wait-for-daemon must be")):
+                           (["--weights-version", "1", "--load-format", "safetensors"], "needs --load-format ipc_cache")):
         assert main(["generate", base, "--prompt-ids", "1,2", *flags, "--runtime-dir", runtime_dir]) == 1
         assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:  # refused as it is parsed
+        main(["generate", base, "--prompt-ids", "1,2", "--wait-for-daemon", "-1", "--runtime-dir", runtime_dir])
+    assert usage.value.code == 2 and "--wait-for-daemon: '-1': seconds must be a finite number" in capsys.readouterr().err
 
 
 def test_wait_for_daemon_attaches_once_the_daemon_has_loaded(runtime_dir, base, start_engine, start_daemon):

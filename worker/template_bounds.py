@@ -1,0 +1,150 @@
+"""The size bounds of a chat template's sandbox (worker/chat_template.py): no step of a template may
+build a string or a list over MAX_PROMPT_CHARS, checked before the step runs wherever one step can
+multiply what it is given ('x' * 10**10, '%9999999999d' % 1, [s] * 100 | join, s | replace('x',
+'xxxx') in a loop, '{}{}'.format(s, s), [[s] * 100] * 100 printed), so that memory and CPU never
+go to a value the output bound would refuse after the fact.
+
+A list holds references: [s] * 100 is a list of 100 however long s is. Its size shows when it is
+turned into text (printed, ~, join, tojson, string, format, %), so those measure what they are
+given with `weight` (characters of text in it, with an early exit)."""
+
+import re
+
+import jinja2.sandbox
+
+MAX_PROMPT_CHARS = 8 << 20
+"""Largest rendered chat prompt, and largest string or list the template may build on the way."""
+MAX_POWER_BITS = 4096
+"""Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
+SIZED_METHODS = frozenset(("center", "ljust", "rjust", "zfill", "expandtabs"))
+"""str methods whose integer argument is the length of the string they build."""
+TEXT_FILTERS = frozenset(("tojson", "string", "pprint", "urlencode", "xmlattr", "e", "escape", "forceescape", "safe"))
+"""Filters that turn their value into text (whose size is the value's weight)."""
+_FORMAT_FIELD = re.compile(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
+_FORMAT_WIDTHS = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\d*)(?:\.(\d*))?")
+
+
+def refuse(what: str) -> None:
+    raise jinja2.sandbox.SecurityError(f"{what} exceeds the limit of {MAX_PROMPT_CHARS}")
+
+
+def weight(value, budget: int = MAX_PROMPT_CHARS) -> int:
+    """About the characters `value` becomes as text: a string's length, a container's items' weights
+    (each at least 1); stops counting once past `budget` (a list of a million references to one
+    long string is light to hold and huge to print)."""
+    total, stack = 0, [value]
+    while stack and total <= budget:
+        item = stack.pop()
+        if isinstance(item, (str, bytes)):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 2 + len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            total += 2 + len(item)
+            stack.extend(item)
+        elif isinstance(item, jinja2.utils.Namespace):
+            stack.append(dict(item._Namespace__attrs))  # noqa: SLF001 (Jinja keeps its attributes there)
+        else:
+            total += 24  # a number, None, an undefined
+    return total
+
+
+def check_weight(*values, what: str = "a value turned into text") -> None:
+    if weight(values) > MAX_PROMPT_CHARS:
+        refuse(what)
+
+
+def check_sizes(args, kwargs) -> None:
+    """Refuses integer arguments beyond MAX_PROMPT_CHARS: as widths or counts they would build huge values."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, int) and abs(value) > MAX_PROMPT_CHARS:
+            refuse(f"the argument {value}")
+
+
+def check_result(value) -> None:
+    """What one step built: a string or list over the limit is refused before the next step uses it."""
+    if isinstance(value, (str, list, tuple)) and len(value) > MAX_PROMPT_CHARS:
+        refuse(f"a {type(value).__name__} of length {len(value)}")
+
+
+def check_repeat(sequence, times) -> None:
+    if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_PROMPT_CHARS:
+        refuse(f"repeating a {type(sequence).__name__} of length {len(sequence)} {times} times")
+
+
+def check_add(left, right) -> None:
+    """`a + b` of strings, lists or tuples (doubling by + builds 2**40 in 40 steps)."""
+    if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
+            and len(left) + len(right) > MAX_PROMPT_CHARS:
+        refuse(f"adding a {type(left).__name__} of length {len(left)} and one of {len(right)}")
+
+
+def check_join(items, separator) -> list:
+    """join's items (materialized, once) after checking the text they make."""
+    items = list(items)
+    if len(items) > MAX_PROMPT_CHARS:
+        refuse(f"joining {len(items)} items")
+    if weight(items) + weight(separator) * max(len(items) - 1, 0) > MAX_PROMPT_CHARS:
+        refuse("joining these items")
+    return items
+
+
+def check_replace(value, old, new, count=None) -> None:
+    """str(value).replace(str(old), str(new), count), as Jinja's filter and str's method make it."""
+    check_weight(value, old, new, what="replace's arguments")
+    value, old, new = str(value), str(old), str(new)
+    if len(new) > len(old):
+        times = value.count(old) if old else len(value) + 1
+        if isinstance(count, int) and count >= 0:
+            times = min(times, count)
+        if len(value) + times * (len(new) - len(old)) > MAX_PROMPT_CHARS:
+            refuse("the string replace would build")
+
+
+def check_indent(value, width) -> None:
+    lines = str(value).count("\n") + 1
+    if len(str(value)) + lines * (width if isinstance(width, int) else len(str(width))) > MAX_PROMPT_CHARS:
+        refuse("the indented string")
+
+
+def check_sum(items, start=0) -> list:
+    """sum of lists or strings builds their concatenation."""
+    items = list(items)
+    sized = [len(i) for i in (*items, start) if isinstance(i, (str, list, tuple))]
+    if sum(sized) > MAX_PROMPT_CHARS:
+        refuse("the sum of these lists")
+    return items
+
+
+def check_percent(text: str, values) -> None:
+    """'%10000000000d' % 1, or twenty '%8000000s', builds gigabytes: refuse when the widths and
+    precisions in the format (or, for '%*d', among the values) and the values' text add up past the
+    limit."""
+    total = len(text) + weight(values)
+    for width, precision in _FORMAT_WIDTHS.findall(text):
+        if len(width) > 9 or len(precision) > 9:
+            refuse(f"a %-format width or precision in {text[:40]!r}")
+        total += int(width or 0) + int(precision or 0)
+    if total > MAX_PROMPT_CHARS:
+        refuse(f"the %-format {text[:40]!r} with these values")
+    if "*" in text:
+        check_sizes(values if isinstance(values, tuple) else (values,), {})
+
+
+def check_format(text: str, args, kwargs) -> None:
+    """'{:>9999999999}'.format(1) or '{}{}'.format(s, s): the fields' widths and precisions (a width
+    taken from the arguments, '{0:>{1}}', among them) and the arguments' text, added up."""
+    total = len(text) + weight(args) + weight(kwargs)
+    for field in _FORMAT_FIELD.findall(text):
+        spec = field.partition(":")[2]
+        numbers = re.findall(r"\d+", spec)
+        if any(len(n) > 9 for n in numbers):
+            refuse(f"a width or precision in {field[:40]!r}")
+        total += sum(map(int, numbers))
+        if "{" in spec:
+            mappings = [a for a in args if isinstance(a, dict)]  # format_map's argument
+            check_sizes((*args, *(v for m in mappings for v in m.values())), kwargs)
+    if total > MAX_PROMPT_CHARS:
+        refuse(f"formatting {text[:40]!r} with these arguments")
