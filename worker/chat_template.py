@@ -143,6 +143,7 @@ def strftime_now(format: str) -> str:
 
 def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     """transformers' tojson: plain json.dumps, without Jinja's HTML escaping of <, >, & and '."""
+    bounds.check_tojson(value, indent)
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -227,14 +228,9 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return "".join(map(str, values))
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
-        name, owner = getattr(__obj, "__name__", ""), getattr(__obj, "__self__", None)
-        if isinstance(owner, str):
-            if name in bounds.SIZED_METHODS:
-                bounds.check_sizes(args, kwargs)
-            elif name == "join" and args:
-                args = (bounds.check_join(args[0], owner), *args[1:])
-            elif name == "replace" and len(args) >= 2:
-                bounds.check_replace(owner, *args[:3])
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, (str, bytes)):
+            args = bounds.check_method(owner, getattr(__obj, "__name__", ""), args, kwargs)
         result = super().call(__context, __obj, *args, **kwargs)
         bounds.check_result(result)
         return result

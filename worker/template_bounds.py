@@ -65,7 +65,7 @@ def check_sizes(args, kwargs) -> None:
 
 def check_result(value) -> None:
     """What one step built: a string or list over the limit is refused before the next step uses it."""
-    if isinstance(value, (str, list, tuple)) and len(value) > MAX_PROMPT_CHARS:
+    if isinstance(value, (str, bytes, list, tuple)) and len(value) > MAX_PROMPT_CHARS:
         refuse(f"a {type(value).__name__} of length {len(value)}")
 
 
@@ -94,13 +94,42 @@ def check_join(items, separator) -> list:
 def check_replace(value, old, new, count=None) -> None:
     """str(value).replace(str(old), str(new), count), as Jinja's filter and str's method make it."""
     check_weight(value, old, new, what="replace's arguments")
-    value, old, new = str(value), str(old), str(new)
+    if not (isinstance(value, bytes) and isinstance(old, bytes) and isinstance(new, bytes)):
+        value, old, new = str(value), str(old), str(new)
     if len(new) > len(old):
         times = value.count(old) if old else len(value) + 1
         if isinstance(count, int) and count >= 0:
             times = min(times, count)
         if len(value) + times * (len(new) - len(old)) > MAX_PROMPT_CHARS:
             refuse("the string replace would build")
+
+
+def check_method(owner, name: str, args, kwargs) -> tuple:
+    """A call of a str (or bytes) method: the methods whose result can outgrow their string many
+    times over are measured first; returns the arguments to call it with (join's materialized)."""
+    if name in SIZED_METHODS:
+        check_sizes(args, kwargs)
+        if name == "expandtabs":  # each tab becomes up to `tabsize` spaces
+            size = (args or (kwargs.get("tabsize", 8),))[0]
+            if isinstance(size, int) and len(owner) + owner.count("\t" if isinstance(owner, str) else b"\t") * size \
+                    > MAX_PROMPT_CHARS:
+                refuse("the string expandtabs would build")
+    elif name == "join" and args:
+        args = (check_join(args[0], owner), *args[1:])
+    elif name == "replace" and len(args) >= 2:
+        check_replace(owner, *args[:3])
+    elif name == "translate" and args:  # each character may become a long string
+        longest = max((weight(v) for v in args[0].values()), default=0) if isinstance(args[0], dict) else 1
+        if len(owner) * max(longest, 1) > MAX_PROMPT_CHARS:
+            refuse("the string translate would build")
+    return args
+
+
+def check_tojson(value, indent) -> None:
+    """tojson(indent=N) puts N spaces (or the string N) before every item of every level."""
+    size = indent if isinstance(indent, int) else len(indent) if isinstance(indent, str) else 0
+    if weight(value) * (1 + max(size, 0)) > MAX_PROMPT_CHARS:
+        refuse("the JSON text tojson would build")
 
 
 def check_indent(value, width) -> None:

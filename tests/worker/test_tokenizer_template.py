@@ -166,7 +166,8 @@ S = "{% set s = 'x' * 1000000 %}{% set l = range(100000) | list %}"
     "'%s%s%s%s%s%s%s%s%s' % (s, s, s, s, s, s, s, s, s)", "([s] * 100) | join", "s | replace('x', 10**100)",
     "[s] | replace('x', 'x' * 10)", "([l] * 100) | sum(start=[])", "'%8000000s%8000000s' % ('a', 'b')",
     "'{:8000000}{:8000000}'.format('a', 'b')", "[[s] * 100] * 100", "([s] * 100) | tojson", "([s] * 100) | string",
-    "s ~ [s] * 10", "('\n' * 100000) | indent(100)", "dict(a=[s] * 10)",
+    "s ~ [s] * 10", "('\n' * 100000) | indent(100)", "dict(a=[s] * 10)", "([1] * 1000) | tojson(indent=8000000)",
+    "('\t' * 1000).expandtabs(8000000)", "s.translate({120: 'xxxxxxxxx'})", "s.encode().replace('x'.encode(), s.encode())",
 ])
 def test_a_value_built_in_one_step_from_others_is_measured_first(tmp_path, expression):
     """Found by a review: join, format, % and replace of several long strings, a list of references
