@@ -220,6 +220,8 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
             bounds.check_add(left, right)
         return super().call_binop(context, operator, left, right)
 
+    concat = staticmethod(bounds.check_concat)  # what Jinja joins a block's text with
+
     @staticmethod
     def checked_join(values) -> str:
         """`a ~ b ~ ...`: Jinja's str_join, measured first (40 doublings of a string by ~ would
@@ -259,6 +261,8 @@ def _bounded_filter(name: str, function):
         bounds.check_sizes(args[first_option:], kwargs)
         if name in bounds.TEXT_FILTERS and len(args) >= first_option:
             bounds.check_weight(args[first_option - 1], what=f"the value of the {name} filter")
+        if name in bounds.ITEM_FILTERS and len(args) >= first_option:
+            bounds.check_items(args[first_option - 1], name)
         result = function(*args, **kwargs)
         bounds.check_result(result)
         return result
@@ -283,6 +287,12 @@ def _sum_filter(environment, iterable, attribute=None, start=0):
 def _replace_filter(eval_ctx, value, old, new, count=None):
     bounds.check_replace(value, old, new, count)
     return jinja2.filters.do_replace(eval_ctx, value, old, new, count)
+
+
+@jinja2.pass_environment
+def _wordwrap_filter(environment, value, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    bounds.check_wordwrap(value, width, wrapstring or environment.newline_sequence)
+    return jinja2.filters.do_wordwrap(environment, value, width, break_long_words, wrapstring, break_on_hyphens)
 
 
 def _indent_filter(value, width=4, first=False, blank=False):
@@ -310,9 +320,9 @@ def _environment() -> ChatSandbox:
     """One shared environment: sandboxed and immutable, so templates of different checkpoints
     compiled in it cannot affect one another."""
     env = ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, GenerationTag],
-                      finalize=_finalize)
+                      finalize=_finalize, optimized=False)  # no folding of constants at load time, out of the deadline
     env.filters.update(tojson=tojson, format=_format_filter, replace=_replace_filter, join=_join_filter,
-                       sum=_sum_filter, indent=_indent_filter)
+                       sum=_sum_filter, indent=_indent_filter, wordwrap=_wordwrap_filter)
     env.filters = {name: _bounded_filter(name, f) for name, f in env.filters.items()}
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, namespace=TemplateNamespace)
     del env.globals["lipsum"]  # lorem ipsum of any length: no chat template needs it

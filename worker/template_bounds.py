@@ -18,6 +18,12 @@ MAX_POWER_BITS = 4096
 """Largest integer `**` may build (in bits): 2 ** 10**10 would take the CPU and memory for good."""
 SIZED_METHODS = frozenset(("center", "ljust", "rjust", "zfill", "expandtabs"))
 """str methods whose integer argument is the length of the string they build."""
+MAX_ITEMS = 100_000
+"""Most items a filter that walks its value item by item may be given (a chat's messages are a few
+hundred; batch(1) of 8 million characters built 1.6 GB of lists in library code, where the
+deadline cannot stop it)."""
+ITEM_FILTERS = frozenset(("batch", "slice", "sort", "unique", "groupby", "map", "select", "reject", "selectattr",
+                          "rejectattr", "list", "dictsort", "min", "max", "sum", "join", "reverse", "random"))
 TEXT_FILTERS = frozenset(("tojson", "string", "pprint", "urlencode", "xmlattr", "e", "escape", "forceescape", "safe"))
 """Filters that turn their value into text (whose size is the value's weight)."""
 _FORMAT_FIELD = re.compile(r"\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}")
@@ -46,8 +52,10 @@ def weight(value, budget: int = MAX_PROMPT_CHARS) -> int:
             stack.extend(item)
         elif isinstance(item, jinja2.utils.Namespace):
             stack.append(dict(item._Namespace__attrs))  # noqa: SLF001 (Jinja keeps its attributes there)
+        elif isinstance(item, int):
+            total += 2 + item.bit_length() * 30103 // 100000  # its decimal digits
         else:
-            total += 24  # a number, None, an undefined
+            total += 24  # a float, None, an undefined
     return total
 
 
@@ -63,6 +71,12 @@ def check_sizes(args, kwargs) -> None:
             refuse(f"the argument {value}")
 
 
+def check_items(value, name: str) -> None:
+    if hasattr(value, "__len__") and len(value) > MAX_ITEMS:
+        raise jinja2.sandbox.SecurityError(f"the {name} filter was given {len(value)} items, over the limit of "
+                                           f"{MAX_ITEMS}")
+
+
 def check_result(value) -> None:
     """What one step built: a string or list over the limit is refused before the next step uses it."""
     if isinstance(value, (str, bytes, list, tuple)) and len(value) > MAX_PROMPT_CHARS:
@@ -70,8 +84,13 @@ def check_result(value) -> None:
 
 
 def check_repeat(sequence, times) -> None:
-    if isinstance(sequence, (str, list, tuple)) and isinstance(times, int) and len(sequence) * times > MAX_PROMPT_CHARS:
+    """`s * n`, and `[a] * n` of a long `a` (a list of references: huge to print, compare or hash),
+    and `a * b` of integers (their bits add up)."""
+    if isinstance(sequence, (str, bytes, list, tuple)) and isinstance(times, int) \
+            and max(weight(sequence), len(sequence)) * times > MAX_PROMPT_CHARS:
         refuse(f"repeating a {type(sequence).__name__} of length {len(sequence)} {times} times")
+    if isinstance(sequence, int) and isinstance(times, int) and sequence.bit_length() + times.bit_length() > MAX_POWER_BITS:
+        refuse(f"multiplying integers of {sequence.bit_length()} and {times.bit_length()} bits")
 
 
 def check_add(left, right) -> None:
@@ -132,6 +151,20 @@ def check_tojson(value, indent) -> None:
         refuse("the JSON text tojson would build")
 
 
+def check_concat(pieces: list) -> str:
+    """The text of a block ({% set %}...{% endset %}, a macro, {% filter %}), measured before it is
+    joined: a loop of {{ s }} holds 200 references to one long string in the pieces."""
+    if sum(map(len, pieces)) > MAX_PROMPT_CHARS:
+        refuse("the text of a block")
+    return "".join(pieces)
+
+
+def check_wordwrap(value, width, wrapstring) -> None:
+    lines = len(str(value)) // max(width if isinstance(width, int) else 1, 1) + 1
+    if len(str(value)) + lines * weight(wrapstring) > MAX_PROMPT_CHARS:
+        refuse("the wrapped string")
+
+
 def check_indent(value, width) -> None:
     lines = str(value).count("\n") + 1
     if len(str(value)) + lines * (width if isinstance(width, int) else len(str(width))) > MAX_PROMPT_CHARS:
@@ -151,8 +184,9 @@ def check_percent(text: str, values) -> None:
     """'%10000000000d' % 1, or twenty '%8000000s', builds gigabytes: refuse when the widths and
     precisions in the format (or, for '%*d', among the values) and the values' text add up past the
     limit."""
-    total = len(text) + weight(values)
-    for width, precision in _FORMAT_WIDTHS.findall(text):
+    fields = _FORMAT_WIDTHS.findall(text)
+    total = len(text) + len(fields) * weight(values)  # a field may print any of the values: '%(a)s' * 150
+    for width, precision in fields:
         if len(width) > 9 or len(precision) > 9:
             refuse(f"a %-format width or precision in {text[:40]!r}")
         total += int(width or 0) + int(precision or 0)
@@ -165,8 +199,9 @@ def check_percent(text: str, values) -> None:
 def check_format(text: str, args, kwargs) -> None:
     """'{:>9999999999}'.format(1) or '{}{}'.format(s, s): the fields' widths and precisions (a width
     taken from the arguments, '{0:>{1}}', among them) and the arguments' text, added up."""
-    total = len(text) + weight(args) + weight(kwargs)
-    for field in _FORMAT_FIELD.findall(text):
+    fields = _FORMAT_FIELD.findall(text)
+    total = len(text) + len(fields) * (weight(args) + weight(kwargs))  # '{0}' * 150 prints one 150 times
+    for field in fields:
         spec = field.partition(":")[2]
         numbers = re.findall(r"\d+", spec)
         if any(len(n) > 9 for n in numbers):
