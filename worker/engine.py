@@ -15,7 +15,7 @@ import torch
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
 from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
-from worker.sampling import Pick, check_finite, describe, needs_work, pick, prompt_logprobs
+from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, pick, prompt_logprobs
 from worker.speculative import Speculator, accept, greedy, probabilities
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ class Engine:
                 self._finish(r, f"error: {e}")
             return
         self.stats["decode_steps"] += 1
-        best, finite = greedy(logits), torch.isfinite(logits).all(-1).tolist()  # a row of NaN: pick() says so
+        best, finite = greedy(logits), all_finite(logits)  # a row of NaN: pick() says so
         for row, request in enumerate(batch):
             if finite[row] and not needs_work(request.params):
                 self._emit(request, Pick(best[row]))
