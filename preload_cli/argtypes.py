@@ -5,6 +5,8 @@ good, --keep -1 failed inside protobuf."""
 import argparse
 import math
 
+from preload_daemon.errors import PreloadError
+
 MAX_VERSION = 2**31 - 1
 """The daemon's largest version number (preload_daemon.records; not imported: the CLI's parsers load
 neither torch nor grpc)."""
@@ -44,3 +46,14 @@ def _int(text: str, what: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
+def split_target(target: str) -> tuple[str, int]:
+    """MODEL or MODEL@VERSION: (name, version or 0)."""
+    name, sep, version = target.rpartition("@")
+    if not sep:
+        return target, 0
+    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:  # not '²'
+        raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with 1 <= N <= {MAX_VERSION}, "
+                           "e.g. llama@2, or MODEL alone for every version")
+    return name, int(version)

@@ -8,7 +8,7 @@ import pathlib
 import sys
 import time
 
-from preload_cli.argtypes import MAX_VERSION
+from preload_cli.argtypes import split_target
 from preload_daemon.config import DaemonConfig, parse_device
 from preload_daemon.errors import AccessDeniedError, PreloadError
 
@@ -134,17 +134,6 @@ def cmd_verify(args) -> int:
               file=sys.stderr)
         return 1
     return 0
-
-
-def split_target(target: str) -> tuple[str, int]:
-    """MODEL or MODEL@VERSION."""
-    name, sep, version = target.rpartition("@")
-    if not sep:
-        return target, 0
-    if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:  # not '²'
-        raise PreloadError(f"bad version {version!r} in {target!r}; use MODEL@N with 1 <= N <= {MAX_VERSION}, e.g. llama@2, or MODEL "
-                           "alone for every version")
-    return name, int(version)
 
 
 # `preload wait-ready` exit codes (argparse uses 2 for bad usage).

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from preload_cli.argtypes import MAX_VERSION, bounded
+from preload_cli.argtypes import MAX_VERSION, bounded, split_target
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 from preload_daemon.config import resolve_devices
 from preload_daemon.errors import PreloadError
@@ -32,10 +32,14 @@ def byte_size(text: str) -> int:
 
 
 def model_at_version(text: str) -> tuple[str, int]:
-    name, sep, version = text.rpartition("@")
-    if not sep or not name or not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:
+    """NAME@VERSION, the version required (split_target's rules)."""
+    try:
+        name, version = split_target(text)
+    except PreloadError:
+        name, version = "", 0
+    if not name or not version:
         raise argparse.ArgumentTypeError(f"{text!r}: use NAME@VERSION, e.g. llama@3 (see `preload status`)")
-    return name, int(version)
+    return name, version
 
 
 def add_arguments(sub, helps: Mapping[str, str]) -> None:
@@ -80,8 +84,6 @@ def cmd_publish(args) -> int:
     from preload_daemon.plan import Layout
     from preload_daemon.versions import targets_for, publish_dir
 
-    if args.keep is not None and args.keep < 0:
-        raise PreloadError(f"--keep must be >= 0, got {args.keep}")
     explicit = args.dtype or args.quantization or args.tp_size or args.devices
     devices = layouts = None
     if explicit:

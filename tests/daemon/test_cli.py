@@ -143,6 +143,7 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     (("engine", "--wait-for-daemon", "nan"), "argument --wait-for-daemon: 'nan': seconds must be a finite number"),
     (("wait-ready", "--timeout", "inf", "--model", "x"), "argument --timeout: 'inf': seconds must be a finite"),
     (("serve", "--keep", "-1"), "argument --keep: -1: versions to keep must be in [0, "),
+    (("publish", "m", "--from", "/nonexistent", "--keep", "-1"), "argument --keep: -1: versions to keep must be in [0, "),
     (("rollback", "m", "--to", "99999999999999"), "argument --to: 99999999999999: a version must be in [1, "),
     (("evict", "m@99999999999999"), "bad version '99999999999999' in 'm@99999999999999'"),
     (("evict", "m@²"), "bad version '²' in 'm@²'"),
