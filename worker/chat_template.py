@@ -211,9 +211,8 @@ class ChatSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         if operator == "*":
             bounds.check_repeat(left, right)
             bounds.check_repeat(right, left)
-        elif operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-            if left.bit_length() * right > bounds.MAX_POWER_BITS:
-                raise jinja2.sandbox.SecurityError(f"{left} ** {right} is too large a number")
+        elif operator == "**":
+            bounds.check_power(left, right)
         elif operator == "%" and isinstance(left, str):
             bounds.check_percent(left, right)
         elif operator == "+":

@@ -93,6 +93,12 @@ def check_repeat(sequence, times) -> None:
         refuse(f"multiplying integers of {sequence.bit_length()} and {times.bit_length()} bits")
 
 
+def check_power(base, exponent) -> None:
+    if isinstance(base, int) and isinstance(exponent, int) and exponent > 0 \
+            and base.bit_length() * exponent > MAX_POWER_BITS:
+        raise jinja2.sandbox.SecurityError(f"{base} ** {exponent} is too large a number")
+
+
 def check_add(left, right) -> None:
     """`a + b` of strings, lists or tuples (doubling by + builds 2**40 in 40 steps)."""
     if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
