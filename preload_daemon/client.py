@@ -33,7 +33,8 @@ from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, In
                                    from_details, from_rpc_error)
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.safetensors_file import FileIdentity
-from preload_daemon.sessions import ATTACH, SessionAnswerError, SessionError, open_session, request, session_path
+from preload_daemon.session_client import SessionAnswerError, SessionError, open_session, request
+from preload_daemon.sessions import ATTACH, session_path
 from protos import preload_pb2 as pb
 
 CHUNK_BYTES = 4 << 20
@@ -140,7 +141,7 @@ class DaemonClient:
         return self._session
 
     def _session_request(self, kind: int, payload: bytes) -> bytes:
-        """One request on the session (sessions.request), with errors mapped to PreloadErrors."""
+        """One request on the session (session_client.request), with errors mapped to PreloadErrors."""
         with self._session_lock:
             sock, _ = self._open_session()
             try:

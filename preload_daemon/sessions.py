@@ -17,10 +17,12 @@ process without a token, and needs no gRPC channel (nor the grpc import) in the 
 sends one request at a time and reads its answer before the next.
 
 One thread watches every session with a selector: no thread per connection. Requests run on a
-small pool; while one runs, its connection is out of the selector, and the answer is sent with a
-deadline so that a client that stops reading holds a pool thread for at most SEND_TIMEOUT_S. The
-number of sessions is capped, with a clear refusal. accept() errors (EMFILE, say) are logged and
-retried with back-off, never fatal.
+small pool; while one runs, its connection is out of the selector. The pool thread sends what of
+the answer the socket takes at once (all of it, but for the largest manifests) and hands the rest
+to the selector thread, which sends it as the client reads: a client that stops reading (stopped
+with SIGSTOP, frozen by its cgroup, stuck in a debugger) holds no pool thread, and its session ends
+once its answer has waited SEND_TIMEOUT_S. The number of sessions is capped, with a clear refusal.
+accept() errors (EMFILE, say) are logged and retried with back-off, never fatal.
 """
 
 import concurrent.futures
@@ -31,7 +33,6 @@ import os
 import pathlib
 import queue
 import secrets
-import select
 import selectors
 import socket
 import struct
@@ -39,14 +40,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from preload_daemon.errors import InvalidRequestError, PreloadError, details
+from preload_daemon.errors import PreloadError, details
 from preload_daemon.leases import process_start_time
 
 log = logging.getLogger(__name__)
 _CRED = struct.Struct("3i")
 MAX_LINE = 512
 BACKOFF_S = (0.05, 2.0)
-_FRAME = struct.Struct(">IB")  # payload length, kind
+FRAME = struct.Struct(">IB")  # payload length, kind
 MAX_REQUEST = 1 << 20  # an AttachRequest names at most a few thousand files
 MAX_RESPONSE = 1 << 30
 SEND_TIMEOUT_S = 10.0
@@ -76,7 +77,8 @@ class SessionServer:
         self._sessions: dict[str, Session] = {}
         self._sockets: dict[socket.socket, Session] = {}
         self._buffers: dict[socket.socket, bytearray] = {}
-        self._answered: queue.SimpleQueue = queue.SimpleQueue()  # (conn, still usable) from the pool
+        self._answered: queue.SimpleQueue = queue.SimpleQueue()  # (conn, unsent bytes or None) from the pool
+        self._sending: dict[socket.socket, list] = {}  # conn -> [unsent bytes, deadline], on the selector
         self._pool = concurrent.futures.ThreadPoolExecutor(REQUEST_THREADS, thread_name_prefix="session-request")
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -128,15 +130,23 @@ class SessionServer:
         selector.register(self._wake_r, selectors.EVENT_READ, "wake")
         backoff, paused_until = BACKOFF_S[0], 0.0
         while not self._closed.is_set():
-            timeout = max(0.0, paused_until - time.monotonic()) if paused_until else None
+            wake_at = min([d for _, d in self._sending.values()] + ([paused_until] if paused_until else []),
+                          default=None)
+            timeout = max(0.0, wake_at - time.monotonic()) if wake_at is not None else None
             for key, _ in selector.select(timeout):
                 try:
                     backoff, paused_until = self._event(selector, key, backoff, paused_until)
                 except Exception:  # never let one event end the only thread that ends leases
                     log.exception("session event on %s failed; going on", self.path)
-            if paused_until and time.monotonic() >= paused_until:
+            now = time.monotonic()
+            if paused_until and now >= paused_until:
                 paused_until = 0.0
                 selector.register(self._listener, selectors.EVENT_READ, "accept")
+            for conn in [c for c, (_, deadline) in self._sending.items() if deadline <= now]:
+                try:
+                    self._give_up_sending(selector, conn, f"it did not read its answer within {SEND_TIMEOUT_S:g} s")
+                except Exception:
+                    log.exception("ending a session on %s failed; going on", self.path)
         selector.close()
 
     def _event(self, selector, key, backoff: float, paused_until: float) -> tuple[float, float]:
@@ -152,6 +162,8 @@ class SessionServer:
         if key.data == "wake":
             self._wake_r.recv(64)
             self._take_back(selector)
+        elif key.data == "send":
+            self._send_more(selector, key.fileobj)
         else:
             self._read(selector, key.fileobj)
         return backoff, paused_until
@@ -221,22 +233,22 @@ class SessionServer:
         """Hands a whole frame in conn's buffer to the pool (taking conn out of the selector until
         it is answered); a frame over MAX_REQUEST ends the session."""
         buffer = self._buffers.get(conn)
-        if buffer is None or len(buffer) < _FRAME.size:
+        if buffer is None or len(buffer) < FRAME.size:
             return
-        length, kind = _FRAME.unpack_from(buffer)
+        length, kind = FRAME.unpack_from(buffer)
         if length > MAX_REQUEST:
             session = self._sockets[conn]
             log.warning("ending the session of pid %d: it sent a %d-byte request (at most %d)", session.pid,
                         length, MAX_REQUEST)
-            _send_frame(conn, ERROR, f"InvalidRequestError: a {length}-byte request is over the limit of "
-                        f"{MAX_REQUEST}".encode(), 0.0)
+            error = f"InvalidRequestError: a {length}-byte request is over the limit of {MAX_REQUEST}".encode()
+            _send_some(conn, memoryview(FRAME.pack(len(error), ERROR) + error))  # what the socket takes
             selector.unregister(conn)
             self._end(conn)
             return
-        if len(buffer) < _FRAME.size + length:
+        if len(buffer) < FRAME.size + length:
             return
-        payload = bytes(buffer[_FRAME.size:_FRAME.size + length])
-        del buffer[:_FRAME.size + length]
+        payload = bytes(buffer[FRAME.size:FRAME.size + length])
+        del buffer[:FRAME.size + length]
         selector.unregister(conn)
         self._pool.submit(self._answer, conn, self._sockets[conn], kind, payload)
 
@@ -249,27 +261,48 @@ class SessionServer:
                 log.exception("session request %r of pid %d failed", chr(kind), session.pid)
             out_kind, out = ERROR, (details(e) if isinstance(e, PreloadError) else
                                     "PreloadError: internal error; see the daemon log").encode()
-        usable = _send_frame(conn, out_kind, out, SEND_TIMEOUT_S)
-        self._answered.put((conn, usable))
+        self._answered.put((conn, _send_some(conn, memoryview(FRAME.pack(len(out), out_kind) + out))))
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
 
     def _take_back(self, selector) -> None:
-        """Conns whose request was answered: back into the selector, or ended if the answer failed."""
+        """Conns whose request was answered: back into the selector to read the next request, or to
+        send the rest of the answer; ended if sending failed."""
         while True:
             try:
-                conn, usable = self._answered.get_nowait()
+                conn, unsent = self._answered.get_nowait()
             except queue.Empty:
                 return
             if conn not in self._sockets:
                 continue
-            if not usable:
+            if unsent is None:
                 self._end(conn)
-                continue
-            selector.register(conn, selectors.EVENT_READ, "session")
-            self._dispatch(selector, conn)  # a frame that came in meanwhile
+            elif unsent:
+                self._sending[conn] = [unsent, time.monotonic() + SEND_TIMEOUT_S]
+                selector.register(conn, selectors.EVENT_WRITE, "send")
+            else:
+                selector.register(conn, selectors.EVENT_READ, "session")
+                self._dispatch(selector, conn)  # a frame that came in meanwhile
+
+    def _send_more(self, selector, conn: socket.socket) -> None:
+        """The client read some of its answer: sends what the socket takes now."""
+        pending = self._sending[conn]
+        pending[0] = _send_some(conn, pending[0])
+        if pending[0] is None:
+            self._give_up_sending(selector, conn, "its connection failed while it was sent an answer")
+        elif not pending[0]:
+            del self._sending[conn]
+            selector.modify(conn, selectors.EVENT_READ, "session")
+            self._dispatch(selector, conn)
+
+    def _give_up_sending(self, selector, conn: socket.socket, why: str) -> None:
+        """An answer the client did not read within SEND_TIMEOUT_S, or could not be sent, ends the session."""
+        del self._sending[conn]
+        selector.unregister(conn)
+        log.warning("ending the session of pid %d: %s", self._sockets[conn].pid, why)
+        self._end(conn)
 
     def _end(self, conn: socket.socket) -> None:
         """Closes a session's connection (out of the selector already) and ends its leases."""
@@ -285,24 +318,17 @@ class SessionServer:
             log.exception("releasing the leases of pid %d failed", session.pid)
 
 
-def _send_frame(conn: socket.socket, kind: int, payload: bytes, timeout: float) -> bool:
-    """Sends one frame on a non-blocking socket within `timeout` seconds; False if it could not."""
-    data = memoryview(_FRAME.pack(len(payload), kind) + payload)
-    deadline = time.monotonic() + timeout
-    poller = select.poll()
-    poller.register(conn, select.POLLOUT)
+def _send_some(conn: socket.socket, data: memoryview) -> memoryview | None:
+    """Sends what a non-blocking socket takes now; returns the rest (empty once all is sent), or
+    None if the connection failed."""
     while data:
         try:
             data = data[conn.send(data):]
-            continue
         except (BlockingIOError, InterruptedError):
-            pass
+            break
         except OSError:
-            return False
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(left * 1000):
-            return False
-    return True
+            return None
+    return data
 
 
 def _send_line(conn: socket.socket, line: str) -> None:
@@ -310,73 +336,6 @@ def _send_line(conn: socket.socket, line: str) -> None:
         conn.send((line[:MAX_LINE - 1] + "\n").encode())  # a fresh socket's buffer takes one short line
     except OSError:
         pass
-
-
-class SessionError(OSError):
-    """The daemon refused a session, or did not answer."""
-
-
-def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socket, str]:
-    """Client side: connects to a daemon's session socket; returns the socket (keep it open for as
-    long as the leases should live) and the token to name in Attach."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-    sock.settimeout(timeout)
-    try:
-        sock.connect(str(path))
-        line = b""
-        while not line.endswith(b"\n") and len(line) < MAX_LINE:
-            chunk = sock.recv(MAX_LINE - len(line))
-            if not chunk:
-                break
-            line += chunk
-    except OSError as e:
-        sock.close()
-        raise SessionError(e.errno or 0, f"cannot open a session on {path}: {e.strerror or e}") from e
-    status, _, rest = line.decode(errors="replace").strip().partition(" ")
-    if status != "OK" or not rest:
-        sock.close()
-        raise SessionError(errno.EACCES if "permission" in rest else errno.ECONNREFUSED,
-                           rest or f"the daemon on {path} closed the session without an answer")
-    return sock, rest
-
-
-def request(sock: socket.socket, kind: int, payload: bytes, timeout: float) -> bytes:
-    """Client side: sends one request frame on an open session and returns the answer's payload;
-    raises SessionError if the daemon closed the session or did not answer within `timeout`, and
-    SessionAnswerError (with the daemon's "ErrorClass: message") for an error answer. A payload
-    over MAX_REQUEST is refused here with InvalidRequestError: the daemon would end the session."""
-    if len(payload) > MAX_REQUEST:
-        raise InvalidRequestError(f"the request is {len(payload)} bytes, over the session's limit of {MAX_REQUEST}; "
-                                  "name fewer checkpoint files in it")
-    sock.settimeout(timeout)
-    try:
-        sock.sendall(_FRAME.pack(len(payload), kind) + payload)
-        length, answer_kind = _FRAME.unpack(_recv_exactly(sock, _FRAME.size))
-        if length > MAX_RESPONSE:
-            raise SessionError(errno.EPROTO, f"the daemon answered with {length} bytes (at most {MAX_RESPONSE})")
-        data = _recv_exactly(sock, length)
-    except OSError as e:
-        if isinstance(e, SessionError):
-            raise
-        raise SessionError(e.errno or errno.EPIPE, f"the session broke: {e.strerror or e}") from e
-    if answer_kind == ERROR:
-        raise SessionAnswerError(data.decode(errors="replace"))
-    return data
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray(n)
-    view, done = memoryview(out), 0
-    while done < n:
-        got = sock.recv_into(view[done:])
-        if not got:
-            raise SessionError(errno.EPIPE, "the daemon closed the session")
-        done += got
-    return bytes(out)
-
-
-class SessionAnswerError(Exception):
-    """The daemon answered a session request with an error ("ErrorClass: message")."""
 
 
 def session_path(socket_path: pathlib.Path) -> pathlib.Path:

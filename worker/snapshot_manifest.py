@@ -95,7 +95,8 @@ def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     """Why the daemon cannot give the restored engine its weights back ("" when it can): it must
     hold the snapshot's version with the same cache key and digest, and, for an engine that
     followed the active version, that version must still be the active one."""
-    from preload_daemon.sessions import ATTACH, SessionAnswerError, SessionError, open_session, request, session_path
+    from preload_daemon.session_client import SessionAnswerError, SessionError, open_session, request
+    from preload_daemon.sessions import ATTACH, session_path
     from protos import preload_pb2 as pb
     engine, model = manifest["engine"], manifest["engine"]["model"]
     key = model["cache_key"]

@@ -15,7 +15,8 @@ import pytest
 
 from preload_daemon.client import DaemonClient
 from preload_daemon.plan import LoadSpec
-from preload_daemon.sessions import SessionError, SessionServer, open_session, session_path
+from preload_daemon.session_client import SessionError, open_session
+from preload_daemon.sessions import SessionServer, session_path
 from tests.conftest import REPO, wait_until
 
 
@@ -82,6 +83,49 @@ def test_accept_errors_back_off_and_recover(sessions, caplog):
     assert sessions.get(token) is not None
     sock.close()
 
+
+
+def test_clients_that_stop_reading_hold_no_thread_and_end_after_the_send_timeout(tmp_path, monkeypatch, caplog):
+    """What of an answer the socket cannot take at once is sent by the selector thread as the client
+    reads. More clients that stop reading than there are request threads (processes stopped with
+    SIGSTOP or frozen by their cgroup) delay no one else; one that reads again gets its whole
+    answer and is served on; one that closes is ended at once, and one that never reads after
+    SEND_TIMEOUT_S."""
+    import struct
+
+    from preload_daemon import sessions as sessions_module
+    from preload_daemon.session_client import _recv_exactly, request
+    from preload_daemon.sessions import ATTACH, REQUEST_THREADS
+    monkeypatch.setattr(sessions_module, "SEND_TIMEOUT_S", 3.0)
+    answer = os.urandom(1 << 20) * 4  # far over what a socket's buffers hold
+    server = SessionServer(tmp_path / "session-cpu-0.sock", lambda session: None,
+                           on_request=lambda session, kind, payload: answer)
+    server.start()
+    frozen = [open_session(server.path) for _ in range(REQUEST_THREADS + 2)]
+    try:
+        for sock, _ in frozen:
+            sock.sendall(struct.pack(">IB", 0, ATTACH))  # and then reads nothing
+        sock, token = open_session(server.path)
+        assert request(sock, ATTACH, b"", 2.0) == answer  # within 2 s: not after a frozen one's 3 s
+        assert all(server.get(t) for _, t in frozen)
+
+        reader = frozen[0][0]
+        reader.settimeout(10)
+        assert struct.unpack(">IB", _recv_exactly(reader, 5)) == (len(answer), ATTACH)
+        assert _recv_exactly(reader, len(answer)) == answer
+        assert request(reader, ATTACH, b"", 10) == answer
+        frozen[1][0].close()
+        wait_until(lambda: server.get(frozen[1][1]) is None, timeout=5, what="a closed client's session to end")
+        wait_until(lambda: not any(server.get(t) for _, t in frozen[2:]), timeout=15,
+                   what="the sessions that never read to end")
+        assert server.get(frozen[0][1]) and server.get(token)
+        assert "did not read its answer within 3 s" in caplog.text
+        assert request(sock, ATTACH, b"", 10) == answer
+        sock.close()
+    finally:
+        for s, _ in frozen:
+            s.close()
+        server.close()
 
 def lowest_free_fd() -> int:
     n = 0
@@ -187,7 +231,8 @@ def test_attach_travels_on_the_session_and_bad_frames_get_clear_errors(daemon, t
     import struct
 
     from preload_daemon.errors import InvalidRequestError, NotFoundError
-    from preload_daemon.sessions import ATTACH, MAX_REQUEST, SessionAnswerError, request
+    from preload_daemon.session_client import SessionAnswerError, request
+    from preload_daemon.sessions import ATTACH, MAX_REQUEST
     from protos import preload_pb2 as pb
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
     script = ("import sys\nfrom preload_daemon.client import DaemonClient\n"
