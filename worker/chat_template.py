@@ -1,7 +1,9 @@
 """A checkpoint's chat template is code that comes with the checkpoint, i.e. untrusted input: it is
 rendered in Jinja's immutable sandbox, as transformers does, with the helpers real templates call
 (`raise_exception`, `strftime_now`, transformers' `tojson`), and with bounds on its size, on the
-size of what it renders and on the values it may build on the way."""
+size of what it renders and on the values it may build on the way. The engine renders in a child
+process that runs this module (template_process.py), so that what these bounds cannot stop costs
+that child."""
 
 import contextlib
 import datetime
@@ -59,12 +61,13 @@ def compile_template(source: str, origin: str) -> jinja2.Template:
                               "fix it or replace it with the model's published template") from None
 
 
-def render_template(template: jinja2.Template, origin: str, **context) -> str:
-    """The rendered prompt, stopped once over MAX_PROMPT_CHARS or MAX_RENDER_SECONDS. Whatever goes
-    wrong inside the template becomes a PreloadError whose message says whose fault it is."""
+def render_template(template: jinja2.Template, origin: str, context: dict,
+                    seconds: float = MAX_RENDER_SECONDS) -> str:
+    """The rendered prompt, stopped once over MAX_PROMPT_CHARS or `seconds`. Whatever goes wrong
+    inside the template becomes a PreloadError whose message says whose fault it is."""
     pieces, size = [], 0
     try:
-        with _deadline(MAX_RENDER_SECONDS):
+        with _deadline(seconds):
             for piece in template.generate(**context):
                 size += len(piece)
                 if size > MAX_PROMPT_CHARS:
@@ -75,7 +78,7 @@ def render_template(template: jinja2.Template, origin: str, **context) -> str:
     except PreloadError:
         raise
     except RenderTimeout:
-        raise CheckpointError(f"{origin}: the chat template ran for more than {MAX_RENDER_SECONDS:g} s on these "
+        raise CheckpointError(f"{origin}: the chat template ran for more than {seconds:g} s on these "
                               "messages and was stopped (real ones take milliseconds); the template is broken or "
                               "malicious: replace it with the model's published template") from None
     except TemplateRaised as e:

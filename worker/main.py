@@ -23,6 +23,7 @@ from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
 from preload_daemon.safepath import read_regular
+from worker import template_process
 from worker.config import EngineConfig
 from worker.engine import Engine
 from worker.http_limits import BoundedH11
@@ -262,6 +263,8 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
             state.draft = built.draft
             state.keep_leases(config.device, config.runtime_dir)
+            if tokenizer is not None and tokenizer.has_chat_template:
+                template_process.RENDERER.start()  # now, not on the first chat request
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             log.error("engine for %s failed to start: %s", state.name, reason)

@@ -9,8 +9,8 @@ naming a control socket (worker/control.py) to connect to. Over that socket:
     resume:   resume (standard streams, where to listen, the canary to match) -> ready | error
 
 The quiet point: the HTTP server has drained and closed (no listening socket, no connection), the
-scheduler is parked, the greedy canary has run alone, the daemon session is closed (the lease
-ends) and every slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages
+scheduler is parked, the greedy canary has run alone, the chat template's renderer process
+(worker/template_process.py) has ended, the daemon session is closed (the lease ends) and every slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages
 are given back, stdin/stdout/stderr are /dev/null, and the only thread that wakes is the agent's,
 blocked on the pipe. A snapshot of the process then holds engine state only.
 
@@ -35,7 +35,7 @@ import torch
 
 import preload_daemon
 from kernels import native
-from worker import control
+from worker import control, template_process
 from worker.requests import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -227,6 +227,7 @@ class Quiescer:
         if not engine.pause(max(deadline - time.monotonic(), 1.0)):
             raise RuntimeError(f"requests still running after {drain:g}s of draining")
         canary = run_canary(engine, state.tokenizer)
+        template_process.RENDERER.stop()  # the next chat request after a resume starts a new one
         for keeper in state.keepers:
             keeper.stop(join=True)
         for attached in (w.attached for w in state.attachments()):
@@ -288,6 +289,8 @@ class Quiescer:
         print(json.dumps(body), flush=True)
         if conn is not None:
             control.send(conn, {"ready": body, "timings": timings})
+        if self.state.tokenizer is not None and self.state.tokenizer.has_chat_template:
+            template_process.RENDERER.start()  # after ready: not on the restore's path
 
     def _fail(self, conn, reason: str) -> None:
         """Resuming failed: say why and end the process (it must not serve what it cannot vouch for)."""

@@ -9,7 +9,8 @@ import tokenizers
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
 from preload_daemon.hfconfig import load_json
 from preload_daemon.safepath import inside, read_regular
-from worker.chat_template import compile_template, read_template, render_template
+from worker.chat_template import compile_template, read_template
+from worker.template_process import RENDERER
 
 TOKENIZER_MAX_BYTES = 256 << 20
 """Largest tokenizer.json read (real ones are up to a few tens of MiB)."""
@@ -37,8 +38,9 @@ class Tokenizer:
         if not isinstance(config, dict):
             raise CheckpointError(f"{config_path} is not a JSON object; {FIX}")
         self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
-        source, self._template_origin = read_template(path, config, read)
-        self._template = compile_template(source, self._template_origin) if source is not None else None
+        self._template, self._template_origin = read_template(path, config, read)
+        if self._template is not None:
+            compile_template(self._template, self._template_origin)  # a syntax error fails the load, not a request
 
     @classmethod
     def load(cls, path: pathlib.Path, allow_external: bool = False) -> "Tokenizer | None":
@@ -66,8 +68,13 @@ class Tokenizer:
             text = self._texts[token] = self._tok.decode([token], skip_special_tokens=False)
         return text
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
     def chat_prompt(self, messages: list[dict]) -> str:
+        """The chat template rendered on `messages`, in a child process (worker/template_process.py)."""
         if self._template is None:
             raise InvalidRequestError("this checkpoint has no chat template; send a plain prompt")
-        return render_template(self._template, self._template_origin,
-                               messages=messages, add_generation_prompt=True, **self._special)
+        return RENDERER.render(self._template, self._template_origin,
+                               dict(messages=messages, add_generation_prompt=True, **self._special))

@@ -40,6 +40,9 @@ def run_replicas(model: pathlib.Path, runtime_dir: pathlib.Path, load_format: st
         rows = [memory(pid, "daemon") for pid in daemons] + [memory(engine.proc.pid, "router")]
         rows += [memory(r["engine"]["pid"], f"replica {r['replica']} ({r['engine']['load_format']})")
                  for r in engine.ready["replicas"]]
+        import psutil
+        rows += [memory(child.pid, f"renderer of replica {r['replica']}") for r in engine.ready["replicas"]
+                 for child in psutil.Process(r["engine"]["pid"]).children()]  # its chat template's process
         return rows
     finally:
         engine.stop()

@@ -44,6 +44,11 @@ def complete(url: str, body: dict = PROMPT) -> str:
     return post(f"{url}/v1/completions", body)["choices"][0]["text"]
 
 
+def chat(url: str) -> str:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    return post(f"{url}/v1/chat/completions", body)["choices"][0]["message"]["content"]
+
+
 def get_ready(url: str) -> dict:
     with urllib.request.urlopen(f"{url}/ready", timeout=10) as response:
         return json.load(response)
@@ -104,17 +109,23 @@ def served(default_model):
 
 @pytest.fixture(scope="module")
 def snap(served):
-    """A snapshot of the served engine, taken while it serves (it goes on serving)."""
+    """A snapshot of the served engine, taken while it serves (it goes on serving), after a chat
+    request started its template renderer (a child process, which the quiet point ends)."""
     before = complete(served["engine"].url)
+    assert chat(served["engine"].url)
+    renderers = psutil.Process(served["engine"].proc.pid).children(recursive=True)
+    assert [" ".join(p.cmdline()[1:3]) for p in renderers] == ["-m worker.template_process"]
     directory = served["runtime"] / "snap"
     run = run_preload("snapshot", "create", "--engine", served["engine"].url, "--dir", directory, "--json",
                       runtime_dir=served["runtime"], timeout=180)
     assert run.returncode == 0, run.stderr
-    return {"dir": directory, "manifest": json.loads(run.stdout), "text": before}
+    return {"dir": directory, "manifest": json.loads(run.stdout), "text": before, "renderers": renderers}
 
 
 @needs_criu
 def test_create_keeps_the_original_serving_and_records_the_manifest(served, snap):
+    # The chat template's renderer, started before the snapshot, ended at the quiet point.
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in snap["renderers"])
     manifest = snap["manifest"]
     engine, model = manifest["engine"], manifest["engine"]["model"]
     assert (model["name"], model["version"]) == (served["model"].name, 1)
@@ -171,6 +182,7 @@ def test_two_restores_serve_beside_the_original(served, snap):
     assert first.ready["pid"] != second.ready["pid"] and first.ready["port"] != second.ready["port"]
     assert len(restore_processes(served["runtime"])) == running + 2
     assert complete(first.url) == complete(second.url) == snap["text"]
+    assert chat(first.url) == chat(second.url) == chat(served["engine"].url)  # each starts its own renderer
     assert complete(served["engine"].url) == snap["text"]  # and the original, which still runs
 
 
