@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import pathlib
+import shutil
 import statistics
 import subprocess
 import sys
@@ -219,6 +220,9 @@ def run(args) -> int:
     finally:
         daemon.terminate()
         daemon.wait()
+        from preload_daemon.config import DaemonConfig
+        shutil.rmtree(DaemonConfig(runtime_dir=runtime).shm_dir, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     result = {"machine": machine.measure(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
               "targets": {"attach_ms": f"{ATTACH_FIXED_MS:g} + {ATTACH_PER_TENSOR_MS * 1e3:g} us x tensors",
                           "cold_share": COLD_SHARE}, "digest_GBps": digest_throughput()}
