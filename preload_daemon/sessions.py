@@ -21,8 +21,9 @@ small pool; while one runs, its connection is out of the selector. The pool thre
 the answer the socket takes at once (all of it, but for the largest manifests) and hands the rest
 to the selector thread, which sends it as the client reads: a client that stops reading (stopped
 with SIGSTOP, frozen by its cgroup, stuck in a debugger) holds no pool thread, and its session ends
-once its answer has waited SEND_TIMEOUT_S. The number of sessions is capped, with a clear refusal.
-accept() errors (EMFILE, say) are logged and retried with back-off, never fatal.
+once its answer has waited SEND_TIMEOUT_S (or sooner, longest waiting first, when unread answers
+hold over UNSENT_BUDGET). The number of sessions is capped, with a clear refusal. accept() errors
+(EMFILE, say) are logged and retried with back-off, never fatal.
 """
 
 import concurrent.futures
@@ -51,6 +52,7 @@ FRAME = struct.Struct(">IB")  # payload length, kind
 MAX_REQUEST = 1 << 20  # an AttachRequest names at most a few thousand files
 MAX_RESPONSE = 1 << 30
 SEND_TIMEOUT_S = 10.0
+UNSENT_BUDGET = 256 << 20  # answers the selector thread holds for clients that have not read them
 REQUEST_THREADS = 4
 ERROR = ord("E")
 ATTACH = ord("A")  # an AttachRequest; answered with an AttachResponse
@@ -277,14 +279,29 @@ class SessionServer:
                 return
             if conn not in self._sockets:
                 continue
-            if unsent is None:
-                self._end(conn)
-            elif unsent:
-                self._sending[conn] = [unsent, time.monotonic() + SEND_TIMEOUT_S]
-                selector.register(conn, selectors.EVENT_WRITE, "send")
-            else:
-                selector.register(conn, selectors.EVENT_READ, "session")
-                self._dispatch(selector, conn)  # a frame that came in meanwhile
+            try:
+                if unsent is None:
+                    self._end(conn)
+                elif unsent:
+                    self._sending[conn] = [unsent, time.monotonic() + SEND_TIMEOUT_S]
+                    selector.register(conn, selectors.EVENT_WRITE, "send")
+                    self._within_budget(selector)
+                else:
+                    selector.register(conn, selectors.EVENT_READ, "session")
+                    self._dispatch(selector, conn)  # a frame that came in meanwhile
+            except Exception:  # a session this thread does not watch would outlive its client unseen
+                log.exception("taking back a session on %s failed; ending it", self.path)
+                self._discard(selector, conn)
+
+    def _within_budget(self, selector) -> None:
+        """Unread answers held past UNSENT_BUDGET end the sessions that have held theirs longest."""
+        unsent = sum(len(data) for data, _ in self._sending.values())
+        for conn in sorted(self._sending, key=lambda c: self._sending[c][1])[:-1]:
+            if unsent <= UNSENT_BUDGET:
+                return
+            unsent -= len(self._sending[conn][0])
+            self._give_up_sending(selector, conn, f"unread answers held over {UNSENT_BUDGET >> 20} MiB of the "
+                                                  "daemon's memory, and its answer had waited longest")
 
     def _send_more(self, selector, conn: socket.socket) -> None:
         """The client read some of its answer: sends what the socket takes now."""
@@ -298,11 +315,19 @@ class SessionServer:
             self._dispatch(selector, conn)
 
     def _give_up_sending(self, selector, conn: socket.socket, why: str) -> None:
-        """An answer the client did not read within SEND_TIMEOUT_S, or could not be sent, ends the session."""
-        del self._sending[conn]
-        selector.unregister(conn)
+        """An answer the client did not read in time, or that could not be sent, ends the session."""
         log.warning("ending the session of pid %d: %s", self._sockets[conn].pid, why)
-        self._end(conn)
+        self._discard(selector, conn)
+
+    def _discard(self, selector, conn: socket.socket) -> None:
+        """Ends a session whatever state it is in."""
+        self._sending.pop(conn, None)
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        if conn in self._sockets:
+            self._end(conn)
 
     def _end(self, conn: socket.socket) -> None:
         """Closes a session's connection (out of the selector already) and ends its leases."""

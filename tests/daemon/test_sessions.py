@@ -114,8 +114,9 @@ def test_clients_that_stop_reading_hold_no_thread_and_end_after_the_send_timeout
         assert struct.unpack(">IB", _recv_exactly(reader, 5)) == (len(answer), ATTACH)
         assert _recv_exactly(reader, len(answer)) == answer
         assert request(reader, ATTACH, b"", 10) == answer
-        frozen[1][0].close()
-        wait_until(lambda: server.get(frozen[1][1]) is None, timeout=5, what="a closed client's session to end")
+        frozen[1][0].close()  # ended at once, not at the send timeout
+        wait_until(lambda: server.get(frozen[1][1]) is None, timeout=1, what="a closed client's session to end")
+        assert "its connection failed while it was sent an answer" in caplog.text
         wait_until(lambda: not any(server.get(t) for _, t in frozen[2:]), timeout=15,
                    what="the sessions that never read to end")
         assert server.get(frozen[0][1]) and server.get(token)
@@ -125,6 +126,33 @@ def test_clients_that_stop_reading_hold_no_thread_and_end_after_the_send_timeout
     finally:
         for s, _ in frozen:
             s.close()
+        server.close()
+
+
+def test_unread_answers_past_the_budget_end_the_sessions_that_waited_longest(tmp_path, monkeypatch, caplog):
+    """Each session that stops reading holds one unread answer: without a bound, 200 of them held
+    800 MiB of the daemon's memory for SEND_TIMEOUT_S."""
+    import struct
+
+    from preload_daemon import sessions as sessions_module
+    from preload_daemon.sessions import ATTACH
+    monkeypatch.setattr(sessions_module, "UNSENT_BUDGET", 6 << 20)
+    answer = os.urandom(1 << 20) * 4
+    server = SessionServer(tmp_path / "session-cpu-0.sock", lambda session: None,
+                           on_request=lambda session, kind, payload: answer)
+    server.start()
+    frozen = [open_session(server.path) for _ in range(3)]
+    try:
+        for sock, token in frozen:
+            sock.sendall(struct.pack(">IB", 0, ATTACH))
+            wait_until(lambda: token in {getattr(server._sockets.get(c), "token", "") for c in list(server._sending)},
+                       timeout=5, what="its answer to wait")
+        wait_until(lambda: [bool(server.get(t)) for _, t in frozen] == [False, False, True], timeout=5,
+                   what="the two sessions that waited longest to end")
+        assert "unread answers held over 6 MiB of the daemon's memory" in caplog.text
+    finally:
+        for sock, _ in frozen:
+            sock.close()
         server.close()
 
 def lowest_free_fd() -> int:
