@@ -8,6 +8,7 @@ import dataclasses
 from preload_daemon.errors import InvalidRequestError
 from worker.requests import SamplingParams
 from worker.sampling import MAX_TOP_LOGPROBS
+from worker.template_bounds import MAX_PROMPT_CHARS
 
 MAX_N = 16
 MAX_STOPS = 16
@@ -147,7 +148,7 @@ def parse_messages(messages) -> list[dict]:
     text parts, joined)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
-    out = []
+    out, chars = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidRequestError(f"messages[{i}] must be an object with a role")
@@ -167,4 +168,8 @@ def parse_messages(messages) -> list[dict]:
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
         role = "system" if message["role"] == "developer" else message["role"]
         out.append({"role": role, "content": content})
+        chars += len(content)
+    if chars > MAX_PROMPT_CHARS:  # their prompt would be: refused before they go to the template
+        raise InvalidRequestError(f"the messages hold {chars} characters in all, over the {MAX_PROMPT_CHARS}-character "
+                                  "limit of a prompt; send shorter messages")
     return out

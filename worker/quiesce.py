@@ -9,8 +9,8 @@ naming a control socket (worker/control.py) to connect to. Over that socket:
     resume:   resume (standard streams, where to listen, the canary to match) -> ready | error
 
 The quiet point: the HTTP server has drained and closed (no listening socket, no connection), the
-scheduler is parked, the greedy canary has run alone, the chat template's renderer process
-(worker/template_process.py) has ended, the daemon session is closed (the lease ends) and every slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages
+scheduler is parked, the greedy canary has run alone, the chat template's renderer processes
+(worker/template_process.py) have ended, the daemon session is closed (the lease ends) and every slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages
 are given back, stdin/stdout/stderr are /dev/null, and the only thread that wakes is the agent's,
 blocked on the pipe. A snapshot of the process then holds engine state only.
 
@@ -227,7 +227,7 @@ class Quiescer:
         if not engine.pause(max(deadline - time.monotonic(), 1.0)):
             raise RuntimeError(f"requests still running after {drain:g}s of draining")
         canary = run_canary(engine, state.tokenizer)
-        template_process.RENDERER.stop()  # the next chat request after a resume starts a new one
+        template_process.RENDERER.stop()  # and renders refused until the resume
         for keeper in state.keepers:
             keeper.stop(join=True)
         for attached in (w.attached for w in state.attachments()):
@@ -260,6 +260,7 @@ class Quiescer:
                 if expected is not None and (problem := canary_mismatch(expected, canary)):
                     raise RuntimeError(f"the canary differs after the restore: {problem}")
             engine.resume()
+            template_process.RENDERER.start(spawn=False)  # renders allowed again before the server listens
             for keeper in self.state.keepers:
                 keeper.stop()
             self.state.keep_leases(self.config.device, self.config.runtime_dir)

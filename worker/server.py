@@ -17,6 +17,7 @@ from worker.chat_template import MAX_PROMPT_CHARS
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
+from worker.template_process import RendererBusyError
 
 MAX_BODY_BYTES = 64 << 20
 """Largest request body read (the prompt text is at most 8 Mi characters, as UTF-8 up to 32 MiB)."""
@@ -68,6 +69,8 @@ def build_app(state: WorkerState) -> Starlette:
             run = Generation(state, prompts, texts, options, chat)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
+        except RendererBusyError as e:
+            return error(503, str(e), "unavailable")
         except PreloadError as e:  # the checkpoint's chat template failed: not the request's fault
             return error(500, str(e), "server_error")
         if options.stream:  # a choice that fails ends with finish_reason "error: ..."

@@ -1,21 +1,25 @@
-"""Chat templates rendered in a child process: what the in-process bounds of chat_template.py cannot
-stop costs that child, not the engine.
+"""Chat templates rendered in child processes: what the in-process bounds of chat_template.py cannot
+stop costs a child, not the engine.
 
 Those bounds stop a template's own loops (a deadline traced on its lines) and any one value that
 grows too big. They cannot stop work that runs inside one long call into C or a library (hashing or
 comparing a huge nested literal, sorting 100,000 items), nor many legal steps that add up to
-gigabytes. So each render runs in one long-lived child (`python -m worker.template_process`, which
-imports Jinja and not torch: about 80 ms to start), whose address space is limited to MEMORY_LIMIT
-and which is killed when a render has not answered KILL_MARGIN_S after its own deadline; the next
-render starts a new one. The child renders one request at a time, in chat_template.py's sandbox,
-with its bounds and its error messages; it exits when its parent does.
+gigabytes. So renders run in long-lived children (`python -m worker.template_process`, which import
+Jinja and not torch: about 80 ms to start, 14 MiB), each limited to MEMORY_LIMIT of address space
+and killed when a render has not answered KILL_MARGIN_S after its own deadline. A child renders one
+request at a time, in chat_template.py's sandbox, with its bounds and its error messages, and exits
+when its parent does.
 
-The parent side is one TemplateProcess per engine process (RENDERER), started at the first render
-or by start(); the snapshot's quiet point stops it (a snapshot holds no child), and the first render
-after a resume starts a new one. Frames on the child's stdin and stdout: a 4-byte big-endian length,
-then JSON."""
+The parent side is one TemplateProcess per engine process (RENDERER): a pool of at most
+MAX_CHILDREN children, so that one slow render (a legal chat of 300,000 messages takes the whole
+5 s) holds up one child, not every chat request. A request waits at most as long as a render may
+take for a free child, then gets RendererBusyError (a 503). The engine starts one child once it is
+ready; the snapshot's quiet point stops them all (stop(), which holds until start(): a render that
+was waiting is refused rather than starting a child the snapshot would hold). Frames on a child's
+stdin and stdout: a 4-byte big-endian length, then UTF-8 JSON."""
 
 import atexit
+import ctypes
 import json
 import logging
 import os
@@ -31,93 +35,187 @@ from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadE
 from worker import chat_template
 from worker.template_bounds import MAX_PROMPT_CHARS
 
+MAX_CHILDREN = 4
 MEMORY_LIMIT = 1 << 30
-"""The child's address space (RLIMIT_AS): a render that needs more fails with MemoryError."""
+"""A child's address space (RLIMIT_AS): a render that needs more fails with MemoryError."""
 KILL_MARGIN_S = 2.0
-"""The child's own deadline stops a template's loops after chat_template.MAX_RENDER_SECONDS with a
-clear error; a render not answered this much later is stuck in one call, and the child is killed."""
+"""A child's own deadline stops a template's loops after chat_template.MAX_RENDER_SECONDS (counted
+from when it has the request) with a clear error; a render not answered this much later is stuck in
+one call, and its child is killed."""
 MAX_FRAME = 8 * MAX_PROMPT_CHARS + (64 << 20)
-"""Largest frame either side reads: a request (messages from a body of at most 64 MiB), or a
-rendered prompt of at most MAX_PROMPT_CHARS characters, as UTF-8 JSON (control characters escaped
-to 6 bytes)."""
+"""Largest frame either side reads: a request (messages of at most MAX_PROMPT_CHARS characters in
+all, openai_api.parse_messages) or a rendered prompt, as UTF-8 JSON (control characters escaped to
+6 bytes)."""
+TRIM_AFTER = 16 << 20
+"""A child hands the memory of a frame this big back to the system once it has answered."""
 log = logging.getLogger(__name__)
 _LENGTH = struct.Struct(">I")
 _FIX = "the template is broken or malicious: replace it with the model's published template"
 _ERRORS = {"CheckpointError": CheckpointError, "InvalidRequestError": InvalidRequestError}
 
 
+class RendererBusyError(PreloadError):
+    """No renderer was free in time, or the engine is pausing for a snapshot: try again."""
+
+
 class TemplateProcess:
-    """Renders chat templates in the child; one render at a time, from any thread."""
+    """Renders chat templates in a pool of children, from any thread."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._cond = threading.Condition()
+        self._idle: list[_Child] = []
+        self._busy: set[_Child] = set()
+        self._paused = False
 
-    def start(self) -> None:
-        """Starts the child now rather than at the first render (which it would otherwise delay by
-        about 80 ms); a failure is logged, and the first render reports it."""
-        with self._lock:
-            try:
-                self._running()
-            except PreloadError as e:
-                log.warning("%s; chat requests will fail until it can start", e)
+    def start(self, spawn: bool = True) -> None:
+        """Lets renders run again (after stop()) and, with `spawn`, starts a child now rather than at
+        the first render (which it would otherwise delay by about 80 ms); a failure is logged, and
+        the first render reports it."""
+        with self._cond:
+            self._paused = False
+            if spawn and not self._idle and not self._busy:
+                try:
+                    self._idle.append(_Child())
+                except PreloadError as e:
+                    log.warning("%s; chat requests will fail until it can start", e)
 
-    def stop(self) -> None:
-        with self._lock:
-            self._kill()
+    def stop(self, wait: float = 5.0) -> None:
+        """Ends every child, the busy ones too (their renders fail, and their threads reap them,
+        which this waits for up to `wait` seconds), and refuses renders until start()."""
+        with self._cond:
+            self._paused = True
+            for child in self._idle:
+                child.kill()
+            self._idle.clear()
+            for child in self._busy:
+                child.signal_kill()
+            self._cond.notify_all()
+            deadline = time.monotonic() + wait
+            while self._busy and deadline > time.monotonic():
+                self._cond.wait(deadline - time.monotonic())
+            if self._busy:
+                log.warning("%d chat template renderers were not reaped within %g s", len(self._busy), wait)
 
     def render(self, source: str, origin: str, context: dict) -> str:
         """The template rendered on `context` (JSON values), or the PreloadError that says why not."""
         seconds = chat_template.MAX_RENDER_SECONDS  # read now: tests shorten it
-        request = {"source": source, "origin": origin, "context": context, "seconds": seconds}
-        kill_after = seconds + KILL_MARGIN_S
-        with self._lock:
-            proc = self._running()
-            deadline = time.monotonic() + kill_after
+        request = _encode({"source": source, "origin": origin, "context": context, "seconds": seconds})
+        for attempt in (1, 2):
+            child = self._acquire(seconds + KILL_MARGIN_S)
             try:
-                _write_frame(proc.stdin.fileno(), _encode(request), deadline)
-                reply = _decode(_read_frame(proc.stdout.fileno(), deadline))
-            except TimeoutError:
-                self._kill()
-                raise CheckpointError(f"{origin}: the chat template ran for more than {kill_after:g} s on these "
-                                      f"messages and its renderer was killed (real ones take milliseconds); "
-                                      f"{_FIX}") from None
-            except (OSError, EOFError, ValueError) as e:
-                how = self._kill(grace=1.0)
-                raise CheckpointError(f"{origin}: the chat template's renderer died on these messages ({how or e}); "
-                                      f"{_FIX}") from None
+                reply = child.render(request, seconds + KILL_MARGIN_S, origin)
+                break
+            except _DiedUnread:  # before it read the request: not this request's doing
+                if attempt == 2:
+                    raise CheckpointError(f"{origin}: the chat template's renderer died before it could render "
+                                          "these messages, twice; see the engine's log") from None
+            except CheckpointError:
+                if self._paused:
+                    raise RendererBusyError("the engine is pausing for a snapshot; send the request again") from None
+                raise
+            finally:
+                self._release(child)
         if "text" in reply:
             return reply["text"]
         raise _ERRORS.get(reply.get("error"), CheckpointError)(reply.get("message", "the chat template failed"))
 
-    def _running(self) -> subprocess.Popen:
-        if self._proc is not None and self._proc.poll() is None:
-            return self._proc
-        self._kill()  # reaps one that died between renders
-        try:
-            self._proc = subprocess.Popen([sys.executable, "-m", "worker.template_process", str(os.getpid())],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        except OSError as e:
-            raise PreloadError(f"cannot start the chat template's renderer process ({e})") from None
-        os.set_blocking(self._proc.stdin.fileno(), False)
-        return self._proc
+    def _acquire(self, wait: float) -> "_Child":
+        deadline = time.monotonic() + wait
+        with self._cond:
+            while True:
+                if self._paused:
+                    raise RendererBusyError("the engine is pausing for a snapshot; send the request again")
+                while self._idle:
+                    child = self._idle.pop()
+                    if child.alive():
+                        self._busy.add(child)
+                        return child
+                    child.kill()  # died between renders: reaped here
+                if len(self._busy) < MAX_CHILDREN:
+                    child = _Child()
+                    self._busy.add(child)
+                    return child
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RendererBusyError(f"all {MAX_CHILDREN} chat template renderers stayed busy for {wait:g} s; "
+                                            "send the request again")
+                self._cond.wait(left)
 
-    def _kill(self, grace: float = 0.0) -> str:
-        """Ends the child if there is one, after `grace` seconds to end on its own (one that closed
-        its output is dying); says how it ended, if it did so on its own."""
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return ""
+    def _release(self, child: "_Child") -> None:
+        with self._cond:
+            self._busy.discard(child)
+            if child.alive() and not self._paused:
+                self._idle.append(child)
+            else:
+                child.kill()
+            self._cond.notify()
+
+
+class _DiedUnread(Exception):
+    """The child's end of the request pipe was closed before the request was written."""
+
+
+class _Child:
+    """One renderer process; used by one thread at a time."""
+
+    def __init__(self):
         try:
-            code = proc.wait(grace) if grace else proc.poll()
+            self.proc = subprocess.Popen([sys.executable, "-m", "worker.template_process", str(os.getpid())],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        except OSError as e:
+            raise PreloadError(f"cannot start a chat template renderer process ({e})") from None
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self.dead = False
+
+    def alive(self) -> bool:
+        return not self.dead and self.proc.poll() is None
+
+    def signal_kill(self) -> None:
+        """From any thread: the thread rendering on this child finds it dead, reaps it and closes
+        its pipes (closing them here could close descriptor numbers that thread reuses)."""
+        self.proc.kill()
+
+    def render(self, request: bytes, within: float, origin: str) -> dict:
+        """Sends the request and reads the reply; the reply must come `within` seconds of the child
+        having the request (the write has its own such deadline). Kills the child on any failure."""
+        try:
+            _write_frame(self.proc.stdin.fileno(), request, time.monotonic() + within)
+        except BrokenPipeError:
+            self.kill(grace=1.0)
+            raise _DiedUnread() from None
+        except (OSError, TimeoutError) as e:
+            raise self._failed(origin, e, within) from None
+        try:
+            return _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
+        except (OSError, EOFError, TimeoutError, ValueError) as e:
+            raise self._failed(origin, e, within) from None
+
+    def _failed(self, origin: str, error: Exception, within: float) -> CheckpointError:
+        if isinstance(error, TimeoutError):
+            self.kill()
+            return CheckpointError(f"{origin}: the chat template did not finish within {within:g} s on these "
+                                   f"messages and its renderer was killed (real ones take milliseconds); {_FIX}")
+        how = self.kill(grace=1.0)
+        return CheckpointError(f"{origin}: the chat template's renderer died on these messages ({how or error}); "
+                               f"{_FIX}")
+
+    def kill(self, grace: float = 0.0) -> str:
+        """Ends the child, after `grace` seconds to end on its own (one that closed its output is
+        dying), reaps it and closes its pipes; says how it ended, if it did so on its own. Only by
+        the thread that holds the child (or the pool, for an idle one); idempotent."""
+        if self.dead:
+            return ""
+        self.dead = True
+        try:
+            code = self.proc.wait(grace) if grace else self.proc.poll()
         except subprocess.TimeoutExpired:
             code = None
         if code is None:
-            proc.kill()
-            proc.wait()
-        proc.stdin.close()
-        proc.stdout.close()
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
         if code is None:
             return ""
         if code == 0:
@@ -190,9 +288,10 @@ def _child(parent: int) -> None:
     templates: dict = {}  # compiled, by source: an engine has one, a test many
     while True:
         try:
-            request = _decode(_read_frame(0, None))
+            frame = _read_frame(0, None)
         except EOFError:
             return
+        request = _decode(frame)
         try:
             template = templates.get(request["source"])
             if template is None:
@@ -209,6 +308,9 @@ def _child(parent: int) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(out, view):]
+        if len(frame) + len(data) > TRIM_AFTER:  # else the child keeps the peak of its largest render
+            del frame, request, reply, data, view
+            ctypes.CDLL(None).malloc_trim(0)
 
 
 if __name__ == "__main__":

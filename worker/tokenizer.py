@@ -16,6 +16,8 @@ TOKENIZER_MAX_BYTES = 256 << 20
 """Largest tokenizer.json read (real ones are up to a few tens of MiB)."""
 TOKENIZER_CONFIG_MAX_BYTES = 16 << 20
 """Largest tokenizer_config.json read (real ones are KiB to a few MiB)."""
+MAX_SPECIAL_TOKEN_CHARS = 1024
+"""Longest bos_token or eos_token handed to the chat template (real ones are a few characters)."""
 FIX = "fix or re-export tokenizer.json and tokenizer_config.json"
 
 
@@ -37,7 +39,7 @@ class Tokenizer:
             if os.path.lexists(config_path) else {}
         if not isinstance(config, dict):
             raise CheckpointError(f"{config_path} is not a JSON object; {FIX}")
-        self._special = {k: config.get(k) or "" for k in ("bos_token", "eos_token")}
+        self._special = {k: _special_token(config, k, config_path) for k in ("bos_token", "eos_token")}
         self._template, self._template_origin = read_template(path, config, read)
         if self._template is not None:
             compile_template(self._template, self._template_origin)  # a syntax error fails the load, not a request
@@ -78,3 +80,16 @@ class Tokenizer:
             raise InvalidRequestError("this checkpoint has no chat template; send a plain prompt")
         return RENDERER.render(self._template, self._template_origin,
                                dict(messages=messages, add_generation_prompt=True, **self._special))
+
+
+def _special_token(config: dict, key: str, where: pathlib.Path) -> str:
+    """A special token's text for the chat template, as transformers gives it: a string, or the
+    content of a serialized AddedToken; anything else (a checkpoint's 8M-item list went to every
+    chat request) is refused when the tokenizer loads."""
+    value = config.get(key) or ""
+    if isinstance(value, dict):
+        value = value.get("content", "")
+    if not isinstance(value, str) or len(value) > MAX_SPECIAL_TOKEN_CHARS:
+        raise CheckpointError(f"{where}: {key} must be a string (or an object with a string content) of at most "
+                              f"{MAX_SPECIAL_TOKEN_CHARS} characters; {FIX}")
+    return value

@@ -291,11 +291,16 @@ def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
     (b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "the text cannot be tokenized"),
     (b'{"prompt": "' + b"a" * ((8 << 20) + 1) + b'", "max_tokens": 1}', 400, "over 8388608 characters"),
+    (b'{"messages": [' + b",".join([b'{"role": "user", "content": "' + b"a" * (1 << 20) + b'"}'] * 9) + b"]}", 400,
+     "the messages hold 9437184 characters in all, over the 8388608-character limit"),
 ])
 def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, status, message):
     """Before: a traceback and a plain-text 500 (deep nesting), the tokenizer's 'TextInputSequence
-    must be str' (a lone surrogate), and 8 s of tokenizing on the event loop before the length check."""
-    request = urllib.request.Request(default_engine.url + "/v1/completions", raw, {"Content-Type": "application/json"})
+    must be str' (a lone surrogate), 8 s of tokenizing on the event loop before the length check,
+    and chat messages of 64 MiB sent whole to the template's renderer (a second of the engine's
+    time to encode)."""
+    path = "/v1/chat/completions" if raw.startswith(b'{"messages"') else "/v1/completions"
+    request = urllib.request.Request(default_engine.url + path, raw, {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(request, timeout=60)
     answer = json.load(err.value)

@@ -1,6 +1,7 @@
-"""Chat templates render in a child process (worker/template_process.py): what the in-process bounds
-cannot stop (a stuck call, many legal steps that add up to gigabytes) costs the child, which is
-killed or fails, never the engine, and the next render gets a new child."""
+"""Chat templates render in child processes (worker/template_process.py): what the in-process
+bounds cannot stop (a stuck call, many legal steps that add up to gigabytes) costs a child, which is
+killed or fails, never the engine; the next render gets a new child, and one slow render holds up
+one child, not every chat."""
 
 import os
 import signal
@@ -15,21 +16,31 @@ import pytest
 from preload_daemon.errors import CheckpointError
 from tests.conftest import REPO, wait_until
 from tests.worker.test_tokenizer_template import CHATML, USER, assert_one_line, checkpoint, render
-from worker import template_process
-from worker.template_process import RENDERER
+from worker import chat_template, template_process
+from worker.template_process import RENDERER, RendererBusyError
 from worker.tokenizer import Tokenizer
 
 ONE_CHAT = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"  # hours
 # Each step is legal (a string under the 8 Mi bound, a list of 200 items), and together they hold
 # 200 x 8 MB: 1.6 GB, which an in-process render would have taken from the engine.
-LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"  # hours
 ADDS_UP = ("{% set ns = namespace(kept=[]) %}{% for i in range(200) %}"
            "{% set ns.kept = ns.kept + ['x' * 8000000 + i|string] %}{% endfor %}{{ ns.kept|length }}")
 
 
-def child() -> psutil.Process:
+@pytest.fixture(autouse=True)
+def one_child():
+    """Each test starts with one idle renderer."""
+    RENDERER.stop()
     RENDERER.start()
-    return psutil.Process(RENDERER._proc.pid)
+    yield
+    RENDERER.stop()
+    RENDERER.start()
+
+
+def renderers(of: psutil.Process | None = None) -> list[psutil.Process]:
+    return [c for c in (of or psutil.Process()).children() if "worker.template_process" in c.cmdline()
+            and c.status() != psutil.STATUS_ZOMBIE]
 
 
 def gone(process: psutil.Process) -> bool:
@@ -37,6 +48,19 @@ def gone(process: psutil.Process) -> bool:
         return process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def in_thread(function, *args) -> tuple[threading.Thread, list]:
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(function(*args))
+        except Exception as e:
+            outcome.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
 
 
 def test_memory_that_adds_up_fails_in_the_child_not_here(tmp_path):
@@ -49,36 +73,87 @@ def test_memory_that_adds_up_fails_in_the_child_not_here(tmp_path):
 
 
 def test_a_render_that_does_not_answer_is_killed_and_the_next_gets_a_new_child(tmp_path, monkeypatch):
-    """The child's own deadline stops a template's loops; the kill is for what that deadline cannot
+    """A child's own deadline stops a template's loops; the kill is for what that deadline cannot
     reach (one long call). A negative margin makes the kill come first here."""
     monkeypatch.setattr(template_process, "KILL_MARGIN_S", -4.5)  # killed 0.5 s after it was sent
-    first = child()
+    [first] = renderers()
     started = time.monotonic()
-    with pytest.raises(CheckpointError, match=r"ran for more than 0.5 s on these messages and its renderer was "
-                                              r"killed") as e:
+    with pytest.raises(CheckpointError, match=r"did not finish within 0.5 s on these messages and its renderer "
+                                              r"was killed") as e:
         render(tmp_path, LOOPS)
     assert_one_line(e)
     assert time.monotonic() - started < 5
     assert gone(first)
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
-    assert RENDERER._proc.pid != first.pid
+    assert [c.pid for c in renderers()] != [first.pid]
 
 
 def test_a_child_that_died_between_renders_is_replaced(tmp_path):
-    first = child()
-    first.kill()
-    wait_until(lambda: gone(first), what="the renderer to die")
-    assert render(tmp_path, CHATML).endswith(ONE_CHAT)
-    assert RENDERER._proc.pid != first.pid
+    """Found dead when taken (reaped), or when the request is written to it (not reaped yet)."""
+    for wait in (True, False):
+        [first] = renderers()
+        first.kill()
+        if wait:
+            wait_until(lambda: gone(first), what="the renderer to die")
+        assert render(tmp_path, CHATML).endswith(ONE_CHAT)
+        assert first.pid not in [c.pid for c in renderers()]
 
 
 def test_a_child_that_dies_mid_render_fails_that_render_only(tmp_path):
-    first = child()
+    [first] = renderers()
     killer = threading.Timer(0.5, first.kill)  # as the OOM killer would
     killer.start()
     with pytest.raises(CheckpointError, match=r"renderer died on these messages \(killed by signal 9\)") as e:
         render(tmp_path, LOOPS)
     assert_one_line(e)
+    assert render(tmp_path, CHATML).endswith(ONE_CHAT)
+
+
+def test_a_slow_render_holds_up_one_child_not_every_chat(tmp_path):
+    """A legal but slow chat (here a template's loops, stopped at the 5 s deadline) once made every
+    other chat request wait behind it."""
+    tokenizer = Tokenizer.load(checkpoint(tmp_path / "slow", LOOPS))
+    fast = Tokenizer.load(checkpoint(tmp_path / "fast", CHATML))
+    slow, outcome = in_thread(tokenizer.chat_prompt, USER)
+    time.sleep(0.3)  # the slow render has its child
+    assert fast.chat_prompt(USER).endswith(ONE_CHAT)
+    assert slow.is_alive()  # answered while the slow one still ran
+    slow.join(30)
+    assert isinstance(outcome[0], CheckpointError) and "ran for more than 5 s" in str(outcome[0])
+
+
+def test_requests_wait_for_a_free_child_a_bounded_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(template_process, "MAX_CHILDREN", 1)
+    tokenizer = Tokenizer.load(checkpoint(tmp_path / "slow", LOOPS))
+    slow, _ = in_thread(tokenizer.chat_prompt, USER)  # holds the only child up to 5 s
+    time.sleep(0.3)
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)  # this request waits 0.3 + 2 s at most
+    started = time.monotonic()
+    with pytest.raises(RendererBusyError, match="all 1 chat template renderers stayed busy for 2.3 s"):
+        render(tmp_path, CHATML)
+    assert time.monotonic() - started < 4.5
+    slow.join(30)
+
+
+def test_stop_ends_every_child_and_refuses_renders_until_start(tmp_path, monkeypatch):
+    """The snapshot's quiet point: a render running, and one waiting for a child, are refused (the
+    waiting one once started a new child right after stop(), which the snapshot then held)."""
+    monkeypatch.setattr(template_process, "MAX_CHILDREN", 1)
+    tokenizer = Tokenizer.load(checkpoint(tmp_path / "slow", LOOPS))
+    running, ran = in_thread(tokenizer.chat_prompt, USER)
+    time.sleep(0.3)
+    waiting, waited = in_thread(tokenizer.chat_prompt, USER)
+    time.sleep(0.3)
+    RENDERER.stop()
+    assert renderers() == []  # reaped, the busy one too, by the time stop() returns
+    running.join(10)
+    waiting.join(10)
+    for outcome in (ran, waited):
+        assert isinstance(outcome[0], RendererBusyError) and "pausing for a snapshot" in str(outcome[0]), outcome
+    assert renderers() == []
+    with pytest.raises(RendererBusyError):
+        render(tmp_path, CHATML)
+    RENDERER.start()
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
 
 
@@ -89,17 +164,19 @@ def test_renders_from_many_threads_take_turns(tmp_path):
     def work() -> None:
         for _ in range(20):
             results.append(tokenizer.chat_prompt(USER))
-    threads = [threading.Thread(target=work) for _ in range(4)]
+    threads = [threading.Thread(target=work) for _ in range(6)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert results == [expected] * 80
+    assert results == [expected] * 120
+    assert 1 <= len(renderers()) <= template_process.MAX_CHILDREN
 
 
 def test_the_child_ends_with_its_parent_even_mid_render():
-    script = ("import sys\nfrom worker import chat_template\nfrom worker.template_process import RENDERER\n"
-              "chat_template.MAX_RENDER_SECONDS = 600\nRENDERER.start()\nprint(RENDERER._proc.pid, flush=True)\n"
+    script = ("import psutil\nfrom worker import chat_template\nfrom worker.template_process import RENDERER\n"
+              "chat_template.MAX_RENDER_SECONDS = 600\nRENDERER.start()\n"
+              "print(psutil.Process().children()[0].pid, flush=True)\n"
               f"RENDERER.render({LOOPS!r}, 'a test', {{}})\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
     try:
@@ -120,4 +197,4 @@ def test_messages_pass_through_unchanged(tmp_path):
     text = "a\x00b \ud800 \U0001f600 " + "é" * 1000
     messages = [{"role": "user", "content": text}]
     assert render(tmp_path, "{{ messages[0]['content'] }}", messages) == text
-    assert os.getpid() != RENDERER._proc.pid
+    assert os.getpid() not in [c.pid for c in renderers()]

@@ -294,6 +294,21 @@ def test_a_tokenizer_file_linking_out_of_the_checkpoint_is_refused_unless_allowe
     assert Tokenizer.load(path, allow_external=True).chat_prompt(USER).endswith("<|im_start|>assistant\n")
 
 
+def test_special_tokens_are_strings_or_added_tokens(tmp_path):
+    """What the template gets as bos_token and eos_token, as transformers gives them; anything else
+    is refused at load (an 8M-item list went to the renderer with every chat request)."""
+    path = checkpoint(tmp_path / "model", "{{ bos_token }}|{{ eos_token }}")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["bos_token"] = {"content": "<s>", "lstrip": False, "__type": "AddedToken"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert Tokenizer.load(path).chat_prompt(USER) == "<s>|<|im_end|>"
+    for bad in ([1] * 1000, "x" * 1025, {"content": 7}):
+        config["eos_token"] = bad
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match="eos_token must be a string"):
+            Tokenizer.load(path)
+
+
 def test_oversized_and_malformed_tokenizer_files_are_refused(tmp_path, monkeypatch):
     path = checkpoint(tmp_path / "model", CHATML)
     monkeypatch.setattr("worker.tokenizer.TOKENIZER_CONFIG_MAX_BYTES", 100)
