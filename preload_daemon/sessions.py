@@ -294,12 +294,13 @@ class SessionServer:
                 self._discard(selector, conn)
 
     def _within_budget(self, selector) -> None:
-        """Unread answers held past UNSENT_BUDGET end the sessions that have held theirs longest."""
-        unsent = sum(len(data) for data, _ in self._sending.values())
+        """Unread answers held past UNSENT_BUDGET end the sessions that have held theirs longest. An
+        answer holds its whole frame until it is sent (what is left is a view of it)."""
+        unsent = sum(len(data.obj) for data, _ in self._sending.values())
         for conn in sorted(self._sending, key=lambda c: self._sending[c][1])[:-1]:
             if unsent <= UNSENT_BUDGET:
                 return
-            unsent -= len(self._sending[conn][0])
+            unsent -= len(self._sending[conn][0].obj)
             self._give_up_sending(selector, conn, f"unread answers held over {UNSENT_BUDGET >> 20} MiB of the "
                                                   "daemon's memory, and its answer had waited longest")
 

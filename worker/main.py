@@ -257,14 +257,15 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             if quiet is not None:  # a snapshot's resume listens where this engine does (--port 0 included)
                 quiet.listen["port"] = where
             tokenizer = Tokenizer.load(config.model, config.allow_external_links)
+            # Before ready, which a snapshot waits for: its quiet point stops what these start.
+            state.weights, state.draft = built.weights, built.draft
+            state.keep_leases(config.device, config.runtime_dir)
+            if tokenizer is not None and tokenizer.has_chat_template:
+                template_process.RENDERER.warm()  # now, not on the first chat request
             body = state.set_ready(built.weights, engine, tokenizer, built.ranks)
             print(json.dumps({"event": "ready", "port": where if not uds else 0, "uds": uds, **body}), flush=True)
             log.info("engine for %s ready on %s (%s%s)", state.name, where, built.weights.load_format,
                      f", fell back: {built.weights.fallback_reason}" if built.weights.fallback_reason else "")
-            state.draft = built.draft
-            state.keep_leases(config.device, config.runtime_dir)
-            if tokenizer is not None and tokenizer.has_chat_template:
-                template_process.RENDERER.start()  # now, not on the first chat request
         except Exception as e:
             reason = f"{type(e).__name__}: {e}"
             log.error("engine for %s failed to start: %s", state.name, reason)

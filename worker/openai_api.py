@@ -11,6 +11,7 @@ from worker.sampling import MAX_TOP_LOGPROBS
 from worker.template_bounds import MAX_PROMPT_CHARS
 
 MAX_N = 16
+MAX_MESSAGES = 65_536  # a chat's messages (their text is bounded too: MAX_PROMPT_CHARS in all)
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1024
 
@@ -148,6 +149,8 @@ def parse_messages(messages) -> list[dict]:
     text parts, joined)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+    if len(messages) > MAX_MESSAGES:
+        raise InvalidRequestError(f"{len(messages)} messages is over the limit of {MAX_MESSAGES}; send fewer")
     out, chars = [], 0
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):

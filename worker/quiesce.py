@@ -260,7 +260,7 @@ class Quiescer:
                 if expected is not None and (problem := canary_mismatch(expected, canary)):
                     raise RuntimeError(f"the canary differs after the restore: {problem}")
             engine.resume()
-            template_process.RENDERER.start(spawn=False)  # renders allowed again before the server listens
+            template_process.RENDERER.resume()  # renders allowed again before the server listens
             for keeper in self.state.keepers:
                 keeper.stop()
             self.state.keep_leases(self.config.device, self.config.runtime_dir)
@@ -291,7 +291,7 @@ class Quiescer:
         if conn is not None:
             control.send(conn, {"ready": body, "timings": timings})
         if self.state.tokenizer is not None and self.state.tokenizer.has_chat_template:
-            template_process.RENDERER.start()  # after ready: not on the restore's path
+            template_process.RENDERER.warm()  # after ready: not on the restore's path
 
     def _fail(self, conn, reason: str) -> None:
         """Resuming failed: say why and end the process (it must not serve what it cannot vouch for)."""

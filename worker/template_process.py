@@ -11,15 +11,17 @@ request at a time, in chat_template.py's sandbox, with its bounds and its error 
 when its parent does.
 
 The parent side is one TemplateProcess per engine process (RENDERER): a pool of at most
-MAX_CHILDREN children, so that one slow render (a legal chat of 300,000 messages takes the whole
-5 s) holds up one child, not every chat request. A request waits at most as long as a render may
-take for a free child, then gets RendererBusyError (a 503). The engine starts one child once it is
-ready; the snapshot's quiet point stops them all (stop(), which holds until start(): a render that
-was waiting is refused rather than starting a child the snapshot would hold). Frames on a child's
-stdin and stdout: a 4-byte big-endian length, then UTF-8 JSON."""
+MAX_CHILDREN children, so that one slow render (a template's own loops, up to the 5 s deadline; a
+chat of 65,536 one-character messages takes 1.3 s in ChatML) holds up one child, not every chat. A
+request waits at most as long as a render may take for a free child, then gets RendererBusyError
+(a 503). The engine starts one child as it becomes ready (warm()); the snapshot's quiet point stops
+them all (stop(), which holds until resume(): a render that was waiting is refused rather than
+starting a child the snapshot would hold). Frames on a child's stdin and stdout: a 4-byte
+big-endian length, then UTF-8 JSON."""
 
 import atexit
 import ctypes
+import fcntl
 import json
 import logging
 import os
@@ -28,6 +30,7 @@ import select
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -46,6 +49,9 @@ MAX_FRAME = 8 * MAX_PROMPT_CHARS + (64 << 20)
 """Largest frame either side reads: a request (messages of at most MAX_PROMPT_CHARS characters in
 all, openai_api.parse_messages) or a rendered prompt, as UTF-8 JSON (control characters escaped to
 6 bytes)."""
+PIPE_BYTES = 1 << 20
+"""Each pipe's buffer (the default 64 KiB made a request of MiBs thousands of writes, each a wait
+for the GIL behind the engine's other threads)."""
 TRIM_AFTER = 16 << 20
 """A child hands the memory of a frame this big back to the system once it has answered."""
 log = logging.getLogger(__name__)
@@ -67,21 +73,24 @@ class TemplateProcess:
         self._busy: set[_Child] = set()
         self._paused = False
 
-    def start(self, spawn: bool = True) -> None:
-        """Lets renders run again (after stop()) and, with `spawn`, starts a child now rather than at
-        the first render (which it would otherwise delay by about 80 ms); a failure is logged, and
-        the first render reports it."""
+    def warm(self) -> None:
+        """Starts a child now rather than at the first render (which it would delay by about 80 ms),
+        unless one runs or the pool is stopped; a failure is logged, and the first render reports it."""
         with self._cond:
-            self._paused = False
-            if spawn and not self._idle and not self._busy:
+            if not self._paused and not self._idle and not self._busy:
                 try:
                     self._idle.append(_Child())
                 except PreloadError as e:
                     log.warning("%s; chat requests will fail until it can start", e)
 
+    def resume(self) -> None:
+        """Lets renders run again after stop()."""
+        with self._cond:
+            self._paused = False
+
     def stop(self, wait: float = 5.0) -> None:
         """Ends every child, the busy ones too (their renders fail, and their threads reap them,
-        which this waits for up to `wait` seconds), and refuses renders until start()."""
+        which this waits for up to `wait` seconds), and refuses renders until resume()."""
         with self._cond:
             self._paused = True
             for child in self._idle:
@@ -152,7 +161,7 @@ class TemplateProcess:
 
 
 class _DiedUnread(Exception):
-    """The child's end of the request pipe was closed before the request was written."""
+    """The child died before it read the whole request: not that request's doing."""
 
 
 class _Child:
@@ -165,6 +174,11 @@ class _Child:
                                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         except OSError as e:
             raise PreloadError(f"cannot start a chat template renderer process ({e})") from None
+        for pipe in (self.proc.stdin, self.proc.stdout):  # a request or reply of MiBs in a few writes
+            try:
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:  # over /proc/sys/fs/pipe-max-size: the default (64 KiB) works, slower
+                pass
         os.set_blocking(self.proc.stdin.fileno(), False)
         self.dead = False
 
@@ -180,16 +194,21 @@ class _Child:
         """Sends the request and reads the reply; the reply must come `within` seconds of the child
         having the request (the write has its own such deadline). Kills the child on any failure."""
         try:
-            _write_frame(self.proc.stdin.fileno(), request, time.monotonic() + within)
-        except BrokenPipeError:
-            self.kill(grace=1.0)
-            raise _DiedUnread() from None
-        except (OSError, TimeoutError) as e:
-            raise self._failed(origin, e, within) from None
-        try:
-            return _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
-        except (OSError, EOFError, TimeoutError, ValueError) as e:
-            raise self._failed(origin, e, within) from None
+            try:
+                _write_frame(self.proc.stdin.fileno(), request, time.monotonic() + within)
+            except BrokenPipeError:
+                raise _DiedUnread() from None
+            except (OSError, TimeoutError) as e:
+                raise self._failed(origin, e, within) from None
+            try:
+                return _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
+            except (OSError, EOFError, TimeoutError, ValueError) as e:
+                if not isinstance(e, TimeoutError) and _unread(self.proc.stdin.fileno()):
+                    raise _DiedUnread() from None  # it died before it had all of the request
+                raise self._failed(origin, e, within) from None
+        except BaseException:
+            self.kill(grace=1.0)  # whatever went wrong (a MemoryError here too), no reply is half read
+            raise
 
     def _failed(self, origin: str, error: Exception, within: float) -> CheckpointError:
         if isinstance(error, TimeoutError):
@@ -235,6 +254,14 @@ def _encode(value) -> bytes:
 
 def _decode(data: bytes):
     return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+def _unread(fd: int) -> int:
+    """Bytes written into a pipe that its reader has not taken."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def _write_frame(fd: int, data: bytes, deadline: float) -> None:

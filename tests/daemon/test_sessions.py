@@ -129,12 +129,16 @@ def test_clients_that_stop_reading_hold_no_thread_and_end_after_the_send_timeout
         server.close()
 
 
-def test_unread_answers_past_the_budget_end_the_sessions_that_waited_longest(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("read_first", [0, 3 << 20])
+def test_unread_answers_past_the_budget_end_the_sessions_that_waited_longest(tmp_path, monkeypatch, caplog,
+                                                                              read_first):
     """Each session that stops reading holds one unread answer: without a bound, 200 of them held
-    800 MiB of the daemon's memory for SEND_TIMEOUT_S."""
+    800 MiB of the daemon's memory for SEND_TIMEOUT_S. One that reads most of its answer first
+    still holds all of it (what is left to send is a view of the whole frame)."""
     import struct
 
     from preload_daemon import sessions as sessions_module
+    from preload_daemon.session_client import _recv_exactly
     from preload_daemon.sessions import ATTACH
     monkeypatch.setattr(sessions_module, "UNSENT_BUDGET", 6 << 20)
     answer = os.urandom(1 << 20) * 4
@@ -145,6 +149,7 @@ def test_unread_answers_past_the_budget_end_the_sessions_that_waited_longest(tmp
     try:
         for sock, token in frozen:
             sock.sendall(struct.pack(">IB", 0, ATTACH))
+            _recv_exactly(sock, read_first)
             wait_until(lambda: token in {getattr(server._sockets.get(c), "token", "") for c in list(server._sending)},
                        timeout=5, what="its answer to wait")
         wait_until(lambda: [bool(server.get(t)) for _, t in frozen] == [False, False, True], timeout=5,

@@ -293,6 +293,8 @@ def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
     (b'{"prompt": "' + b"a" * ((8 << 20) + 1) + b'", "max_tokens": 1}', 400, "over 8388608 characters"),
     (b'{"messages": [' + b",".join([b'{"role": "user", "content": "' + b"a" * (1 << 20) + b'"}'] * 9) + b"]}", 400,
      "the messages hold 9437184 characters in all, over the 8388608-character limit"),
+    (b'{"messages": [' + b",".join([b'{"role": "user", "content": ""}'] * 65_537) + b"]}", 400,
+     "65537 messages is over the limit of 65536"),
 ])
 def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, status, message):
     """Before: a traceback and a plain-text 500 (deep nesting), the tokenizer's 'TextInputSequence

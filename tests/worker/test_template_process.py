@@ -32,10 +32,11 @@ ADDS_UP = ("{% set ns = namespace(kept=[]) %}{% for i in range(200) %}"
 def one_child():
     """Each test starts with one idle renderer."""
     RENDERER.stop()
-    RENDERER.start()
+    RENDERER.resume()
+    RENDERER.warm()
     yield
     RENDERER.stop()
-    RENDERER.start()
+    RENDERER.resume()
 
 
 def renderers(of: psutil.Process | None = None) -> list[psutil.Process]:
@@ -135,7 +136,7 @@ def test_requests_wait_for_a_free_child_a_bounded_time(tmp_path, monkeypatch):
     slow.join(30)
 
 
-def test_stop_ends_every_child_and_refuses_renders_until_start(tmp_path, monkeypatch):
+def test_stop_ends_every_child_and_refuses_renders_until_resume(tmp_path, monkeypatch):
     """The snapshot's quiet point: a render running, and one waiting for a child, are refused (the
     waiting one once started a new child right after stop(), which the snapshot then held)."""
     monkeypatch.setattr(template_process, "MAX_CHILDREN", 1)
@@ -153,7 +154,9 @@ def test_stop_ends_every_child_and_refuses_renders_until_start(tmp_path, monkeyp
     assert renderers() == []
     with pytest.raises(RendererBusyError):
         render(tmp_path, CHATML)
-    RENDERER.start()
+    RENDERER.warm()  # as the engine's start-up may, late: starts nothing while stopped
+    assert renderers() == []
+    RENDERER.resume()
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
 
 
@@ -175,7 +178,7 @@ def test_renders_from_many_threads_take_turns(tmp_path):
 
 def test_the_child_ends_with_its_parent_even_mid_render():
     script = ("import psutil\nfrom worker import chat_template\nfrom worker.template_process import RENDERER\n"
-              "chat_template.MAX_RENDER_SECONDS = 600\nRENDERER.start()\n"
+              "chat_template.MAX_RENDER_SECONDS = 600\nRENDERER.warm()\n"
               "print(psutil.Process().children()[0].pid, flush=True)\n"
               f"RENDERER.render({LOOPS!r}, 'a test', {{}})\n")
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
