@@ -218,10 +218,8 @@ def run(args) -> int:
             if args.tp_gb and gb == args.tp_gb:
                 tp_row = tp2(path, args.repeats, row)
     finally:
-        daemon.terminate()
+        daemon.terminate()  # a graceful stop: the daemon frees its slabs and removes its /dev/shm directory
         daemon.wait()
-        from preload_daemon.config import DaemonConfig
-        shutil.rmtree(DaemonConfig(runtime_dir=runtime).shm_dir, ignore_errors=True)
         shutil.rmtree(runtime, ignore_errors=True)
     result = {"machine": machine.measure(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
               "targets": {"attach_ms": f"{ATTACH_FIXED_MS:g} + {ATTACH_PER_TENSOR_MS * 1e3:g} us x tensors",

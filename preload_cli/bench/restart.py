@@ -227,10 +227,8 @@ def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1, kind: str
             return self
 
         def __exit__(self, *exc) -> None:
-            from preload_daemon.config import DaemonConfig
             for process in self.processes:
                 process.stop()
-            shutil.rmtree(DaemonConfig(runtime_dir=self.runtime_dir).shm_dir, ignore_errors=True)
             shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
     return Daemon()
