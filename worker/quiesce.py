@@ -10,9 +10,10 @@ naming a control socket (worker/control.py) to connect to. Over that socket:
 
 The quiet point: the HTTP server has drained and closed (no listening socket, no connection), the
 scheduler is parked, the greedy canary has run alone, the chat template's renderer processes
-(worker/template_process.py) have ended, the daemon session is closed (the lease ends) and every slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages
-are given back, stdin/stdout/stderr are /dev/null, and the only thread that wakes is the agent's,
-blocked on the pipe. A snapshot of the process then holds engine state only.
+(worker/template_process.py) have ended, the daemon session is closed (the lease ends) and every
+slab mapping is an empty reservation (AttachedModel.suspend), the KV cache's pages are given back,
+stdin/stdout/stderr are /dev/null, and the only thread that wakes is the agent's, blocked on the
+pipe. A snapshot of the process then holds engine state only.
 
 Resuming re-attaches the same weights at the same addresses (AttachedModel.resume: same key, digest
 and layout, or the engine exits), re-runs the canary and compares it with the snapshot's, then
