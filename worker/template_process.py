@@ -50,8 +50,11 @@ MAX_FRAME = 8 * MAX_PROMPT_CHARS + (64 << 20)
 all, openai_api.parse_messages) or a rendered prompt, as UTF-8 JSON (control characters escaped to
 6 bytes)."""
 PIPE_BYTES = 1 << 20
-"""Each pipe's buffer (the default 64 KiB made a request of MiBs thousands of writes, each a wait
-for the GIL behind the engine's other threads)."""
+"""A pipe's buffer while a frame over the default crosses it (64 KiB made a request of MiBs
+thousands of writes, each a wait for the GIL behind the engine's other threads), and set back
+after: the kernel counts pipe buffers against a per-user allowance (pipe-user-pages-soft, 64 MiB),
+past which every new pipe of that user gets 8 KiB."""
+DEFAULT_PIPE = 64 << 10
 TRIM_AFTER = 16 << 20
 """A child hands the memory of a frame this big back to the system once it has answered."""
 log = logging.getLogger(__name__)
@@ -174,11 +177,6 @@ class _Child:
                                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         except OSError as e:
             raise PreloadError(f"cannot start a chat template renderer process ({e})") from None
-        for pipe in (self.proc.stdin, self.proc.stdout):  # a request or reply of MiBs in a few writes
-            try:
-                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:  # over /proc/sys/fs/pipe-max-size: the default (64 KiB) works, slower
-                pass
         os.set_blocking(self.proc.stdin.fileno(), False)
         self.dead = False
 
@@ -193,19 +191,27 @@ class _Child:
     def render(self, request: bytes, within: float, origin: str) -> dict:
         """Sends the request and reads the reply; the reply must come `within` seconds of the child
         having the request (the write has its own such deadline). Kills the child on any failure."""
+        fd, big = self.proc.stdin.fileno(), len(request) > DEFAULT_PIPE
         try:
+            if big:
+                _resize(fd, PIPE_BYTES)
             try:
-                _write_frame(self.proc.stdin.fileno(), request, time.monotonic() + within)
+                _write_frame(fd, request, time.monotonic() + within)
             except BrokenPipeError:
                 raise _DiedUnread() from None
-            except (OSError, TimeoutError) as e:
+            except TimeoutError:
+                raise _stalled(within) from None
+            except OSError as e:
                 raise self._failed(origin, e, within) from None
             try:
-                return _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
+                reply = _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
             except (OSError, EOFError, TimeoutError, ValueError) as e:
-                if not isinstance(e, TimeoutError) and _unread(self.proc.stdin.fileno()):
-                    raise _DiedUnread() from None  # it died before it had all of the request
+                if _unread(fd):  # it never had all of the request: the template did not run
+                    raise (_stalled(within) if isinstance(e, TimeoutError) else _DiedUnread()) from None
                 raise self._failed(origin, e, within) from None
+            if big:
+                _resize(fd, DEFAULT_PIPE)  # empty: the child read it all
+            return reply
         except BaseException:
             self.kill(grace=1.0)  # whatever went wrong (a MemoryError here too), no reply is half read
             raise
@@ -254,6 +260,18 @@ def _encode(value) -> bytes:
 
 def _decode(data: bytes):
     return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+def _stalled(within: float) -> RendererBusyError:
+    return RendererBusyError(f"a chat template renderer did not take the request within {within:g} s (is the host "
+                             "overloaded?); send it again")
+
+
+def _resize(fd: int, size: int) -> None:
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except OSError:  # over pipe-max-size or the user's allowance: the default works, slower
+        pass
 
 
 def _unread(fd: int) -> int:
@@ -313,11 +331,15 @@ def _child(parent: int) -> None:
         os._exit(0)
     threading.Thread(target=watch, daemon=True).start()
     templates: dict = {}  # compiled, by source: an engine has one, a test many
+    raised = False  # the reply pipe, for a reply over its default size
     while True:
         try:
             frame = _read_frame(0, None)
         except EOFError:
             return
+        if raised:  # the parent read the last reply before it sent this request
+            _resize(out, DEFAULT_PIPE)
+            raised = False
         request = _decode(frame)
         try:
             template = templates.get(request["source"])
@@ -331,6 +353,9 @@ def _child(parent: int) -> None:
         except PreloadError as e:
             reply = {"error": type(e).__name__, "message": str(e)}
         data = _encode(reply)
+        if len(data) > DEFAULT_PIPE:
+            _resize(out, PIPE_BYTES)
+            raised = True
         os.write(out, _LENGTH.pack(len(data)))
         view = memoryview(data)
         while view:

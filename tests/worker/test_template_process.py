@@ -110,6 +110,33 @@ def test_a_child_that_dies_mid_render_fails_that_render_only(tmp_path):
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
 
 
+def test_a_child_that_does_not_take_the_request_is_not_the_templates_fault(tmp_path, monkeypatch):
+    """A stopped or starved child never ran the template: a 503 to send it again, not a 500 that
+    says to replace the template."""
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(template_process, "KILL_MARGIN_S", 0.2)
+    [first] = renderers()
+    first.suspend()  # SIGSTOP
+    with pytest.raises(RendererBusyError, match="did not take the request within 0.5 s"):
+        render(tmp_path, CHATML)
+    assert gone(first)
+    assert render(tmp_path, CHATML).endswith(ONE_CHAT)
+
+
+def test_pipes_grow_for_a_big_frame_and_shrink_back(tmp_path):
+    """1 MiB while a frame over 64 KiB crosses, then 64 KiB again: the kernel counts pipe buffers
+    against a per-user allowance, past which every new pipe of the user gets 8 KiB."""
+    import fcntl
+    tokenizer = Tokenizer.load(checkpoint(tmp_path / "model", CHATML))
+    big = [{"role": "user", "content": "x" * (1 << 20)}]
+    assert len(tokenizer.chat_prompt(big)) > 1 << 20
+    [child] = RENDERER._idle
+    assert fcntl.fcntl(child.proc.stdin.fileno(), fcntl.F_GETPIPE_SZ) == 64 << 10
+    tokenizer.chat_prompt(USER)  # the child sets its reply pipe back once the parent has read it
+    assert [fcntl.fcntl(f.fileno(), fcntl.F_GETPIPE_SZ) for f in (child.proc.stdin, child.proc.stdout)] == \
+        [64 << 10] * 2
+
+
 def test_a_slow_render_holds_up_one_child_not_every_chat(tmp_path):
     """A legal but slow chat (here a template's loops, stopped at the 5 s deadline) once made every
     other chat request wait behind it."""
