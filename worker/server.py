@@ -13,10 +13,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from preload_daemon.errors import InvalidRequestError, PreloadError
-from worker.chat_template import MAX_PROMPT_CHARS
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
+from worker.template_bounds import MAX_PROMPT_CHARS
 from worker.template_process import RendererBusyError
 
 MAX_BODY_BYTES = 64 << 20

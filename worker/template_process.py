@@ -123,7 +123,7 @@ class TemplateProcess:
                                           "these messages, twice; see the engine's log") from None
             except CheckpointError:
                 if self._paused:
-                    raise RendererBusyError("the engine is pausing for a snapshot; send the request again") from None
+                    raise _pausing() from None
                 raise
             finally:
                 self._release(child)
@@ -136,7 +136,7 @@ class TemplateProcess:
         with self._cond:
             while True:
                 if self._paused:
-                    raise RendererBusyError("the engine is pausing for a snapshot; send the request again")
+                    raise _pausing()
                 while self._idle:
                     child = self._idle.pop()
                     if child.alive():
@@ -260,6 +260,10 @@ def _encode(value) -> bytes:
 
 def _decode(data: bytes):
     return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+def _pausing() -> RendererBusyError:
+    return RendererBusyError("the engine is pausing for a snapshot; send the request again")
 
 
 def _stalled(within: float) -> RendererBusyError:
