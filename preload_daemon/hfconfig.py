@@ -7,6 +7,7 @@ import math
 import os
 import pathlib
 
+from kernels.rope import ROPE_TYPES, rope_type
 from preload_daemon.errors import CheckpointError
 from preload_daemon.safepath import read_regular, short_repr
 
@@ -79,15 +80,32 @@ def architecture_name(config: dict, source: str) -> str:
 
 
 def check_rope_scaling(scaling: dict, where: str) -> None:
-    """The types of the rope scaling fields the engine reads (kernels/rope.py), so a bad one fails
-    the load, not the engine after it."""
+    """The rope scaling fields the engine reads (kernels/rope.py), checked, so that a bad or an
+    unsupported one fails the load, not the engine after it."""
     kind = scaling.get("rope_type") or scaling.get("type")
     if not isinstance(kind, str):
         raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
+    if rope_type(scaling) not in ROPE_TYPES:
+        raise CheckpointError(f"{where}: rope_type {short_repr(kind)} is not supported; the engine computes "
+                              f"{', '.join(ROPE_TYPES)}")
     int_field(scaling, "original_max_position_embeddings", where)
+    if float_field(scaling, "partial_rotary_factor", where, 1.0) != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor {short_repr(scaling['partial_rotary_factor'])} is "
+                              "not supported (rope over part of each head); only 1.0 is")
+    if kind in ("linear", "llama3", "yarn"):
+        float_field(scaling, "factor", where, None)
     if kind == "llama3":
-        for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        for key in ("low_freq_factor", "high_freq_factor"):
             float_field(scaling, key, where, None)
+        if scaling["low_freq_factor"] == scaling["high_freq_factor"]:
+            raise CheckpointError(f"{where}: low_freq_factor and high_freq_factor are both "
+                                  f"{scaling['low_freq_factor']}; llama3 scaling needs them apart")
+    if kind == "yarn":
+        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if scaling.get(key) is not None:
+                float_field(scaling, key, where, None)
+        if scaling.get("truncate") is not None and not isinstance(scaling["truncate"], bool):
+            raise CheckpointError(f"{where}: truncate must be true or false, got {short_repr(scaling['truncate'])}")
 
 
 def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1,

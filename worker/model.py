@@ -16,7 +16,7 @@ from kernels.dense import Dense
 from kernels.linear import linear
 from kernels.norm import rms_norm
 from kernels.quant import QuantizedWeight
-from kernels.rope import inv_freq, rope_table, rotate
+from kernels.rope import attention_factor, inv_freq, rope_table, rotate
 from preload_daemon.arch import ArchSpec
 from preload_daemon.errors import CheckpointError
 from worker.kv_cache import KVCache, Step, plan_step
@@ -110,8 +110,9 @@ class CausalLM:
         self.device = self.embed.device
         """Where the weights are, and so every activation and the cache (logits come back on the CPU)."""
         self.inv_freq = inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)
+        self.rope_scale = attention_factor(spec.rope_scaling)
         self.dense = Dense(self.device)
-        self._rope = rope_table(self.inv_freq, 0, self.dtype).to(self.device)
+        self._rope = rope_table(self.inv_freq, 0, self.dtype, self.rope_scale).to(self.device)
 
     @classmethod
     def from_config(cls, config: dict, weights: Mapping[str, Weight], tp=None) -> "CausalLM":
@@ -181,7 +182,7 @@ class CausalLM:
         rows = positions.tolist()
         length = max(map(max, rows)) + 1
         if length > self._rope.shape[0]:
-            grown = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype)
+            grown = rope_table(self.inv_freq, max(length, 2 * self._rope.shape[0], 256), self.dtype, self.rope_scale)
             self._rope = grown.to(self.device)
         table = self._rope[positions.reshape(-1)].unsqueeze(1)  # [B * T, 1, 2, D]
         return plan_step(positions, rows, length, slots, cache, table)

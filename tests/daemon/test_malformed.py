@@ -195,6 +195,25 @@ CASES = [
     ("config-rope-factor-a-string", lambda d: edit_config(d, rope_parameters={
         "rope_type": "llama3", "factor": "8", "low_freq_factor": 1, "high_freq_factor": 4}), CheckpointError,
      "config.json rope_parameters: factor must be a positive finite number, got '8'"),
+    ("config-rope-type-dynamic", lambda d: edit_config(d, rope_parameters={"rope_type": "dynamic", "factor": 2.0}),
+     CheckpointError, "rope_type 'dynamic' is not supported; the engine computes default, linear, llama3, yarn"),
+    ("config-rope-scaling-longrope", lambda d: edit_config(
+        d, rope_parameters=None, rope_scaling={"type": "longrope", "factor": 2.0}),
+     CheckpointError, "config.json rope_scaling: rope_type 'longrope' is not supported"),
+    ("config-rope-linear-no-factor", lambda d: edit_config(d, rope_parameters={"rope_type": "linear"}),
+     CheckpointError, "config.json rope_parameters: factor must be a positive finite number, got None"),
+    ("config-rope-yarn-beta-a-string", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_fast": "32"}), CheckpointError,
+     "config.json rope_parameters: beta_fast must be a positive finite number, got '32'"),
+    ("config-rope-yarn-truncate-a-string", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "truncate": "no"}), CheckpointError,
+     "config.json rope_parameters: truncate must be true or false, got 'no'"),
+    ("config-rope-partial-rotary", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), CheckpointError,
+     "partial_rotary_factor 0.5 is not supported"),
+    ("config-rope-llama3-equal-factors", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}), CheckpointError,
+     "low_freq_factor and high_freq_factor are both 2.0"),
     # config.json
     ("config-missing", lambda d: (d / "config.json").unlink(), CheckpointError, "config.json is missing"),
     ("config-not-json", lambda d: (d / "config.json").write_text("{'hidden_size': 64}"), CheckpointError,

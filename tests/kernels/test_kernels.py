@@ -43,8 +43,8 @@ def test_llama3_scaling_changes_only_low_frequencies():
 
 
 def test_unknown_rope_type():
-    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        inv_freq(32, 1e4, {"rope_type": "yarn"})
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not supported; supported: default, linear"):
+        inv_freq(32, 1e4, {"rope_type": "dynamic"})
 
 
 @pytest.mark.parametrize("batch, t, s", [(1, 9, 9), (3, 1, 12), (2, 4, 10)])

@@ -15,9 +15,17 @@ from worker.model import CausalLM, runs
 
 ROPE_LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Scaled so that the prompts' positions reach the dimensions each scaling changes.
+ROPE_LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+ROPE_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+ROPE_YARN_MSCALE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+                    "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False}
 CASES = {
     "llama-gqa": ("llama", {}),
     "llama-tied-llama3-rope": ("llama", {"tie_word_embeddings": True, "rope_parameters": ROPE_LLAMA3}),
+    "llama-linear-rope": ("llama", {"rope_parameters": ROPE_LINEAR}),
+    "qwen2-yarn-rope": ("qwen2", {"rope_parameters": ROPE_YARN}),
+    "qwen3-yarn-mscale-rope": ("qwen3", {"head_dim": 32, "rope_parameters": ROPE_YARN_MSCALE}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
