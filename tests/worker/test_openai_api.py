@@ -6,11 +6,13 @@ import json
 import math
 import re
 import shutil
+import signal
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 
+import psutil
 import pytest
 import torch
 
@@ -308,6 +310,39 @@ def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, st
     answer = json.load(err.value)
     assert err.value.code == status and message in answer["error"]["message"], answer
     assert urllib.request.urlopen(default_engine.url + "/health", timeout=10).status == 200
+
+
+def test_a_renderer_that_does_not_answer_gets_a_503_and_the_next_chat_a_new_one(default_engine):
+    """The chat template renderers (worker/template_process.py) stopped, as by an overloaded host or
+    a debugger: a chat gets a 503 that says to send it again once the render's time has passed (not
+    a 500 blaming the template, nor an answer never sent), and the next chat gets a new renderer."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 4, "temperature": 0}).encode()
+
+    def chat():
+        request = urllib.request.Request(default_engine.url + "/v1/chat/completions", body,
+                                         {"Content-Type": "application/json"})
+        return urllib.request.urlopen(request, timeout=60)
+
+    assert chat().status == 200  # a renderer is running
+    renderers = [c for c in psutil.Process(default_engine.proc.pid).children(recursive=True)
+                 if "worker.template_process" in c.cmdline()]
+    assert renderers
+    for child in renderers:
+        child.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(urllib.error.HTTPError) as err:
+            chat()
+        answer = json.load(err.value)
+        assert err.value.code == 503 and "did not take the request within 7 s" in answer["error"]["message"], answer
+        assert 6 < time.monotonic() - started < 30
+        assert json.load(chat())["choices"][0]["message"]["content"]
+    finally:
+        for child in renderers:
+            if child.is_running():
+                child.send_signal(signal.SIGCONT)
+    psutil.wait_procs(renderers, timeout=10)  # the stopped one was killed, not left behind
+    assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in renderers)
 
 
 def engine_counter(engine, name: str) -> float:
