@@ -54,7 +54,9 @@ def _yarn(freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> to
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return freqs / factor * ramp + freqs * (1 - ramp)
+    keep = 1 - ramp  # in transformers' order of operations, so that the result is bitwise theirs
+    positions = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (factor * positions) * (1 - keep) + freqs * keep
 
 
 def attention_factor(scaling: dict | None) -> float:

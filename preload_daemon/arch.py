@@ -8,8 +8,7 @@ from collections.abc import Callable
 
 from kernels import formats
 from preload_daemon.errors import CheckpointError, PlanError
-from preload_daemon.hfconfig import (MAX_LAYERS, architecture_name, bool_field, check_rope_scaling, float_field,
-                                     int_field)
+from preload_daemon.hfconfig import MAX_LAYERS, architecture_name, bool_field, float_field, int_field, rope_config
 from preload_daemon.safepath import short_repr
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -186,16 +185,9 @@ class ArchSpec:
         if config.get("head_dim") is None and hidden % heads:
             raise CheckpointError(f"{source}: hidden_size={hidden} is not divisible by num_attention_heads={heads}; "
                                   "set head_dim explicitly")
-        for key in ("rope_parameters", "rope_scaling"):
-            if config.get(key) is not None and not isinstance(config[key], dict):
-                raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
-        rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-        rope = config.get(rope_key) or {}
-        scaling = dict(rope) if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
         max_pos = int_field(config, "max_position_embeddings", source, 4096)
-        if scaling is not None:
-            scaling.setdefault("original_max_position_embeddings", max_pos)
-            check_rope_scaling(scaling, f"{source} {rope_key}")
+        head_dim = int_field(config, "head_dim", source, hidden // heads)
+        theta, scaling = rope_config(config, source, head_dim, max_pos)
         eos = config.get("eos_token_id")
         eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
         if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
@@ -207,13 +199,13 @@ class ArchSpec:
                                   f"got {short_repr(dtype)}")
         return cls(
             source=source, architecture=arch, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-            head_dim=int_field(config, "head_dim", source, hidden // heads),
+            head_dim=head_dim,
             intermediate_size=int_field(config, "intermediate_size", source), vocab_size=int_field(config, "vocab_size", source),
             num_layers=int_field(config, "num_hidden_layers", source, maximum=MAX_LAYERS),
             num_mtp_layers=int_field(config, "num_nextn_predict_layers", source, 0, minimum=0, maximum=MAX_LAYERS),
             rms_norm_eps=float_field(config, "rms_norm_eps", source, 1e-6),
-            rope_theta=float_field(rope, "rope_theta", source, float_field(config, "rope_theta", source, 10000.0)),
-            rope_scaling=scaling, tie_word_embeddings=bool_field(config, "tie_word_embeddings", source),
+            rope_theta=theta, rope_scaling=scaling,
+            tie_word_embeddings=bool_field(config, "tie_word_embeddings", source),
             max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=dtype,
             # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
             attention_bias=arch != "Qwen2ForCausalLM" and bool_field(config, "attention_bias", source))

@@ -7,7 +7,7 @@ import math
 import os
 import pathlib
 
-from kernels.rope import ROPE_TYPES, rope_type
+from kernels.rope import ROPE_TYPES, attention_factor, inv_freq
 from preload_daemon.errors import CheckpointError
 from preload_daemon.safepath import read_regular, short_repr
 
@@ -79,33 +79,69 @@ def architecture_name(config: dict, source: str) -> str:
     return archs[0]
 
 
-def check_rope_scaling(scaling: dict, where: str) -> None:
-    """The rope scaling fields the engine reads (kernels/rope.py), checked, so that a bad or an
-    unsupported one fails the load, not the engine after it."""
-    kind = scaling.get("rope_type") or scaling.get("type")
+def rope_config(config: dict, source: str, head_dim: int, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, the scaling dict or None for plain rope) of a config, read as transformers reads
+    it: `rope_scaling` (the older name) over `rope_parameters`, rope_theta and partial_rotary_factor
+    from that dict or else the top level, a top-level original_max_position_embeddings over the
+    dict's (Phi-3 keeps it there). Every field the engine reads (kernels/rope.py) is checked, and
+    the frequencies computed once, so that a bad or an unsupported rope fails the load, not the
+    engine after it."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope, where = config.get(key) or {}, f"{source} {key}"
+    theta = float_field(rope, "rope_theta", where, float_field(config, "rope_theta", source, 10000.0))
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial is not None and partial != 1:
+        raise CheckpointError(f"{source}: partial_rotary_factor {short_repr(partial)} is not supported (rope over "
+                              "part of each head); only 1.0 is")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
     if not isinstance(kind, str):
         raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
-    if rope_type(scaling) not in ROPE_TYPES:
+    if kind not in ROPE_TYPES:
         raise CheckpointError(f"{where}: rope_type {short_repr(kind)} is not supported; the engine computes "
                               f"{', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        _check_frequencies(head_dim, theta, None, where)
+        return theta, None
+    scaling = {**rope, "rope_type": kind}
+    if kind in ("llama3", "yarn") and config.get("original_max_position_embeddings") is not None:
+        scaling["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    scaling.setdefault("original_max_position_embeddings", max_positions)
     int_field(scaling, "original_max_position_embeddings", where)
-    if float_field(scaling, "partial_rotary_factor", where, 1.0) != 1.0:
-        raise CheckpointError(f"{where}: partial_rotary_factor {short_repr(scaling['partial_rotary_factor'])} is "
-                              "not supported (rope over part of each head); only 1.0 is")
-    if kind in ("linear", "llama3", "yarn"):
-        float_field(scaling, "factor", where, None)
+    scaling["factor"] = float_field(scaling, "factor", where, None)
     if kind == "llama3":
-        for key in ("low_freq_factor", "high_freq_factor"):
-            float_field(scaling, key, where, None)
-        if scaling["low_freq_factor"] == scaling["high_freq_factor"]:
-            raise CheckpointError(f"{where}: low_freq_factor and high_freq_factor are both "
-                                  f"{scaling['low_freq_factor']}; llama3 scaling needs them apart")
+        low, high = (float_field(scaling, k, where, None) for k in ("low_freq_factor", "high_freq_factor"))
+        if low == high:
+            raise CheckpointError(f"{where}: low_freq_factor and high_freq_factor are both {low}; llama3 scaling "
+                                  "needs them apart")
     if kind == "yarn":
-        for key in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
-            if scaling.get(key) is not None:
-                float_field(scaling, key, where, None)
+        for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+            if name != "attention_factor" and scaling.get(name) == 0 and not isinstance(scaling[name], bool):
+                scaling[name] = None  # 0 stands for "absent" here, as in transformers
+            elif scaling.get(name) is not None:
+                scaling[name] = float_field(scaling, name, where, None)
         if scaling.get("truncate") is not None and not isinstance(scaling["truncate"], bool):
             raise CheckpointError(f"{where}: truncate must be true or false, got {short_repr(scaling['truncate'])}")
+    _check_frequencies(head_dim, theta, scaling, where)
+    return theta, scaling
+
+
+def _check_frequencies(head_dim: int, theta: float, scaling: dict | None, where: str) -> None:
+    """Each field in range can still make no frequencies (rope_theta 1 divides by log 1 in yarn; one
+    of 1e-300 is 0 in float32)."""
+    problem = ""
+    try:
+        freqs, scale = inv_freq(head_dim, theta, scaling), attention_factor(scaling)
+        if not bool(freqs.isfinite().all()) or not 0 < scale < math.inf:
+            problem = "infinite or undefined values"
+    except (ArithmeticError, ValueError) as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        kind = f"{scaling['rope_type']} scaling" if scaling else "rope"
+        raise CheckpointError(f"{where}: {kind} with rope_theta {theta:g} and these fields computes no frequencies "
+                              f"({problem}); fix the config")
 
 
 def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1,
@@ -125,9 +161,11 @@ def int_field(config: dict, key: str, source: str, default: int | None = None, m
 def float_field(config: dict, key: str, source: str, default: float | None) -> float:
     value = config.get(key)
     value = default if value is None else value
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+    number = value if isinstance(value, float) else float(value) if isinstance(value, int) and not isinstance(
+        value, bool) and value.bit_length() <= 1024 else None  # float() of a 400-digit int raises
+    if number is None or not 0 < number < math.inf:
         raise CheckpointError(f"{source}: {key} must be a positive finite number, got {short_repr(value)}")
-    return float(value)
+    return number
 
 
 def bool_field(config: dict, key: str, source: str) -> bool:

@@ -211,6 +211,22 @@ CASES = [
     ("config-rope-partial-rotary", lambda d: edit_config(d, rope_parameters={
         "rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}), CheckpointError,
      "partial_rotary_factor 0.5 is not supported"),
+    ("config-rope-partial-rotary-top-level", lambda d: edit_config(d, partial_rotary_factor=0.5), CheckpointError,
+     "config.json: partial_rotary_factor 0.5 is not supported"),
+    # Each field in range, and still no rope: yarn divides by log(rope_theta), and takes the log of
+    # the original length over the betas' rotations (the engine failed after the load on these).
+    ("config-rope-yarn-theta-1", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 1}), CheckpointError,
+     "config.json rope_parameters: yarn scaling with rope_theta 1 and these fields computes no frequencies "
+     "(ZeroDivisionError"),
+    ("config-rope-yarn-beta-1e308", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "beta_slow": 1e308}), CheckpointError,
+     "computes no frequencies (ValueError"),
+    ("config-rope-theta-1e-300", lambda d: edit_config(d, rope_parameters=None, rope_theta=1e-300), CheckpointError,
+     "config.json rope_parameters: rope with rope_theta 1e-300 and these fields computes no frequencies (infinite"),
+    ("config-rope-factor-400-digits", lambda d: edit_config(d, rope_parameters={
+        "rope_type": "linear", "factor": 10 ** 400}), CheckpointError,
+     "config.json rope_parameters: factor must be a positive finite number, got 1000000"),
     ("config-rope-llama3-equal-factors", lambda d: edit_config(d, rope_parameters={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}), CheckpointError,
      "low_freq_factor and high_freq_factor are both 2.0"),

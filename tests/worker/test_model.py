@@ -1,5 +1,7 @@
 """Our model against Hugging Face transformers on the same checkpoint."""
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -20,12 +22,18 @@ ROPE_LINEAR = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 ROPE_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 ROPE_YARN_MSCALE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 16,
                     "beta_fast": 16, "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0, "truncate": False}
+# The ramp over dimensions 1 to 7 of 16 (an original context of 256), where truncate and an
+# explicit attention_factor change the result.
+ROPE_YARN_RAMP = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 256}
+ROPE_YARN_RAMP_EXACT = {**ROPE_YARN_RAMP, "truncate": False, "attention_factor": 1.25}
 CASES = {
     "llama-gqa": ("llama", {}),
     "llama-tied-llama3-rope": ("llama", {"tie_word_embeddings": True, "rope_parameters": ROPE_LLAMA3}),
     "llama-linear-rope": ("llama", {"rope_parameters": ROPE_LINEAR}),
     "qwen2-yarn-rope": ("qwen2", {"rope_parameters": ROPE_YARN}),
     "qwen3-yarn-mscale-rope": ("qwen3", {"head_dim": 32, "rope_parameters": ROPE_YARN_MSCALE}),
+    "qwen3-yarn-ramp-rope": ("qwen3", {"head_dim": 32, "rope_parameters": ROPE_YARN_RAMP}),
+    "qwen3-yarn-ramp-exact-rope": ("qwen3", {"head_dim": 32, "rope_parameters": ROPE_YARN_RAMP_EXACT}),
     "llama-attention-bias": ("llama", {"attention_bias": True}),
     "qwen2": ("qwen2", {}),
     "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
@@ -67,6 +75,34 @@ def test_logits_and_greedy_tokens_match_transformers(checkpoints, case):
         logits = model.forward(torch.tensor([[tokens[-1]]]), torch.tensor([[pos]]), cache, torch.tensor([0]))
     expected = ref.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert tokens == expected[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("fields", [
+    # A config saved by transformers 5 (plain rope_parameters) with a model card's rope_scaling added:
+    # transformers takes rope_scaling, and rope_theta from the top level.
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "rope_theta": 20000.0,
+     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    # Phi-3 keeps original_max_position_embeddings at the top level, which wins over the dict's.
+    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64}, "original_max_position_embeddings": 16},
+    {"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0}, "original_max_position_embeddings": 16},
+    # A DeepSeek-style yarn whose mscale_all_dim (and here beta_fast) of 0 stand for absent.
+    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0, "beta_fast": 0}},
+], ids=["rope-scaling-over-parameters", "top-level-original-yarn", "top-level-original-llama3", "yarn-zeros-absent"])
+def test_rope_fields_are_read_where_transformers_reads_them(checkpoints, fields):
+    path = tiny_model("llama", checkpoints / f"rope-{len(list(checkpoints.iterdir()))}", seed=2)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **fields}))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = torch.tensor([list(range(3, 60))])
+    model = load(path)
+    ours = model.forward(prompt, torch.arange(prompt.shape[1])[None], model.new_cache(1, 64), torch.tensor([0]),
+                         all_logits=True)
+    with torch.no_grad():
+        theirs = ref(prompt).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * theirs.abs().max().item())
 
 
 def test_batched_decode_equals_one_by_one(tiny_llama):
