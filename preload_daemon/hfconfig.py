@@ -7,7 +7,6 @@ import math
 import os
 import pathlib
 
-from kernels.rope import ROPE_TYPES, attention_factor, inv_freq
 from preload_daemon.errors import CheckpointError
 from preload_daemon.safepath import read_regular, short_repr
 
@@ -86,6 +85,7 @@ def rope_config(config: dict, source: str, head_dim: int, max_positions: int) ->
     dict's (Phi-3 keeps it there). Every field the engine reads (kernels/rope.py) is checked, and
     the frequencies computed once, so that a bad or an unsupported rope fails the load, not the
     engine after it."""
+    from kernels.rope import ROPE_TYPES  # torch: not for the command line, which reads configs too
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
@@ -131,6 +131,7 @@ def rope_config(config: dict, source: str, head_dim: int, max_positions: int) ->
 def _check_frequencies(head_dim: int, theta: float, scaling: dict | None, where: str) -> None:
     """Each field in range can still make no frequencies (rope_theta 1 divides by log 1 in yarn; one
     of 1e-300 is 0 in float32)."""
+    from kernels.rope import attention_factor, inv_freq
     problem = ""
     try:
         freqs, scale = inv_freq(head_dim, theta, scaling), attention_factor(scaling)
