@@ -5,7 +5,10 @@ ready replica with the fewest requests in flight, answers /ready and /metrics fo
 restarts a replica that dies (warm: it attaches to the daemon again) while the others keep serving.
 
 /ready is 200 with status "ready" when every replica is ready and "degraded" while at least one is
-(the others restarting); 503 before the first start completes, or when none is ready.
+(the others restarting); 503 before the first start completes, or when none is ready. A replica
+that dies is restarted after RESTART_DELAY_S, doubling up to MAX_RESTART_DELAY_S while its restarts
+fail (their error shown in /ready); one that stops answering (stopped, hung) is out of rotation
+until its health check answers again.
 
 The router runs as its own lean process (`python -m worker.router SETTINGS_JSON`, which the engine
 command execs into): it never imports torch, so it costs tens of MB, not an engine's hundreds.
@@ -15,15 +18,16 @@ import asyncio
 import json
 import logging
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
 import time
 
+import anyio
 import httpx
 import uvicorn
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
@@ -33,6 +37,11 @@ from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0
+MAX_RESTART_DELAY_S = 30.0
+PROBE_EVERY_S = 2.0
+PROBE_TIMEOUT_S = 5.0
+"""A replica's /ready is asked every PROBE_EVERY_S; one that has not answered within
+PROBE_TIMEOUT_S is out of rotation until it does."""
 MAX_BODY_BYTES = 16 << 20  # a request body the router buffers (to retry it on another replica)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate"}
@@ -46,17 +55,42 @@ class Replica:
         self.failure = ""
         self.restarts = 0
         self.in_flight = 0
+        self.generation = 0  # counts its processes: a request is counted against the one it went to
+        self.reachable = True
+        self.delay, self.next_start = RESTART_DELAY_S, 0.0
         self.ever_ready = False
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
                                         base_url="http://replica", timeout=None)
+        self.prober = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://replica",
+                                   timeout=PROBE_TIMEOUT_S)
 
     @property
     def ready(self) -> bool:
-        return bool(self.ready_doc) and self.proc is not None and self.proc.poll() is None
+        return bool(self.ready_doc) and self.reachable and self.proc is not None and self.proc.poll() is None
+
+    def done(self, generation: int) -> None:
+        """A request to process `generation` ended (a later process starts from none)."""
+        if generation == self.generation:
+            self.in_flight -= 1
+
+    def probe(self) -> None:
+        """Asks a started replica's /ready: out of rotation while it does not answer, back once it does."""
+        if not self.ready_doc or self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            answered = self.prober.get("/ready").status_code == 200
+        except httpx.HTTPError:
+            answered = False
+        if answered != self.reachable:
+            log.warning("replica %d (pid %d) %s", self.index, self.proc.pid, "answers again; back in rotation"
+                        if answered else f"did not answer its health check within {PROBE_TIMEOUT_S:g} s; out of "
+                        "rotation until it does")
+            self.reachable = answered
 
     def start(self) -> None:
         self.uds.unlink(missing_ok=True)
-        self.ready_doc, self.failure = {}, ""
+        self.ready_doc, self.failure, self.reachable, self.in_flight = {}, "", True, 0
+        self.generation += 1
         self.proc = spawn_child([*self.command, "--replica", str(self.index), "--uds", str(self.uds)],
                                 stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_events, args=(self.proc,), name=f"replica-{self.index}",
@@ -70,7 +104,7 @@ class Replica:
             except ValueError:
                 continue
             if event.get("event") == "ready" and proc is self.proc:
-                self.ready_doc, self.ever_ready = event, True
+                self.ready_doc, self.ever_ready, self.delay = event, True, RESTART_DELAY_S
                 log.info("replica %d ready (%s, pid %d)", self.index, event.get("load_format"), proc.pid)
             elif event.get("event") == "failed" and proc is self.proc:
                 self.failure = event.get("error", "failed")
@@ -95,10 +129,12 @@ class Router:
         for replica in self.replicas:
             replica.start()
         threading.Thread(target=self._supervise, name="replica-supervisor", daemon=True).start()
+        threading.Thread(target=self._probe, name="replica-prober", daemon=True).start()
 
     def _supervise(self) -> None:
-        """Restarts replicas that die after having been ready; one that dies before its first
-        readiness fails the whole engine (bad flags or a bad checkpoint fail every replica alike)."""
+        """Restarts replicas that die after having been ready, each after its delay (doubled while
+        its restarts fail); one that dies before its first readiness fails the whole engine (bad
+        flags or a bad checkpoint fail every replica alike)."""
         while not self.stopping.wait(0.2):
             for replica in self.replicas:
                 if replica.proc.poll() is None:
@@ -109,12 +145,21 @@ class Router:
                                    f"{replica.failure or 'see its log above'}"
                     log.error("%s", self.failure)
                     return
-                log.warning("replica %d (pid %d) exited with code %d; restarting it", replica.index,
-                            replica.proc.pid, code)
-                replica.restarts += 1
-                time.sleep(RESTART_DELAY_S)
-                if not self.stopping.is_set():
+                if not replica.next_start:  # found dead just now
+                    log.warning("replica %d (pid %d) exited with code %d%s; restarting it in %g s", replica.index,
+                                replica.proc.pid, code, f" ({replica.failure})" if replica.failure else "",
+                                replica.delay)
+                    replica.restarts += 1
+                    replica.next_start = time.monotonic() + replica.delay
+                    replica.delay = min(2 * replica.delay, MAX_RESTART_DELAY_S)  # back to the first once ready
+                elif time.monotonic() >= replica.next_start:
+                    replica.next_start = 0.0
                     replica.start()
+
+    def _probe(self) -> None:
+        while not self.stopping.wait(PROBE_EVERY_S):
+            for replica in self.replicas:
+                replica.probe()
 
     def all_ready(self) -> bool:
         return all(r.ready for r in self.replicas)
@@ -129,8 +174,10 @@ class Router:
         status = "failed" if self.failure else "loading" if not initial else \
             "ready" if num_ready == len(self.replicas) else "degraded" if num_ready else "unavailable"
         body = {"status": status, "replicas_ready": num_ready, "dp_size": len(self.replicas),
-                "replicas": [{"replica": r.index, "ready": r.ready, "restarts": r.restarts,
-                              "pid": r.proc.pid if r.proc else 0, **({"engine": r.ready_doc} if r.ready else {})}
+                "replicas": [{"replica": r.index, "ready": r.ready, "restarts": r.restarts, "in_flight": r.in_flight,
+                              "pid": r.proc.pid if r.proc else 0, **({"engine": r.ready_doc} if r.ready else {}),
+                              **({"error": r.failure} if r.failure and not r.ready else {}),
+                              **({"answering": False} if r.ready_doc and not r.reachable else {})}
                              for r in self.replicas]}
         if self.failure:
             body["reason"] = self.failure
@@ -151,14 +198,7 @@ def build_app(router: Router) -> Starlette:
         return JSONResponse(body, status_code=200 if body["status"] in ("ready", "degraded") else 503)
 
     async def metrics(_: Request):
-        texts = await asyncio.gather(*(_metrics_of(r) for r in router.replicas if r.ready))
-        seen, lines = set(), []
-        for line in "".join(texts).splitlines():
-            if line.startswith("# TYPE"):
-                if line in seen:
-                    continue
-                seen.add(line)
-            lines.append(line)
+        lines = merge_metrics(await asyncio.gather(*(_metrics_of(r) for r in router.replicas if r.ready)))
         lines += ["# TYPE preload_router_replicas_ready gauge",
                   f"preload_router_replicas_ready {sum(r.ready for r in router.replicas)}",
                   "# TYPE preload_router_replica_restarts_total counter"]
@@ -182,17 +222,18 @@ def build_app(router: Router) -> Starlette:
             upstream = replica.client.build_request(request.method, request.url.path, params=request.query_params,
                                                     headers=headers, content=bytes(body))
             replica.in_flight += 1
+            generation = replica.generation
             try:
                 response = await replica.client.send(upstream, stream=True)
             except httpx.TransportError as e:
-                replica.in_flight -= 1
-                replica.ready_doc = {}
-                log.warning("replica %d did not answer (%s); taking it out of rotation", replica.index, e)
+                replica.done(generation)
+                replica.reachable = False
+                log.warning("replica %d did not answer (%s); out of rotation until its health check answers",
+                            replica.index, e)
                 continue
-            return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
+            return StreamingResponse(_relay(replica, generation, response), status_code=response.status_code,
                                      headers={k: v for k, v in response.headers.items()
-                                              if k.lower() not in HOP_HEADERS},
-                                     background=BackgroundTask(_finish, replica, response))
+                                              if k.lower() not in HOP_HEADERS})
         return JSONResponse({"error": {"message": "no engine replica is ready; retry shortly", "type": "unavailable",
                                        "code": 503}}, status_code=503)
 
@@ -201,9 +242,46 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/{path:path}", proxy, methods=["GET", "POST"])])
 
 
-async def _finish(replica: Replica, response: httpx.Response) -> None:
-    replica.in_flight -= 1
-    await response.aclose()
+async def _relay(replica: Replica, generation: int, response: httpx.Response):
+    """The replica's answer, passed on; its request counts against the replica until the answer
+    ends, however it ends. A stream the replica breaks off (it died) ends with an error event."""
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
+                                "again", "type": "server_error", "code": 502}
+            yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
+    finally:
+        replica.done(generation)
+        with anyio.CancelScope(shield=True):  # a client gone: the task is cancelled, the response still closed
+            await response.aclose()
+
+
+def merge_metrics(texts: list[str]) -> list[str]:
+    """The replicas' Prometheus texts as one: each family's HELP and TYPE once, then its samples
+    from every replica (a family split in parts is not valid exposition format)."""
+    order: list[str] = []
+    meta: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for text in texts:
+        family = ""
+        for line in text.splitlines():
+            if line.startswith(("# HELP ", "# TYPE ")):
+                family = line.split(" ", 3)[2] if len(line.split(" ", 3)) > 2 else ""
+                if family not in meta:
+                    order.append(family)
+                    meta[family], samples[family] = [], []
+                if line not in meta[family]:
+                    meta[family].append(line)
+            elif line and not line.startswith("#"):
+                if family not in meta:
+                    order.append(family)
+                    meta[family], samples[family] = [], []
+                samples[family].append(line)
+    return [line for family in order for line in meta[family] + samples[family]]
 
 
 async def _metrics_of(replica: Replica) -> str:
@@ -234,13 +312,20 @@ def run_router(num_replicas: int, socket_dir: pathlib.Path, command: list[str], 
         print(json.dumps({"event": "ready", "port": bound, **router.readiness()}), flush=True)
         log.info("%d replicas ready behind port %d", num_replicas, bound)
 
-    router.start()
-    threading.Thread(target=announce, name="router-ready", daemon=True).start()
+    # uvicorn stops gracefully on SIGTERM, then raises the signal again; ours then stops the replicas
+    # and lets main() remove the sockets (the default action would end the process first).
+    signal.signal(signal.SIGTERM, _terminated)
     try:
+        router.start()
+        threading.Thread(target=announce, name="router-ready", daemon=True).start()
         server.run()
     finally:
         router.stop()
     return outcome["code"]
+
+
+def _terminated(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main() -> int:

@@ -150,28 +150,62 @@ def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir
         for p in replicas:
             assert psutil.Process(p).memory_full_info().uss < slab_size, "a replica's own memory holds the weights"
 
-        os.kill(replicas[0], signal.SIGKILL)
+        # A stream the killed replica was serving ends with an error event, not a bare cut, and its
+        # request no longer counts against the replica (a count left behind starved its successor).
+        body = json.dumps({"prompt": PROMPT, "max_tokens": 240, "ignore_eos": True, "stream": True}).encode()
+        stream = urllib.request.urlopen(urllib.request.Request(engine.url + "/v1/completions", body,
+                                                               {"Content-Type": "application/json"}), timeout=60)
+        assert stream.readline().startswith(b"data: ")
+        status, during = get(engine.url + "/ready")
+        serving = next(r for r in during["replicas"] if r["in_flight"] == 1)
+        os.kill(serving["engine"]["pid"], signal.SIGKILL)
+        rest = stream.read().decode()
+        assert '"error"' in rest and "the engine replica serving this request stopped" in rest, rest[-300:]
         for _ in range(3):
             assert complete(engine.url)["choices"][0]["text"] is not None
-        deadline = time.monotonic() + 60
-        while True:
-            status, body = get(engine.url + "/ready")
-            if body["status"] == "ready":
-                break
-            assert status == 200 and body["status"] == "degraded" and time.monotonic() < deadline, body
-            time.sleep(0.2)
-        back = body["replicas"][0]
-        assert back["restarts"] == 1 and back["engine"]["pid"] != replicas[0]
+        body = wait_for_status(engine.url, "ready", 60)
+        back = body["replicas"][serving["replica"]]
+        assert back["restarts"] == 1 and back["engine"]["pid"] != serving["engine"]["pid"]
         assert back["engine"]["load_format"] == "ipc_cache"
+        assert [r["in_flight"] for r in body["replicas"]] == [0, 0]
         metrics = urllib.request.urlopen(engine.url + "/metrics", timeout=30).read().decode()
         assert f'preload_engine_ready{{model="{default_model.name}",replica="1"}} 1.0' in metrics
-        assert 'preload_router_replica_restarts_total{replica="0"} 1' in metrics
+        assert f'preload_router_replica_restarts_total{{replica="{serving["replica"]}"}} 1' in metrics
+        meta = [line for line in metrics.splitlines() if line.startswith("#")]
+        assert len(meta) == len(set(meta)), "a metric family's HELP or TYPE repeated (split across replicas)"
+
+        # A replica that stops answering (stopped, hung) leaves the rotation, and comes back once it
+        # answers again (one failed connection took a live replica out for good).
+        stopped = body["replicas"][1]["engine"]["pid"]
+        os.kill(stopped, signal.SIGSTOP)
+        try:
+            body = wait_for_status(engine.url, "degraded", 30)
+            assert body["replicas"][1]["answering"] is False
+            for _ in range(3):
+                assert complete(engine.url)["choices"][0]["text"] is not None
+        finally:
+            os.kill(stopped, signal.SIGCONT)
+        body = wait_for_status(engine.url, "ready", 30)
+        assert body["replicas"][1]["engine"]["pid"] == stopped and body["replicas"][1]["restarts"] == 0
+
+        # SIGTERM: the replicas are stopped and the router's socket directory removed.
         router = engine.proc.pid
         children = [c.pid for c in psutil.Process(router).children(recursive=True)]
         engine.stop()
         assert gone(children)
+        assert not list(runtime_dir.glob("engine-*")), list(runtime_dir.iterdir())
     finally:
         stop_daemons(runtime_dir)
+
+
+def wait_for_status(url: str, status: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        _, body = get(url + "/ready")
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.2)
 
 
 def slab_memory(pid: int, shm_dir) -> tuple[int, int, int]:
