@@ -27,6 +27,10 @@ class ControlError(OSError):
     """The other end broke the protocol, went away, or is not who it should be."""
 
 
+class NoConnection(ControlError):
+    """Nobody connected to the control socket in time."""
+
+
 def control_dir(runtime_dir: pathlib.Path) -> pathlib.Path:
     return ensure_private_dir(pathlib.Path(runtime_dir) / "snapshots")
 
@@ -38,6 +42,10 @@ def listen(runtime_dir: pathlib.Path) -> tuple[socket.socket, pathlib.Path]:
     old = os.umask(0o177)
     try:
         sock.bind(str(path))
+    except OSError as e:
+        sock.close()
+        raise ControlError(f"cannot listen at {path} ({e.strerror or e}; a Unix socket's path holds at most 107 "
+                           "bytes): use a shorter runtime directory") from None
     finally:
         os.umask(old)
     sock.listen(1)
@@ -51,7 +59,7 @@ def accept(server: socket.socket, timeout: float, expect_pid: int | None = None)
     try:
         conn, _ = server.accept()
     except TimeoutError:
-        raise ControlError(f"the engine did not connect within {timeout:g}s") from None
+        raise NoConnection(f"the engine did not connect within {timeout:g}s") from None
     pid, uid, _ = peer(conn)
     if uid not in (os.getuid(), 0) or (expect_pid is not None and pid != expect_pid):
         conn.close()

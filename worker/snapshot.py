@@ -117,14 +117,19 @@ def create(url: str, directory: pathlib.Path, *, stop: bool = False, drain_timeo
     criu, _ = find_criu()
     directory = pathlib.Path(directory).absolute()
     _check_engine_process(ready["pid"], url)
+    created = not directory.exists()
     _ensure_new_dir(directory)
+    runtime = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
     try:
-        return _create(url, ready, directory, criu, stop, drain_timeout,
-                       pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir(), log)
-    except BaseException:
+        return _create(url, ready, directory, criu, stop, drain_timeout, runtime, log)
+    except BaseException as e:
         if not (directory / MANIFEST).exists():
             for child in directory.iterdir():
                 shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            if created:
+                directory.rmdir()
+        if isinstance(e, control.ControlError):  # an OSError, which the command line would print as a traceback
+            raise SnapshotError(f"engine pid {ready['pid']}: {e}") from None
         raise
 
 
@@ -161,6 +166,10 @@ def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: boo
     try:
         _wake(pid, wake_fd, {"op": "snapshot", "control": str(path)})
         conn = control.accept(server, 10.0, expect_pid=pid)
+    except control.NoConnection as e:
+        raise control.ControlError(f"{e}. An engine connects only to a control socket in its own runtime directory; "
+                                   f"this command used {runtime} (pass the engine's --runtime-dir or "
+                                   "PRELOAD_RUNTIME_DIR); its log says why") from None
     finally:
         server.close()
         path.unlink(missing_ok=True)

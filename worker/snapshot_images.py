@@ -10,6 +10,7 @@ import shutil
 import time
 
 from worker import control
+from worker.criu import SnapshotError
 
 IMAGES = "images"
 ZST = ".zst"
@@ -25,18 +26,23 @@ def image_bytes(images: pathlib.Path) -> int:
 def pack(images: pathlib.Path, raw: pathlib.Path) -> list[str]:
     """Compresses CRIU's page images (zstd): the process's memory, which is mostly the allocator's
     and the interpreter's structures, packs about 5x. The unpacked files move to `raw` (the seed of
-    this host's unpacked copy). Returns the packed files."""
+    this host's unpacked copy). Each frame records its size and a checksum, which unpacking checks;
+    every image is left readable by its owner alone. Returns the packed files."""
     import zstandard
     raw.mkdir(mode=0o700)
     packed = []
     for path in sorted(images.glob("pages-*.img")):
         target = path.with_name(path.name + ZST)
         with open(path, "rb") as src, open(target, "wb") as dst:
-            zstandard.ZstdCompressor(level=3, threads=-1).copy_stream(src, dst, size=path.stat().st_size)
+            zstandard.ZstdCompressor(level=3, threads=-1, write_checksum=True).copy_stream(
+                src, dst, size=path.stat().st_size)
             dst.flush()
             os.fsync(dst.fileno())
         os.rename(path, raw / path.name)
         packed.append(target.name)
+    for f in images.iterdir():  # restore refuses images others may write, whatever the umask made them
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o600)
     return packed
 
 
@@ -72,24 +78,38 @@ def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> 
     if (cache / ".complete").exists():
         os.utime(cache)
         return cache
-    import zstandard
     tmp = cache.with_name(f"{cache.name}.tmp-{secrets.token_hex(4)}")
     tmp.mkdir(mode=0o700)
     try:
         for f in images.iterdir():
             if f.name.endswith(ZST):
-                with open(f, "rb") as src, open(tmp / f.name.removesuffix(ZST), "wb") as dst:
-                    zstandard.ZstdDecompressor().copy_stream(src, dst)
+                _unpack(f, tmp / f.name.removesuffix(ZST))
             elif f.is_file() and not f.is_symlink():
                 shutil.copyfile(f, tmp / f.name)
         (tmp / ".complete").touch()
         os.rename(tmp, cache)
-    except OSError:
+    except (OSError, SnapshotError):
         shutil.rmtree(tmp, ignore_errors=True)
         if not (cache / ".complete").exists():  # not another restore that unpacked it first
             raise
     trim(cache.parent, keep=cache)
     return cache
+
+
+def _unpack(packed: pathlib.Path, target: pathlib.Path) -> None:
+    """One page image unpacked, whole: its zstd frame records the size it was packed from (a
+    truncated frame unpacks without an error, short, and CRIU then waits for pages that never come)."""
+    import zstandard
+    fix = "the snapshot's images are damaged; take a new snapshot"
+    try:
+        with open(packed, "rb") as src, open(target, "wb") as dst:
+            expected = zstandard.frame_content_size(src.read(18))
+            src.seek(0)
+            _, written = zstandard.ZstdDecompressor().copy_stream(src, dst)
+    except zstandard.ZstdError as e:
+        raise SnapshotError(f"{packed} does not unpack ({e}); {fix}") from None
+    if expected < 0 or written != expected:
+        raise SnapshotError(f"{packed} unpacks to {written} bytes, its frame says {expected}; {fix}")
 
 
 def trim(parent: pathlib.Path, keep: pathlib.Path) -> None:

@@ -5,6 +5,7 @@ restore (worker/snapshot.py)."""
 import json
 import os
 import pathlib
+import re
 import secrets
 import stat
 
@@ -51,6 +52,10 @@ def read_manifest(directory: pathlib.Path) -> dict:
         raise SnapshotError(f"{directory} is not a snapshot (no {MANIFEST}; a create that did not finish leaves none)")
     for p in (directory, path, directory / IMAGES):
         check_ours(p)
+    for p in (directory / IMAGES).iterdir():  # CRIU reads each of them as root
+        check_ours(p)
+        if not stat.S_ISREG(os.lstat(p).st_mode):
+            raise SnapshotError(f"{p} is not a regular file; a snapshot's images are CRIU's files only")
     with open(path, "rb") as f:
         data = f.read(MAX_MANIFEST_BYTES + 1)
     if len(data) > MAX_MANIFEST_BYTES:
@@ -63,9 +68,16 @@ def read_manifest(directory: pathlib.Path) -> dict:
         for value, kind, what in ((manifest["host"], dict, "host"), (engine["listen"], dict, "engine.listen"),
                                   (model["name"], str, "model name"), (model["version"], int, "model version"),
                                   (model["cache_key"], dict, "cache key"), (engine["wake_fd"], int, "wake fd"),
-                                  (engine["pid"], int, "pid"), (canary["tokens"], list, "canary tokens")):
-            if not isinstance(value, kind):
+                                  (engine["pid"], int, "pid"), (canary["tokens"], list, "canary tokens"),
+                                  (manifest["image"], dict, "image"), (engine["device"], str, "device"),
+                                  *((model["cache_key"].get(k, 0), int, f"cache key {k}")
+                                    for k in ("tp_size", "tp_rank")),
+                                  *((model["cache_key"].get(k, ""), str, f"cache key {k}")
+                                    for k in ("dtype", "quantization", "component"))):
+            if not isinstance(value, kind) or isinstance(value, bool):
                 raise SnapshotError(f"{path}: {what} is not a {kind.__name__}")
+        if not re.fullmatch(r"(cpu|cuda):[0-9]{1,4}", engine["device"]):
+            raise SnapshotError(f"{path}: device {engine['device'][:40]!r} is not cpu:N or cuda:N")
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise SnapshotError(f"{path} is not a valid snapshot manifest ({type(e).__name__}: {e})") from None
     return manifest

@@ -20,7 +20,7 @@ from preload_daemon.config import DaemonConfig
 from preload_daemon.plan import LoadSpec
 from tests.conftest import REPO, DaemonHandle, run_preload, wait_until
 from tests.worker.conftest import EngineProcess, post
-from worker import criu, snapshot
+from worker import criu, snapshot, snapshot_images
 from worker.quiesce import canary_mismatch, request_matrix_units
 
 
@@ -164,9 +164,29 @@ def test_a_failed_dump_leaves_the_engine_serving(served, snap, tmp_path, monkeyp
     held = _pipe_fds(stdout)
     with pytest.raises(criu.SnapshotError, match="injected"):
         snapshot.create(engine.url, tmp_path / "failed", stop=True, runtime_dir=served["runtime"], log=lambda _: None)
-    assert not any((tmp_path / "failed").iterdir())
+    assert not (tmp_path / "failed").exists()  # made by the create, so removed with what it held
     assert _pipe_fds(stdout) == held
     assert get_ready(engine.url)["status"] == "ready" and complete(engine.url) == snap["text"]
+
+
+@needs_criu
+def test_create_from_another_runtime_directory_says_so(served, tmp_path):
+    """The engine connects only to a control socket in its own runtime directory: a create run with
+    another one waited 10 s and ended in a ControlError traceback, leaving its directory behind."""
+    other = pathlib.Path(tempfile.mkdtemp(prefix="pl-other-", dir="/tmp"))  # short: a socket path's limit
+    run = run_preload("snapshot", "create", "--engine", served["engine"].url, "--dir", tmp_path / "snap",
+                      runtime_dir=other, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "its own runtime directory" in run.stderr and str(other) in run.stderr, run.stderr
+    assert not (tmp_path / "snap").exists()
+    assert get_ready(served["engine"].url)["status"] == "ready"
+    shutil.rmtree(other)
+    long = tmp_path / ("r" * 100)
+    long.mkdir(mode=0o700)
+    run = run_preload("snapshot", "create", "--engine", served["engine"].url, "--dir", tmp_path / "snap",
+                      runtime_dir=long, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr
+    assert "use a shorter runtime directory" in run.stderr, run.stderr
 
 
 @needs_criu
@@ -304,6 +324,67 @@ def test_manifest_checks(tmp_path):
     os.chmod(tmp_path / "manifest.json", 0o666)
     with pytest.raises(snapshot.SnapshotError, match="not writable by group or others"):
         snapshot.read_manifest(tmp_path)
+
+
+MINIMAL = {"format": 1, "host": {}, "canary": {"tokens": []}, "image": {},
+           "engine": {"listen": {}, "wake_fd": 4, "pid": 7, "device": "cpu:0",
+                      "model": {"name": "m", "version": 1, "cache_key": {"tp_size": 1}}}}
+
+
+def _snapshot_dir(path: pathlib.Path, manifest: dict) -> pathlib.Path:
+    path.mkdir(mode=0o700)
+    (path / "images").mkdir(mode=0o700)
+    (path / "images" / "core-1.img").write_bytes(b"core")
+    os.chmod(path / "images" / "core-1.img", 0o600)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    os.chmod(path / "manifest.json", 0o600)
+    return path
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: os.chmod(d / "images" / "core-1.img", 0o666), "core-1.img must be owned by uid"),
+    (lambda d: (d / "images" / "pages-1.img").symlink_to("/etc/passwd"), "pages-1.img must be owned by uid"),
+    (lambda d: os.mkfifo(d / "images" / "files.img", 0o600), "files.img is not a regular file"),
+    (lambda d: _rewrite(d, lambda m: m["engine"].update(device="../../../tmp/x")), "is not cpu:N or cuda:N"),
+    (lambda d: _rewrite(d, lambda m: m["engine"]["model"]["cache_key"].update(tp_size="2")),
+     "cache key tp_size is not a int"),
+    (lambda d: _rewrite(d, lambda m: m.pop("image")), "not a valid snapshot manifest (KeyError: 'image')"),
+])
+def test_every_file_and_field_a_restore_uses_is_checked(tmp_path, change, message):
+    """CRIU restores as root from each file in images/ (only the directory and the manifest were
+    checked: an image anyone could write was fed to it), and the manifest's fields go into paths and
+    messages (a device of '../..' went into a socket path; a missing image was a KeyError)."""
+    directory = _snapshot_dir(tmp_path / "snap", MINIMAL)
+    assert snapshot.read_manifest(directory)["engine"]["device"] == "cpu:0"
+    change(directory)
+    with pytest.raises(snapshot.SnapshotError) as err:
+        snapshot.read_manifest(directory)
+    assert message in str(err.value)
+
+
+def _rewrite(directory: pathlib.Path, edit) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    edit(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: os.truncate(f, f.stat().st_size // 2), "unpacks to"),
+    (lambda f: f.write_bytes(f.read_bytes()[:40] + bytes(64) + f.read_bytes()[104:]), "does not unpack"),
+])
+def test_damaged_page_images_fail_the_restore_with_a_clear_error(tmp_path, damage, message):
+    """A truncated image unpacked short without an error (CRIU then waited out the whole timeout),
+    and a corrupt one ended the command in a zstd traceback, leaving its half-unpacked copy."""
+    directory = _snapshot_dir(tmp_path / "snap", MINIMAL)
+    (directory / "images" / "pages-1.img").write_bytes(os.urandom(1 << 16) * 8)
+    snapshot_images.pack(directory / "images", tmp_path / "raw")
+    damage(directory / "images" / "pages-1.img.zst")
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    with pytest.raises(snapshot.SnapshotError) as err:
+        snapshot_images.unpacked(directory, {"image": {"packed": ["pages-1.img.zst"]}}, runtime)
+    assert "pages-1.img.zst" in str(err.value) and message in str(err.value) and "take a new snapshot" in str(err.value)
+    assert not list((runtime / "snapshots").iterdir())  # no half-unpacked copy left
 
 
 def test_host_mismatches_name_each_field():
