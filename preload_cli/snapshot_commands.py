@@ -123,14 +123,14 @@ def cmd_restore(args) -> int:
     from worker import control
     from worker.snapshot import restore
     if args.detach:  # the engine outlives this command: it must not hold our stdout open
-        default = control.control_dir(args.runtime_dir) / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        default = control.control_dir(args.runtime_dir) / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         log_path = args.log or default
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         streams = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), fd, fd]
     else:
         streams = [0, 1, 2]
     restored = restore(args.dir, port=args.port, host=args.host, runtime_dir=args.runtime_dir, timeout=args.timeout,
-                       streams=streams)
+                       streams=streams, tied=not args.detach)
     ready = restored.ready
     if args.detach:  # else the engine printed it on our stdout, which it shares
         print(json.dumps({**ready, "log": str(log_path)}), flush=True)
@@ -144,6 +144,7 @@ def cmd_restore(args) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)  # the terminal gone; a SIGKILL ends the engine too (tied)
     try:
         while restored.process.poll() is None:
             time.sleep(0.2)

@@ -27,6 +27,7 @@ import time
 from preload_daemon.config import default_runtime_dir
 from worker import control
 from worker.criu import SnapshotError, find_criu, host_facts, kill_namespace, restored_pid, run_criu
+from worker.procs import die_with_parent
 from worker.snapshot_images import IMAGES, image_bytes, pack, seed_unpacked, unpacked
 from worker.snapshot_manifest import (FORMAT, MANIFEST, check_ours, daemon_problem, host_mismatches, read_manifest,
                                       write_atomically)
@@ -313,9 +314,11 @@ class Restored:
 
 
 def restore(directory: pathlib.Path, *, port: int | None = None, host: str | None = None,
-            runtime_dir: pathlib.Path | None = None, timeout: float = 120.0, streams: list[int] = (0, 1, 2)) -> Restored:
+            runtime_dir: pathlib.Path | None = None, timeout: float = 120.0, streams: list[int] = (0, 1, 2),
+            tied: bool = False) -> Restored:
     """Restores the snapshot in `directory` and returns once the copy is ready (module docstring).
-    `streams`: the restored engine's stdin, stdout and stderr (default: this process's)."""
+    `streams`: the restored engine's stdin, stdout and stderr (default: this process's); `tied`:
+    the restored engine ends with this process, however it ends (a foreground restore)."""
     started = time.time()
     directory = pathlib.Path(directory).absolute()
     manifest = read_manifest(directory)
@@ -338,7 +341,8 @@ def restore(directory: pathlib.Path, *, port: int | None = None, host: str | Non
                 [shutil.which("unshare") or "unshare", "--pid", "--fork", "--mount", "--propagation", "private",
                  "--mount-proc", "--kill-child", criu, "restore", "-D", str(images), "-W", str(workdir),
                  "--shell-job", "-o", "restore.log", "-v1", "--pidfile", str(workdir / "pid")],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                preexec_fn=die_with_parent if tied else None)
         # While CRIU restores: does the daemon still hold the weights? If not, the copy never wakes.
         if problem := daemon_problem(manifest, runtime):
             raise SnapshotError(problem)

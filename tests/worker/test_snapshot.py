@@ -207,6 +207,26 @@ def test_two_restores_serve_beside_the_original(served, snap):
 
 
 @needs_criu
+def test_a_foreground_restore_killed_takes_its_engine_with_it(served, snap):
+    """Without --detach the restored engine is the command's: killed with SIGKILL, the command left
+    it serving, unsupervised, its lease held."""
+    running = restore_processes(served["runtime"])
+    command = subprocess.Popen([sys.executable, "-m", "preload_cli", "snapshot", "restore", str(snap["dir"]), "--port",
+                                "0"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+                               env={**os.environ, "PRELOAD_RUNTIME_DIR": str(served["runtime"])})
+    try:
+        ready = json.loads(command.stdout.readline())
+        url = f"http://127.0.0.1:{ready['port']}"
+        assert complete(url) == snap["text"]
+    finally:
+        command.kill()
+        command.wait()
+    wait_until(lambda: restore_processes(served["runtime"]) == running, 20, "the restored engine to end")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(url + "/health", timeout=5)
+
+
+@needs_criu
 def test_restore_after_the_original_is_killed(served, snap):
     served["engine"].proc.kill()
     served["engine"].proc.wait()
