@@ -144,7 +144,8 @@ class AttachedModel(collections.abc.Mapping):
     def resume(self, client: "DaemonClient") -> None:
         """Leases the same weights again through `client` and maps them back at the same addresses,
         so every view made before reads them again. Refused (StaleError, still suspended) unless
-        the daemon answers with the same cache key, content digest and tensor table."""
+        the daemon answers with the same cache key, content digest and tensor table; its slabs may
+        be new ones (the same weights loaded again make slabs of other names and the same bytes)."""
         response = client.attach_response(self.manifest.model, self.version, self.layout)
         manifest = response.manifest
         key = CacheKey.from_proto(manifest.key)
@@ -152,17 +153,21 @@ class AttachedModel(collections.abc.Mapping):
             client.close()
             raise StaleError(f"the daemon now holds other weights for {self.manifest.model} v{self.version} "
                              f"({key.content_digest}, not {self.key.content_digest}); take a new snapshot")
-        same_layout = [(s.id, s.size) for s in manifest.slabs] == [(s.id, s.size) for s in self.manifest.slabs]
-        if not same_layout or list(manifest.tensors) != list(self.manifest.tensors):
+        pairs = list(zip(self.manifest.slabs, manifest.slabs))
+        old_id = {new.id: old.id for old, new in pairs}
+        if [s.size for s in manifest.slabs] != [s.size for s in self.manifest.slabs] \
+                or not _same_tensors(manifest.tensors, self.manifest.tensors, old_id):
             client.close()
             raise StaleError(f"the daemon lays out {self.manifest.model} v{self.version} differently now; take a new "
                              "snapshot")
-        for slab in manifest.slabs:
-            raw = self.slabs[slab.id]
-            fd = remap_readonly(slab.path, raw.data_ptr(), raw.numel())
-            for parked in self._parked.get(slab.id, ()):
+        for old, new in pairs:
+            raw = self.slabs[old.id]
+            fd = remap_readonly(new.path, raw.data_ptr(), raw.numel())
+            for parked in self._parked.get(old.id, ()):
                 os.dup2(fd, parked, inheritable=False)
             os.close(fd)
+        self.slabs = {new.id: self.slabs[old.id] for old, new in pairs}
+        self._views = {new.id: self._views[old.id] for old, new in pairs}
         self._parked = {}
         self._client, self.manifest, self.lease_id = client, manifest, response.lease.id
 
@@ -171,3 +176,11 @@ class AttachedModel(collections.abc.Mapping):
         if self.lease_id:
             self._client.release(self.lease_id)
             self.lease_id = ""
+
+
+def _same_tensors(new, old, old_id: dict[str, str]) -> bool:
+    """Whether two tensor tables are one, slab names aside (`old_id`: the old name of each new slab)."""
+    return len(new) == len(old) and all(
+        old_id.get(a.slab) == b.slab and a.name == b.name and a.offset == b.offset and a.nbytes == b.nbytes
+        and a.dtype == b.dtype and a.shape == b.shape and a.role == b.role and a.part == b.part
+        and a.quant_scheme == b.quant_scheme and a.quant_params == b.quant_params for a, b in zip(new, old))

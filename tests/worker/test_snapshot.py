@@ -491,8 +491,16 @@ def test_attached_weights_suspend_and_resume_at_the_same_addresses(daemon, tiny_
     attached.resume(DaemonClient(daemon.config.socket_path))
     assert not attached.suspended and view.data_ptr() == address and torch_equal(view, expected)
     assert len(daemon.client.list_models()[0].leases) == 1
+    # The same weights loaded again: new slabs (other names, the same bytes), which resume maps in
+    # place of the old (a snapshot was refused as "laid out differently" after any reload).
     attached.suspend()
     daemon.client.evict("tiny")
+    daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny"))
+    attached.resume(DaemonClient(daemon.config.socket_path))
+    assert attached.manifest.slabs[0].id != slab.id and view.data_ptr() == address and torch_equal(view, expected)
+    assert torch_equal(attached[list(attached)[-1]], attached[list(attached)[-1]].clone())  # new views too
+    attached.suspend()
+    daemon.client.evict("tiny", force=True)
     daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny", dtype="bfloat16"))
     with pytest.raises(StaleError):
         attached.resume(DaemonClient(daemon.config.socket_path))
