@@ -207,12 +207,15 @@ def build_app(router: Router) -> Starlette:
 
     async def proxy(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        body = bytearray()
+        chunks, size = [], 0
         async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY_BYTES:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
                 return JSONResponse({"error": {"message": f"request body over {MAX_BODY_BYTES >> 20} MiB",
                                                "type": "invalid_request_error", "code": 413}}, status_code=413)
+        body = b"".join(chunks)  # one copy kept while the request is served (a bytearray and its bytes held two)
+        del chunks
         # A replica that cannot be reached is taken out of rotation and the request goes to another:
         # nothing reached the engine, so trying again is safe.
         for _ in router.replicas:
@@ -220,7 +223,7 @@ def build_app(router: Router) -> Starlette:
             if replica is None:
                 break
             upstream = replica.client.build_request(request.method, request.url.path, params=request.query_params,
-                                                    headers=headers, content=bytes(body))
+                                                    headers=headers, content=body)
             replica.in_flight += 1
             generation = replica.generation
             try:
