@@ -44,8 +44,9 @@ def listen(runtime_dir: pathlib.Path) -> tuple[socket.socket, pathlib.Path]:
         sock.bind(str(path))
     except OSError as e:
         sock.close()
-        raise ControlError(f"cannot listen at {path} ({e.strerror or e}; a Unix socket's path holds at most 107 "
-                           "bytes): use a shorter runtime directory") from None
+        hint = "; a Unix socket's path holds at most 107 bytes: use a shorter runtime directory" \
+            if len(os.fsencode(path)) > 107 else ""
+        raise ControlError(f"cannot listen at {path} ({e.strerror or e}){hint}") from None
     finally:
         os.umask(old)
     sock.listen(1)

@@ -6,12 +6,13 @@ import socket
 import subprocess
 
 PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: not in a forked child of a threaded parent
 
 
 def die_with_parent() -> None:
     """preexec_fn of child processes: the kernel kills the child when the thread that started it
     ends (with its process), so no rank or replica outlives its engine, even after kill -9."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

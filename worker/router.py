@@ -89,8 +89,8 @@ class Replica:
 
     def start(self) -> None:
         self.uds.unlink(missing_ok=True)
+        self.generation += 1  # first: a request of the old process that ends now no longer counts
         self.ready_doc, self.failure, self.reachable, self.in_flight = {}, "", True, 0
-        self.generation += 1
         self.proc = spawn_child([*self.command, "--replica", str(self.index), "--uds", str(self.uds)],
                                 stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_events, args=(self.proc,), name=f"replica-{self.index}",
@@ -123,7 +123,7 @@ class Router:
     def __init__(self, num_replicas: int, socket_dir: pathlib.Path, command: list[str]):
         self.replicas = [Replica(i, socket_dir / f"replica-{i}.sock", command) for i in range(num_replicas)]
         self.failure = ""
-        self.stopping = threading.Event()
+        self.stopping, self.stopped = threading.Event(), threading.Event()
 
     def start(self) -> None:
         for replica in self.replicas:
@@ -134,8 +134,9 @@ class Router:
     def _supervise(self) -> None:
         """Restarts replicas that die after having been ready, each after its delay (doubled while
         its restarts fail); one that dies before its first readiness fails the whole engine (bad
-        flags or a bad checkpoint fail every replica alike)."""
-        while not self.stopping.wait(0.2):
+        flags or a bad checkpoint fail every replica alike). The replicas it starts die with this
+        thread (their parent-death signal), so it lasts until stop() has stopped them."""
+        while not self.failure and not self.stopping.wait(0.2):
             for replica in self.replicas:
                 if replica.proc.poll() is None:
                     continue
@@ -144,7 +145,7 @@ class Router:
                     self.failure = f"replica {replica.index} exited with code {code} before it was ready: " \
                                    f"{replica.failure or 'see its log above'}"
                     log.error("%s", self.failure)
-                    return
+                    break
                 if not replica.next_start:  # found dead just now
                     log.warning("replica %d (pid %d) exited with code %d%s; restarting it in %g s", replica.index,
                                 replica.proc.pid, code, f" ({replica.failure})" if replica.failure else "",
@@ -154,7 +155,11 @@ class Router:
                     replica.delay = min(2 * replica.delay, MAX_RESTART_DELAY_S)  # back to the first once ready
                 elif time.monotonic() >= replica.next_start:
                     replica.next_start = 0.0
-                    replica.start()
+                    try:
+                        replica.start()
+                    except OSError as e:  # not even started: counted as a restart that failed
+                        replica.failure = f"cannot start it: {e}"
+        self.stopped.wait()
 
     def _probe(self) -> None:
         while not self.stopping.wait(PROBE_EVERY_S):
@@ -187,6 +192,7 @@ class Router:
         self.stopping.set()
         for replica in self.replicas:
             replica.stop()
+        self.stopped.set()
 
 
 def build_app(router: Router) -> Starlette:
@@ -224,8 +230,8 @@ def build_app(router: Router) -> Starlette:
                 break
             upstream = replica.client.build_request(request.method, request.url.path, params=request.query_params,
                                                     headers=headers, content=body)
-            replica.in_flight += 1
             generation = replica.generation
+            replica.in_flight += 1
             try:
                 response = await replica.client.send(upstream, stream=True)
             except httpx.TransportError as e:
@@ -253,10 +259,11 @@ async def _relay(replica: Replica, generation: int, response: httpx.Response):
             yield chunk
     except httpx.HTTPError as e:
         log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
-        if response.headers.get("content-type", "").startswith("text/event-stream"):
-            error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
-                                "again", "type": "server_error", "code": 502}
-            yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            raise  # the client's body ends short, so it can tell (a clean end would pass a cut body as whole)
+        error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
+                            "again", "type": "server_error", "code": 502}
+        yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
     finally:
         replica.done(generation)
         with anyio.CancelScope(shield=True):  # a client gone: the task is cancelled, the response still closed
@@ -300,7 +307,7 @@ def run_router(num_replicas: int, socket_dir: pathlib.Path, command: list[str], 
     Replica i runs `command` plus `--replica i --uds SOCKET` (an engine command with --dp-size 1)."""
     router = Router(num_replicas, socket_dir, command)
     server = uvicorn.Server(uvicorn.Config(build_app(router), host=host, port=port, log_level="warning",
-                                           lifespan="off", http=BoundedH11))
+                                           lifespan="off", http=BoundedH11, timeout_graceful_shutdown=30))
     outcome = {"code": 0}
 
     def announce() -> None:
@@ -323,12 +330,17 @@ def run_router(num_replicas: int, socket_dir: pathlib.Path, command: list[str], 
         threading.Thread(target=announce, name="router-ready", daemon=True).start()
         server.run()
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the replicas' stop short
         router.stop()
     return outcome["code"]
 
 
-def _terminated(signum: int, _frame) -> None:
-    raise SystemExit(128 + signum)
+class _Terminated(BaseException):
+    """SIGTERM, raised where the main thread is."""
+
+
+def _terminated(_signum: int, _frame) -> None:
+    raise _Terminated
 
 
 def main() -> int:
@@ -338,14 +350,22 @@ def main() -> int:
     # Not preload_daemon.config.configure_logging: that would import grpc into this lean process.
     logging.basicConfig(level=settings.get("log_level", "INFO"), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per probe and per request otherwise
     socket_dir = pathlib.Path(settings["socket_dir"])
+    code = None
     try:
-        return run_router(settings["replicas"], socket_dir, settings["command"], host=settings["host"],
+        code = run_router(settings["replicas"], socket_dir, settings["command"], host=settings["host"],
                           port=settings["port"])
+    except _Terminated:
+        pass
     finally:
         for path in socket_dir.glob("replica-*.sock"):
             path.unlink(missing_ok=True)
         socket_dir.rmdir()
+    if code is None:  # ended by SIGTERM, as a single engine is: the supervisor sees the signal, not a code
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+    return code
 
 
 if __name__ == "__main__":

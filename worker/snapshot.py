@@ -318,7 +318,8 @@ def restore(directory: pathlib.Path, *, port: int | None = None, host: str | Non
             tied: bool = False) -> Restored:
     """Restores the snapshot in `directory` and returns once the copy is ready (module docstring).
     `streams`: the restored engine's stdin, stdout and stderr (default: this process's); `tied`:
-    the restored engine ends with this process, however it ends (a foreground restore)."""
+    the restored engine ends with the calling thread, so with this process however it ends, when
+    called from the main thread (a foreground restore)."""
     started = time.time()
     directory = pathlib.Path(directory).absolute()
     manifest = read_manifest(directory)

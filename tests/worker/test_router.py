@@ -1,12 +1,26 @@
 """The data-parallel router's supervision (worker/router.py) against stand-in replica processes:
 real processes that say ready and die, or fail at start, as an engine replica would."""
 
+import http.client
 import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
 
+import pytest
+
+from tests.conftest import REPO, wait_until
 from worker import router as router_module
 from worker.router import Router, merge_metrics
+
+REPLICA_SCRIPT = pathlib.Path(__file__).with_name("router_replica.py")
 
 # A replica that is ready and then dies at its first start, and fails at every start after (as when
 # the daemon no longer holds its model): each start appends its time to the file argv[1].
@@ -58,3 +72,85 @@ def test_metrics_of_replicas_merge_into_one_family_each():
                       "# HELP preload_engine_ready Ready.", "# TYPE preload_engine_ready gauge",
                       'preload_engine_ready{replica="0"} 1.0', 'preload_engine_ready{replica="1"} 1.0']
     assert json.dumps(merge_metrics(["", "garbage without a family\n"])) == '["garbage without a family"]'
+
+
+class RouterProcess:
+    """`python -m worker.router` on a free port over stand-in replicas (router_replica.py)."""
+
+    def __init__(self, tmp_path, replicas: int = 2, command: list[str] | None = None):
+        self.sockets = pathlib.Path(tempfile.mkdtemp(prefix="plr-", dir="/tmp"))  # short: socket paths
+        self.log = tmp_path / "replicas.log"
+        settings = {"replicas": replicas, "socket_dir": str(self.sockets), "host": "127.0.0.1", "port": 0,
+                    "log_level": "WARNING", "command": command or [sys.executable, str(REPLICA_SCRIPT)]}
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker.router", json.dumps(settings)], cwd=REPO,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                     env={**os.environ, "ROUTER_REPLICA_LOG": str(self.log)})
+        self.ready = json.loads(self.proc.stdout.readline())
+        self.url = f"http://127.0.0.1:{self.ready['port']}"
+
+    def readiness(self) -> dict:
+        try:
+            return json.load(urllib.request.urlopen(self.url + "/ready", timeout=10))
+        except urllib.error.HTTPError as e:
+            return json.load(e)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        code = self.proc.wait(60)
+        shutil.rmtree(self.sockets, ignore_errors=True)
+        return code
+
+
+def post(url: str, body: dict):
+    return urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                                         {"Content-Type": "application/json"}), timeout=30)
+
+
+def test_an_answer_a_dying_replica_cuts_short_reaches_the_client_cut(tmp_path):
+    """The body ends short, as the replica's did, so that the client can tell (a clean end would pass
+    part of an answer off as all of it); the replica is restarted."""
+    router = RouterProcess(tmp_path)
+    try:
+        response = post(router.url, {"die_after_bytes": 1000})
+        with pytest.raises(http.client.IncompleteRead):
+            response.read()
+        wait_until(lambda: router.readiness()["replicas"][0]["restarts"] == 1, 10, "the restart")
+        wait_until(lambda: router.readiness()["status"] == "ready", 20, "the replica back")
+        assert [r["in_flight"] for r in router.readiness()["replicas"]] == [0, 0]
+    finally:
+        assert router.stop() == -signal.SIGTERM  # ended by the signal, as a single engine is
+
+
+def test_sigterm_stops_every_replica_gracefully_and_removes_their_sockets(tmp_path):
+    """Replicas the supervisor thread restarted die with that thread (their parent-death signal):
+    it now lasts until they are stopped, and each gets SIGTERM, not SIGKILL."""
+    router = RouterProcess(tmp_path)
+    first = router.readiness()["replicas"][0]["engine"]["pid"]
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: (doc := router.readiness())["status"] == "ready" and
+               doc["replicas"][0]["engine"]["pid"] != first, 20, "the restarted replica")
+    pids = [r["engine"]["pid"] for r in router.readiness()["replicas"]]
+    assert router.stop() == -signal.SIGTERM
+    stopped = sorted(int(line.split()[1]) for line in router.log.read_text().splitlines())
+    assert stopped == sorted(pids)
+    assert not router.sockets.exists()
+
+
+def test_a_replica_that_cannot_even_be_started_is_tried_again(tmp_path):
+    """A restart whose spawn fails (its executable gone or unreadable) killed the supervisor thread:
+    nothing was restarted after it, and the replicas it had restarted died with it."""
+    script = tmp_path / "replica"
+    script.write_text(f"#!{sys.executable}\n" + REPLICA_SCRIPT.read_text())
+    script.chmod(0o700)
+    router = RouterProcess(tmp_path, command=[str(script)])
+    try:
+        script.chmod(0o000)
+        os.kill(router.readiness()["replicas"][0]["engine"]["pid"], signal.SIGKILL)
+        wait_until(lambda: "cannot start it" in router.readiness()["replicas"][0].get("error", ""), 20,
+                   "the failed start")
+        script.chmod(0o700)
+        wait_until(lambda: router.readiness()["status"] == "ready", 30, "the replica back")
+        assert router.readiness()["replicas"][1]["restarts"] == 0
+    finally:
+        router.stop()
