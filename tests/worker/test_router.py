@@ -68,7 +68,8 @@ def test_metrics_of_replicas_merge_into_one_family_each():
            '# TYPE preload_engine_ready gauge\npreload_engine_ready{replica="%d"} 1.0\n')
     merged = merge_metrics([one % (0, 5, 0), one % (1, 7, 1)])
     assert merged == ["# HELP preload_engine_requests_total Requests.", "# TYPE preload_engine_requests_total counter",
-                      'preload_engine_requests_total{replica="0"} 5.0', 'preload_engine_requests_total{replica="1"} 7.0',
+                      'preload_engine_requests_total{replica="0"} 5.0',
+                      'preload_engine_requests_total{replica="1"} 7.0',
                       "# HELP preload_engine_ready Ready.", "# TYPE preload_engine_ready gauge",
                       'preload_engine_ready{replica="0"} 1.0', 'preload_engine_ready{replica="1"} 1.0']
     assert json.dumps(merge_metrics(["", "garbage without a family\n"])) == '["garbage without a family"]'
