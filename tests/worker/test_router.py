@@ -98,7 +98,11 @@ class RouterProcess:
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
-        code = self.proc.wait(60)
+        try:
+            code = self.proc.wait(60)
+        except subprocess.TimeoutExpired:  # killed: its replicas go with it (their parent-death signal)
+            self.proc.kill()
+            code = self.proc.wait()
         shutil.rmtree(self.sockets, ignore_errors=True)
         return code
 
@@ -127,11 +131,15 @@ def test_sigterm_stops_every_replica_gracefully_and_removes_their_sockets(tmp_pa
     """Replicas the supervisor thread restarted die with that thread (their parent-death signal):
     it now lasts until they are stopped, and each gets SIGTERM, not SIGKILL."""
     router = RouterProcess(tmp_path)
-    first = router.readiness()["replicas"][0]["engine"]["pid"]
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: (doc := router.readiness())["status"] == "ready" and
-               doc["replicas"][0]["engine"]["pid"] != first, 20, "the restarted replica")
-    pids = [r["engine"]["pid"] for r in router.readiness()["replicas"]]
+    try:
+        first = router.readiness()["replicas"][0]["engine"]["pid"]
+        os.kill(first, signal.SIGKILL)
+        wait_until(lambda: (doc := router.readiness())["status"] == "ready" and
+                   doc["replicas"][0]["engine"]["pid"] != first, 20, "the restarted replica")
+        pids = [r["engine"]["pid"] for r in router.readiness()["replicas"]]
+    except BaseException:
+        router.stop()
+        raise
     assert router.stop() == -signal.SIGTERM
     stopped = sorted(int(line.split()[1]) for line in router.log.read_text().splitlines())
     assert stopped == sorted(pids)
