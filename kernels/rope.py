@@ -79,11 +79,9 @@ def attention_factor(scaling: dict | None) -> float:
 def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype,
             scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables [*positions.shape, head_dim], computed in float32 (times `scale`, the
-    attention_factor), returned in `dtype`."""
+    attention_factor; exact when it is 1), returned in `dtype`."""
     angles = positions.float()[..., None] * freqs
     emb = torch.cat((angles, angles), dim=-1)
-    if scale == 1.0:
-        return emb.cos().to(dtype), emb.sin().to(dtype)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 

@@ -85,7 +85,7 @@ def rope_config(config: dict, source: str, head_dim: int, max_positions: int) ->
     dict's (Phi-3 keeps it there). Every field the engine reads (kernels/rope.py) is checked, and
     the frequencies computed once, so that a bad or an unsupported rope fails the load, not the
     engine after it."""
-    from kernels.rope import ROPE_TYPES  # torch: not for the command line, which reads configs too
+    from kernels.rope import ROPE_TYPES, rope_type  # torch: not for the command line, which reads configs too
     for key in ("rope_parameters", "rope_scaling"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise CheckpointError(f"{source}: {key} must be an object, got {type(config[key]).__name__}")
@@ -96,7 +96,7 @@ def rope_config(config: dict, source: str, head_dim: int, max_positions: int) ->
     if partial is not None and partial != 1:
         raise CheckpointError(f"{source}: partial_rotary_factor {short_repr(partial)} is not supported (rope over "
                               "part of each head); only 1.0 is")
-    kind = rope.get("rope_type") or rope.get("type") or "default"
+    kind = rope_type(rope)
     if not isinstance(kind, str):
         raise CheckpointError(f"{where}: rope_type must be a string such as \"llama3\", got {short_repr(kind)}")
     if kind not in ROPE_TYPES:
@@ -162,9 +162,9 @@ def int_field(config: dict, key: str, source: str, default: int | None = None, m
 def float_field(config: dict, key: str, source: str, default: float | None) -> float:
     value = config.get(key)
     value = default if value is None else value
-    number = value if isinstance(value, float) else float(value) if isinstance(value, int) and not isinstance(
-        value, bool) and value.bit_length() <= 1024 else None  # float() of a 400-digit int raises
-    if number is None or not 0 < number < math.inf:
+    # An int (not a bool) as a float; float() of one of 400 digits would raise.
+    number = float(value) if type(value) is int and value.bit_length() <= 1024 else value
+    if not isinstance(number, float) or not 0 < number < math.inf:
         raise CheckpointError(f"{source}: {key} must be a positive finite number, got {short_repr(value)}")
     return number
 

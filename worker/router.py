@@ -273,25 +273,21 @@ async def _relay(replica: Replica, generation: int, response: httpx.Response):
 def merge_metrics(texts: list[str]) -> list[str]:
     """The replicas' Prometheus texts as one: each family's HELP and TYPE once, then its samples
     from every replica (a family split in parts is not valid exposition format)."""
-    order: list[str] = []
-    meta: dict[str, list[str]] = {}
-    samples: dict[str, list[str]] = {}
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name -> (HELP and TYPE, samples), first seen first
     for text in texts:
         family = ""
         for line in text.splitlines():
-            if line.startswith(("# HELP ", "# TYPE ")):
-                family = line.split(" ", 3)[2] if len(line.split(" ", 3)) > 2 else ""
-                if family not in meta:
-                    order.append(family)
-                    meta[family], samples[family] = [], []
-                if line not in meta[family]:
-                    meta[family].append(line)
-            elif line and not line.startswith("#"):
-                if family not in meta:
-                    order.append(family)
-                    meta[family], samples[family] = [], []
-                samples[family].append(line)
-    return [line for family in order for line in meta[family] + samples[family]]
+            comment = line.startswith(("# HELP ", "# TYPE "))
+            if comment:
+                family = (line.split(" ", 3) + [""])[2]
+            elif not line or line.startswith("#"):
+                continue
+            meta, samples = families.setdefault(family, ([], []))
+            if not comment:
+                samples.append(line)
+            elif line not in meta:
+                meta.append(line)
+    return [line for meta, samples in families.values() for line in meta + samples]
 
 
 async def _metrics_of(replica: Replica) -> str:
