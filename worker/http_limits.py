@@ -3,7 +3,9 @@ never sends a request open for good, so 20,000 idle ones exhausted an engine's f
 (its /health failed, and its log filled with a traceback per refused accept). Here a connection
 past MAX_CONNECTIONS is answered 503 and closed at once, and one whose request (head and body) has
 not arrived REQUEST_TIMEOUT_S after it began is closed then (uvicorn's own keep-alive timer covers
-the wait between requests; h11 bounds the head's size, the server the body's)."""
+the wait between requests; h11 bounds the head's size, BodyBudget the body's). Bodies are bounded
+each (MAX_BODY_BYTES: 413) and all together (BODY_BUDGET_BYTES: 503, retry), since every
+connection may be sending one: 1,024 bodies of 64 MiB would be 64 GiB."""
 
 import asyncio
 
@@ -12,6 +14,65 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 1024
 REQUEST_TIMEOUT_S = 30.0
+MAX_BODY_BYTES = 64 << 20
+"""Largest request body read (a prompt is at most 8 Mi characters: up to 32 MiB of UTF-8, more with
+JSON's escapes)."""
+BODY_BUDGET_BYTES = 256 << 20
+"""Request bodies held at once, all requests together."""
+DRAIN_BYTES = 256 << 20
+"""What is read and discarded of a refused body before the connection is closed on the rest."""
+
+
+class BodyRefused(Exception):
+    """A request body not read: too large (413), or too many bytes of bodies held already (503)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class BodyBudget:
+    """The bytes of request bodies held in memory at once, all requests together (one event loop:
+    no lock). read() counts a body against it until release(len(body))."""
+
+    def __init__(self, limit: int = BODY_BUDGET_BYTES):
+        self.limit, self.held = limit, 0
+
+    async def read(self, request) -> bytes:
+        """A starlette request's whole body, counted as it arrives: BodyRefused past MAX_BODY_BYTES
+        (413) or past the budget (503). A refused body's bytes are dropped and the rest of it read
+        and discarded (at most DRAIN_BYTES), so that the client, still sending, gets the answer and
+        not a reset connection."""
+        chunks, size, refused, drained = [], 0, None, 0
+        try:
+            async for chunk in request.stream():
+                if refused is not None:
+                    drained += len(chunk)
+                    if drained > DRAIN_BYTES:
+                        break
+                    continue
+                chunks.append(chunk)
+                size += len(chunk)
+                self.held += len(chunk)
+                if size > MAX_BODY_BYTES:
+                    refused = BodyRefused(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send a "
+                                               "shorter prompt")
+                elif self.held > self.limit:
+                    refused = BodyRefused(503, f"the server holds {self.limit >> 20} MiB of request bodies "
+                                               "already; retry shortly")
+                if refused is not None:
+                    chunks.clear()
+                    self.held -= size
+                    size = 0
+            if refused is not None:
+                raise refused
+            return b"".join(chunks)
+        except BaseException:
+            self.held -= size
+            raise
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
 
 
 class BoundedH11(H11Protocol):

@@ -32,7 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from worker.http_limits import BoundedH11
+from worker.http_limits import BodyBudget, BodyRefused, BoundedH11
 from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ PROBE_EVERY_S = 2.0
 PROBE_TIMEOUT_S = 5.0
 """A replica's /ready is asked every PROBE_EVERY_S; one that has not answered within
 PROBE_TIMEOUT_S is out of rotation until it does."""
-MAX_BODY_BYTES = 16 << 20  # a request body the router buffers (to retry it on another replica)
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate"}
 
@@ -196,6 +195,8 @@ class Router:
 
 
 def build_app(router: Router) -> Starlette:
+    bodies = BodyBudget()  # a body is held until its answer ends (to send it to another replica, if one fails)
+
     async def health(_: Request):
         return JSONResponse({"status": "alive", "dp_size": len(router.replicas)})
 
@@ -209,19 +210,24 @@ def build_app(router: Router) -> Starlette:
                   f"preload_router_replicas_ready {sum(r.ready for r in router.replicas)}",
                   "# TYPE preload_router_replica_restarts_total counter"]
         lines += [f'preload_router_replica_restarts_total{{replica="{r.index}"}} {r.restarts}' for r in router.replicas]
+        lines += ["# TYPE preload_router_request_body_bytes gauge", f"preload_router_request_body_bytes {bodies.held}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def proxy(request: Request):
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > MAX_BODY_BYTES:
-                return JSONResponse({"error": {"message": f"request body over {MAX_BODY_BYTES >> 20} MiB",
-                                               "type": "invalid_request_error", "code": 413}}, status_code=413)
-        body = b"".join(chunks)  # one copy kept while the request is served (a bytearray and its bytes held two)
-        del chunks
+        try:
+            body = await bodies.read(request)
+        except BodyRefused as e:
+            kind = "invalid_request_error" if e.status == 413 else "unavailable"
+            return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, status_code=e.status)
+        try:
+            return await forward(request, headers, body)
+        except BaseException:
+            bodies.release(len(body))
+            raise
+
+    async def forward(request: Request, headers: dict, body: bytes):
+        """The answer of the first replica reached; the body's budget is given back when it ends."""
         # A replica that cannot be reached is taken out of rotation and the request goes to another:
         # nothing reached the engine, so trying again is safe.
         for _ in router.replicas:
@@ -240,9 +246,14 @@ def build_app(router: Router) -> Starlette:
                 log.warning("replica %d did not answer (%s); out of rotation until its health check answers",
                             replica.index, e)
                 continue
-            return StreamingResponse(_relay(replica, generation, response), status_code=response.status_code,
+            except BaseException:  # cancelled (the router stopping), or a bug: not counted against the replica
+                replica.done(generation)
+                raise
+            return StreamingResponse(_relay(replica, generation, response, lambda: bodies.release(len(body))),
+                                     status_code=response.status_code,
                                      headers={k: v for k, v in response.headers.items()
                                               if k.lower() not in HOP_HEADERS})
+        bodies.release(len(body))
         return JSONResponse({"error": {"message": "no engine replica is ready; retry shortly", "type": "unavailable",
                                        "code": 503}}, status_code=503)
 
@@ -251,9 +262,10 @@ def build_app(router: Router) -> Starlette:
         Route("/v1/{path:path}", proxy, methods=["GET", "POST"])])
 
 
-async def _relay(replica: Replica, generation: int, response: httpx.Response):
+async def _relay(replica: Replica, generation: int, response: httpx.Response, ended):
     """The replica's answer, passed on; its request counts against the replica until the answer
-    ends, however it ends. A stream the replica breaks off (it died) ends with an error event."""
+    ends, however it ends, and then `ended()` runs. A stream the replica breaks off (it died) ends
+    with an error event."""
     try:
         async for chunk in response.aiter_raw():
             yield chunk
@@ -266,6 +278,7 @@ async def _relay(replica: Replica, generation: int, response: httpx.Response):
         yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
     finally:
         replica.done(generation)
+        ended()
         with anyio.CancelScope(shield=True):  # a client gone: the task is cancelled, the response still closed
             await response.aclose()
 

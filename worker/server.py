@@ -13,14 +13,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from preload_daemon.errors import InvalidRequestError, PreloadError
+from worker.http_limits import BodyBudget, BodyRefused
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
 from worker.template_bounds import MAX_PROMPT_CHARS
 from worker.template_process import RendererBusyError
 
-MAX_BODY_BYTES = 64 << 20
-"""Largest request body read (the prompt text is at most 8 Mi characters, as UTF-8 up to 32 MiB)."""
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -28,6 +27,8 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 
 def build_app(state: WorkerState) -> Starlette:
+    bodies = BodyBudget()
+
     async def health(_: Request):
         return JSONResponse(state.health())
 
@@ -47,13 +48,20 @@ def build_app(state: WorkerState) -> Starlette:
         if not state.is_ready():
             return error(503, f"the engine is not ready: {state.not_ready_reason()}", "unavailable")
         try:
-            body = json.loads(await read_body(request))
+            raw = await bodies.read(request)
+        except BodyRefused as e:
+            return error(e.status, str(e), "invalid_request_error" if e.status == 413 else "unavailable")
+        try:
+            body = json.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
         except ValueError as e:
             return error(400, f"bad JSON body: {e}")
         except RecursionError:
             return error(400, "bad JSON body: nested too deeply (arrays or objects thousands of levels deep)")
+        finally:
+            bodies.release(len(raw))
+            del raw
         if body.get("model") not in (None, state.name):
             return error(404, f"model {body.get('model')!r} is not served here; this engine serves {state.name!r}",
                          "not_found_error")
@@ -95,16 +103,6 @@ def build_app(state: WorkerState) -> Starlette:
         Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
         Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"])])
-
-
-async def read_body(request: Request) -> bytes:
-    """The request's body, refused (ValueError) past MAX_BODY_BYTES as it arrives."""
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ValueError(f"the body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
-    return bytes(body)
 
 
 async def cancel_when_gone(request: Request, run: "Generation") -> None:

@@ -1,8 +1,8 @@
 """A stand-in engine replica for the router's tests (tests/worker/test_router.py): a real process
 serving HTTP on the Unix socket the router gives it (`--uds`), saying ready on stdout as an engine
 replica does. POST /v1/completions with {"die_after_bytes": N} sends N bytes of a JSON answer and
-then dies; {"stream": true} streams events. SIGTERM is recorded in the file named by
-ROUTER_REPLICA_LOG before it exits."""
+then dies; {"delay_s": S} answers after S seconds, as an engine answers a whole completion.
+SIGTERM is recorded in the file named by ROUTER_REPLICA_LOG before it exits."""
 
 import asyncio
 import contextlib
@@ -35,6 +35,7 @@ async def completions(request):
             await asyncio.sleep(0.2)
             os._exit(9)
         return StreamingResponse(dying(), media_type="application/json")
+    await asyncio.sleep(body.get("delay_s", 0))
     return JSONResponse({"replica": INDEX, "pid": os.getpid()})
 
 

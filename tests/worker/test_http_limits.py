@@ -1,14 +1,18 @@
-"""The engine's and the router's HTTP connections are bounded (worker/http_limits.py): a real
-uvicorn server on a real socket, with the limits made small."""
+"""The engine's and the router's HTTP connections and request bodies are bounded
+(worker/http_limits.py): a real uvicorn server on a real socket, with the limits made small."""
 
 import asyncio
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
 from worker import http_limits
 
@@ -77,3 +81,57 @@ def test_a_keep_alive_connection_serves_requests_in_turn(server):
         while not answer.endswith(b"ok"):  # the head and the body may come apart
             answer += conn.recv(4096) or pytest.fail(f"closed after {answer!r}")
         time.sleep(0.7)  # longer than the request timeout, between requests
+
+
+def test_request_bodies_are_bounded_each_and_all_together(monkeypatch):
+    """Bodies past MAX_BODY_BYTES get 413; bodies past the budget while others are held get 503 and
+    may be sent again once those are answered; every byte is given back, refused or not."""
+    monkeypatch.setattr(http_limits, "MAX_BODY_BYTES", 1 << 20)
+    budget = http_limits.BodyBudget(limit=2 << 20)
+
+    async def hold(request):
+        try:
+            body = await budget.read(request)
+        except http_limits.BodyRefused as e:
+            return PlainTextResponse(str(e), status_code=e.status)
+        await asyncio.sleep(float(request.query_params.get("hold", 0)))
+        budget.release(len(body))
+        return PlainTextResponse(str(len(body)))
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    app = Starlette(routes=[Route("/", hold, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http=http_limits.BoundedH11))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/"
+
+    def post(size: int, hold: float = 0) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}?hold={hold}", b"x" * size), timeout=10) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        held = [threading.Thread(target=post, args=(1 << 20, 2.0)) for _ in range(2)]
+        for t in held:
+            t.start()
+        deadline = time.monotonic() + 5
+        while budget.held < 2 << 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert budget.held == 2 << 20
+        status, message = post(1000)
+        assert status == 503 and "holds 2 MiB of request bodies already; retry shortly" in message
+        for t in held:
+            t.join(10)
+        assert budget.held == 0
+        assert post(1000) == (200, "1000")
+        status, message = post((1 << 20) + 1)
+        assert status == 413 and "over 1 MiB; send a shorter prompt" in message
+        assert budget.held == 0
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -127,6 +127,40 @@ def test_an_answer_a_dying_replica_cuts_short_reaches_the_client_cut(tmp_path):
         assert router.stop() == -signal.SIGTERM  # ended by the signal, as a single engine is
 
 
+def test_a_client_gone_before_its_answer_is_not_counted_against_the_replica(tmp_path):
+    """A client that gives up (its timeout) before the replica's answer begins: the request must not
+    stay counted against the replica (each such client would draw requests away from it for good)
+    nor hold its upstream connection."""
+    router = RouterProcess(tmp_path, replicas=1)
+    try:
+        for _ in range(3):
+            connection = http.client.HTTPConnection("127.0.0.1", router.ready["port"], timeout=10)
+            connection.request("POST", "/v1/completions", json.dumps({"delay_s": 3}),
+                               {"Content-Type": "application/json"})
+            connection.close()  # gone before the answer
+        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 3, 2, "the requests at the replica")
+        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 0, 10, "no request in flight")
+        assert json.load(post(router.url, {}))["replica"] == 0
+    finally:
+        router.stop()
+
+
+def test_bodies_a_single_engine_takes_pass_the_router_and_their_bytes_are_given_back(tmp_path):
+    """The router refused bodies over 16 MiB that a single engine takes (up to 64 MiB): a chat of 8 Mi
+    multi-byte characters. Bodies are now bounded as an engine's, and all together."""
+    router = RouterProcess(tmp_path, replicas=1)
+    try:
+        padding = "\u00e9" * (10 << 20)  # 20 MiB of UTF-8
+        assert json.load(post(router.url, {"padding": padding}))["replica"] == 0
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(router.url, {"padding": padding * 4})
+        assert err.value.code == 413 and "over 64 MiB" in json.load(err.value)["error"]["message"]
+        metrics = urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
+        assert "preload_router_request_body_bytes 0\n" in metrics
+    finally:
+        router.stop()
+
+
 def test_sigterm_stops_every_replica_gracefully_and_removes_their_sockets(tmp_path):
     """Replicas the supervisor thread restarted die with that thread (their parent-death signal):
     it now lasts until they are stopped, and each gets SIGTERM, not SIGKILL."""

@@ -125,6 +125,7 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
         ({"prompt": PROMPT, "model": "other"}, 404, "'other' is not served here"),
         ({"prompt": {"a": 1}}, 400, "prompt must be"),
         ({"prompt": PROMPT, "top_p": 5}, 400, "top_p"),
+        ({"prompt": "x" * (64 << 20)}, 413, "over 64 MiB; send a shorter prompt"),
     ]:
         with pytest.raises(urllib.error.HTTPError) as err:
             post(engine.url + "/v1/completions", body)
