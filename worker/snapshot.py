@@ -313,6 +313,28 @@ class Restored:
             return self.process.wait()
 
 
+FAILED_RESTORES_KEPT = 5
+"""The work directories (CRIU's logs) of the newest failed restores that a restore leaves; those of
+older ones, past an hour old, it removes."""
+
+
+def prune_failed_restores(root: pathlib.Path, keep: int = FAILED_RESTORES_KEPT, min_age_s: float = 3600.0) -> None:
+    """Removes the work directories of all but the `keep` newest failed restores in `root`, sparing
+    any younger than `min_age_s` (a restore running now has one)."""
+    found = []
+    for child in root.glob("restore-*"):
+        try:
+            info = child.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISDIR(info.st_mode):  # never a link: rmtree would not follow it, but nor should this
+            found.append((info.st_mtime, child))
+    found.sort(reverse=True)
+    for mtime, child in found[keep:]:
+        if time.time() - mtime > min_age_s:
+            shutil.rmtree(child, ignore_errors=True)
+
+
 def restore(directory: pathlib.Path, *, port: int | None = None, host: str | None = None,
             runtime_dir: pathlib.Path | None = None, timeout: float = 120.0, streams: list[int] = (0, 1, 2),
             tied: bool = False) -> Restored:
@@ -332,6 +354,7 @@ def restore(directory: pathlib.Path, *, port: int | None = None, host: str | Non
     listen = {"host": host or engine["listen"].get("host", "127.0.0.1"),
               "port": engine["listen"].get("port") if port is None else port}
     images = unpacked(directory, manifest, runtime)
+    prune_failed_restores(control.control_dir(runtime))
     workdir = control.control_dir(runtime) / f"restore-{secrets.token_hex(6)}"
     workdir.mkdir(mode=0o700)
     server, path = control.listen(runtime)

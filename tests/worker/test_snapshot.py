@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import psutil
@@ -405,6 +406,26 @@ def test_damaged_page_images_fail_the_restore_with_a_clear_error(tmp_path, damag
         snapshot_images.unpacked(directory, {"image": {"packed": ["pages-1.img.zst"]}}, runtime)
     assert "pages-1.img.zst" in str(err.value) and message in str(err.value) and "take a new snapshot" in str(err.value)
     assert not list((runtime / "snapshots").iterdir())  # no half-unpacked copy left
+
+
+def test_a_restore_keeps_only_the_newest_failed_restores_logs(tmp_path):
+    """Each failed restore leaves its work directory (CRIU's logs, named in its error); they piled up."""
+    now = time.time()
+    for i in range(8):  # an hour and more old, oldest first
+        (tmp_path / f"restore-old{i}").mkdir()
+        os.utime(tmp_path / f"restore-old{i}", (now - 7200 + i, now - 7200 + i))
+    (tmp_path / "restore-running").mkdir()  # a restore under way: its directory is young
+    os.utime(tmp_path / "restore-running", (now - 60, now - 60))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "restore-link").symlink_to(elsewhere)
+    os.utime(tmp_path / "restore-link", (0, 0), follow_symlinks=False)
+    snapshot.prune_failed_restores(tmp_path, keep=5)
+    left = sorted(p.name for p in tmp_path.glob("restore-*"))
+    assert left == ["restore-link", "restore-old4", "restore-old5", "restore-old6", "restore-old7", "restore-running"]
+    snapshot.prune_failed_restores(tmp_path, keep=0)
+    assert sorted(p.name for p in tmp_path.glob("restore-*")) == ["restore-link", "restore-running"]
+    assert elsewhere.is_dir()
 
 
 def test_host_mismatches_name_each_field():
