@@ -368,3 +368,44 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(tiny_e
     assert time.monotonic() < deadline and counts[-1] - before < 50, counts  # a batch or two had started
     ok = client(tiny_engine).completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=2)
     assert ok.choices[0].finish_reason == "length"
+
+
+def _metaspace_tokenizer():
+    """A Llama-style decoder (SentencePiece's ▁ for spaces, byte fallback, the first space stripped)."""
+    import tokenizers
+    from tokenizers import decoders, models
+    vocab = {"▁Hello": 0, "▁world": 1, "<0xE2>": 2, "<0x82>": 3, "<0xAC>": 4, "!": 5, "▁": 6, "é": 7, "</s>": 8}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="!"))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["</s>"])
+    return tok, len(vocab)
+
+
+@pytest.mark.parametrize("kind", ["default", "metaspace"])
+def test_text_decoded_token_by_token_is_the_whole_decode(default_model, kind):
+    """A choice's text is decoded incrementally (it was decoded whole on every token: quadratic);
+    at every token it must equal decoding all of them, partial characters and special tokens
+    included, with byte-level (the default model) and SentencePiece-style decoders."""
+    from types import SimpleNamespace
+
+    from worker.server import Choice, Generation
+    if kind == "default":
+        tok = Tokenizer(default_model)._tok
+        size = tok.get_vocab_size()
+        texts = ["Emoji party: 🎉🎉 and Japanese 日本語, naïve café", "x" * 50 + " 🙂" * 20]
+        sequences = [tok.encode(t).ids for t in texts]
+    else:
+        tok, size = _metaspace_tokenizer()
+        sequences = [[0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 2, 3, 0, 4, 1]]
+    real = len(sequences)  # then random ids: bytes that make no character, which a byte-fallback decoder
+    generator = torch.Generator().manual_seed(0)  # turns into replacement characters back to the run's start
+    sequences += [torch.randint(0, size, (400,), generator=generator).tolist() for _ in range(5)]
+    state = SimpleNamespace(decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
+    generation = SimpleNamespace(state=state)
+    for n, ids in enumerate(sequences):
+        choice = Choice(0, [], "")
+        for i, token in enumerate(ids):
+            choice.tokens.append(token)
+            assert Generation._text(generation, choice) == state.decode(ids[:i + 1]), (kind, ids[:i + 1])
+        assert choice.incremental or n >= real
