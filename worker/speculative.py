@@ -37,7 +37,8 @@ def probabilities(logits: torch.Tensor, temperature: float, top_p: float) -> tor
     probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p  # always keeps the top token
+        keep = sorted_probs.cumsum(-1) - sorted_probs < top_p
+        keep[0] = True  # the top token, whatever top_p (one below float32's least, 1e-46, compared as 0)
         probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
         probs = probs / probs.sum()
     return probs

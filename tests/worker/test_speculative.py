@@ -22,7 +22,7 @@ from worker.requests import SamplingParams
 from worker.loader import LoadRequest, load_safetensors
 from worker.model import CausalLM
 from worker.mtp import MTPDraft
-from worker.speculative import Speculator, greedy
+from worker.speculative import Speculator, greedy, probabilities
 
 PROMPTS = [[5, 17, 99, 3, 200, 41], [7, 7, 7], [250, 1, 30, 31, 32, 33, 34, 35, 36]]
 
@@ -75,6 +75,15 @@ def test_greedy_picks_what_torch_argmax_picks():
     assert greedy(logits) == expected
     assert greedy(logits[1:4]) == expected[1:4]
     assert [greedy(row) for row in logits] == expected and type(greedy(logits[0])) is int
+
+
+@pytest.mark.parametrize("top_p", [1e-45, 1e-46, 1e-300, 5e-324])
+def test_a_top_p_below_float32s_least_keeps_the_top_token(top_p):
+    """top_p is compared in float32, where 1e-46 and less are 0: nothing was kept, and the
+    distribution was 0 / 0 (a 500 "probability tensor contains either inf, nan or element < 0")."""
+    logits = torch.tensor([0.5, 3.0, 1.0, 2.9])
+    probs = probabilities(logits, 1.0, top_p)
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
 @pytest.mark.parametrize("kind,k", [("mtp", 1), ("mtp", 3), ("draft", 1), ("draft", 3), ("self", 2)])
