@@ -27,6 +27,21 @@ def _prefill_key(request: Request) -> tuple[int, bool]:
     return len(request.prompt), request.params.prompt_logprobs is not None
 
 
+
+def generator_seed(seed: int) -> int:
+    """What seeds torch's CPU generator for a request's 64-bit seed. The generator keeps 32 bits of
+    its seed (7 and 7 + 2**32 drew alike, and 0 and -2**63), so the seed is mixed first
+    (splitmix64's finalizer) and every bit of it counts: seeds that differ in their high bits
+    alone no longer draw alike (two seeds of 2**32 and more still may, by chance)."""
+    z = seed & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    z ^= z >> 31
+    return (z ^ (z >> 32)) & 0xFFFFFFFF
+
+
+_U64 = (1 << 64) - 1
+
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048,
                  speculator: Speculator | None = None):
@@ -114,7 +129,7 @@ class Engine:
                on_done: Callable[[str], None], enqueue: bool = True) -> Request:
         self.check(prompt, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
-        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        generator = torch.Generator().manual_seed(generator_seed(params.seed)) if params.seed is not None else None
         request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
         if enqueue:
             self._pending.put(request)
@@ -125,6 +140,9 @@ class Engine:
         cannot run; submit() checks too, this lets a caller check every prompt before the first runs."""
         if not prompt:
             raise InvalidRequestError("the prompt is empty")
+        if len(prompt) >= self.max_len:  # said apart: a chat without max_tokens asks for what fits, here 1
+            raise InvalidRequestError(f"the prompt ({len(prompt)} tokens) leaves no room in the engine's max length "
+                                      f"{self.max_len} for a token of the answer; shorten it")
         if len(prompt) + params.max_tokens > self.max_len:
             raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                                       f"engine's max length {self.max_len}; shorten one of them")

@@ -32,6 +32,14 @@ def test_seeded_sampling_is_reproducible(engine):
     assert first.tokens == second.tokens and first.tokens != other.tokens
 
 
+def test_seeds_that_differ_in_their_high_bits_draw_differently(engine):
+    """torch's CPU generator keeps 32 bits of a seed: 5, 5 + 2**32 and 5 - 2**40 drew alike."""
+    draws = {seed: engine.generate(PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=seed,
+                                                          ignore_eos=True)).tokens
+             for seed in (5, 5 + 2**32, 5 - 2**40, 0, -2**63, 2**63 - 1)}
+    assert len({tuple(tokens) for tokens in draws.values()}) == len(draws), draws
+
+
 def test_stop_tokens_and_max_tokens(engine):
     greedy = engine.generate(PROMPT, SamplingParams(max_tokens=10, ignore_eos=True))
     assert greedy.finish_reason == "length" and len(greedy.tokens) == 10
@@ -59,6 +67,7 @@ def test_concurrent_requests_are_batched_and_unchanged(engine):
 @pytest.mark.parametrize("prompt, params, message", [
     ([], SamplingParams(), "prompt is empty"),
     ([1] * 120, SamplingParams(max_tokens=20), "exceeds the engine's max length 128"),
+    ([1] * 128, SamplingParams(max_tokens=1), r"the prompt \(128 tokens\) leaves no room in the engine's max length 128"),
     ([10**6], SamplingParams(), "token ids must be in"),
 ])
 def test_bad_requests(engine, prompt, params, message):

@@ -126,6 +126,7 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
         ({"prompt": {"a": 1}}, 400, "prompt must be"),
         ({"prompt": PROMPT, "top_p": 5}, 400, "top_p"),
         ({"prompt": "x" * (64 << 20)}, 413, "over 64 MiB; send a shorter prompt"),
+        ({"prompt": [[1]] * 1025, "n": 4}, 400, "1025 prompts x n=4 are 4100 choices, over the limit of 4096"),
     ]:
         with pytest.raises(urllib.error.HTTPError) as err:
             post(engine.url + "/v1/completions", body)
