@@ -19,6 +19,7 @@ from worker.sampling import Pick
 from worker.state import WorkerState
 from worker.template_bounds import MAX_PROMPT_CHARS
 from worker.template_process import RendererBusyError
+from worker.tokenizer import IncrementalText
 
 MAX_CHOICES = 4096
 """Choices (prompts x n) one request may ask for: each is set up on the event loop (800,000 of them
@@ -153,27 +154,18 @@ def stop_prefix(text: str, stop: str) -> int:
     return 0
 
 
-MAX_CONTEXT_TOKENS = 64
-"""Tokens without text (skipped special tokens) a choice's incremental decoding keeps as context."""
-
-
 class Choice:
     """One choice of one prompt: its engine request, the tokens and text it has produced so far."""
 
-    def __init__(self, index: int, prompt: list[int], prefix: str):
+    def __init__(self, index: int, prompt: list[int], prefix: str, decode):
         self.index, self.prompt, self.prefix = index, prompt, prefix
         self.request = None
         self.tokens: list[int] = []
+        self.text = IncrementalText(decode)
+        """The text of the tokens, decoded as they come (up to a stop string's: tokens after it are dropped)."""
         self.sent = ""
-        self.text = ""
-        """The text of tokens[:read], settled: decoding more tokens does not change it."""
-        self.window = self.read = 0
-        """Tokens [window, read) are decoded again beside the new ones, for their context."""
-        self.incremental = True
         self.logged = 0
         """Tokens whose log-probabilities went out already (streaming)."""
-        self.offset = 0
-        """Characters of text the log-probabilities' text_offset has covered."""
         self.ids_sent = 0
         """Tokens whose ids went out already (streaming with return_token_ids)."""
         self.reason = None
@@ -206,7 +198,7 @@ class Generation:
             plans.append(params)
         for p, (prompt, text, params) in enumerate(zip(prompts, texts, plans)):
             prefix = (text if text is not None else state.decode(prompt)) if options.echo else ""
-            group = [Choice(p * n + j, prompt, prefix) for j in range(n)]
+            group = [Choice(p * n + j, prompt, prefix, state.decode) for j in range(n)]
             requests = engine.submit_choices(
                 prompt, params, [lambda t, c=c: self._put(c, "token", t) for c in group],
                 [lambda r, c=c: self._put(c, "done", r) for c in group])
@@ -233,11 +225,11 @@ class Generation:
         the choice there."""
         if choice.stopped:
             return ""  # the text up to the stop string went out when it matched: nothing after it does
-        settled = len(choice.text)
-        text = self._text(choice)
+        settled = len(choice.text.settled)
+        text = choice.text.extend(choice.tokens)
         for stop in self.options.stops:
             # A stop string in the settled text would have been found before: only the end is new.
-            cut = text.find(stop, max(0, settled - len(stop) + 1) if choice.incremental else 0)
+            cut = text.find(stop, max(0, settled - len(stop) + 1) if choice.text.incremental else 0)
             if cut >= 0:
                 text = text[:cut]
                 choice.request.cancelled = choice.stopped = True
@@ -247,31 +239,6 @@ class Generation:
             text = text[:len(text) - max((stop_prefix(text, stop) for stop in self.options.stops), default=0)]
         delta, choice.sent = text[len(choice.sent):], text
         return delta
-
-    def _text(self, choice: Choice) -> str:
-        """The text of all of choice's tokens, decoded incrementally: the tokens since the last
-        settled point, and again those that made the text before it, for their context (a decoder
-        may treat a text's first token apart: SentencePiece's drops its space; special tokens are
-        skipped, so they are no context). Decoding every token on every token was quadratic, on the
-        event loop (0.3 s of CPU for a choice of 2,048 tokens, 5.8 s for 8,192). A trailing partial
-        UTF-8 character settles with the token that completes it. A decoder whose text is not a
-        running concatenation gets its choice decoded whole from then on."""
-        tokens = choice.tokens
-        if not choice.incremental:
-            return self.state.decode(tokens)
-        before = self.state.decode(tokens[choice.window:choice.read])
-        now = self.state.decode(tokens[choice.window:])
-        if not now.startswith(before):
-            choice.incremental = False
-            return self.state.decode(tokens)
-        new = now[len(before):]
-        if new.endswith("\ufffd"):
-            return choice.text + new
-        choice.text += new
-        if new or choice.read - choice.window > MAX_CONTEXT_TOKENS:
-            choice.window = choice.read  # else the context keeps a token with text: not only skipped ones
-        choice.read = len(tokens)
-        return choice.text
 
     async def _events(self):
         remaining = len(self.choices)
@@ -296,21 +263,25 @@ class Generation:
         picks: list[tuple[int, Pick | None]] = []
         if first and self.options.echo:
             picks += [(t, p) for t, p in zip(choice.prompt, choice.request.prompt_picks or [None] * len(choice.prompt))]
-        picks += [(p.token, p) for p in choice.request.picks[choice.logged:upto]]
+        start = choice.logged
+        picks += [(p.token, p) for p in choice.request.picks[start:upto]]
         choice.logged = max(choice.logged, upto)
-        text = self.state.token_text
+        name, raw = self.state.token_name, self.state.token_bytes
         if self.chat:
             return {"content": [{
-                "token": text(t), "logprob": p.raw, "bytes": list(text(t).encode()), "sampling_logprob": p.sampled,
-                "top_logprobs": [{"token": text(i), "logprob": lp, "bytes": list(text(i).encode())} for i, lp in p.top]}
+                "token": name(t), "logprob": p.raw, "bytes": list(raw(t)), "sampling_logprob": p.sampled,
+                "top_logprobs": [{"token": name(i), "logprob": lp, "bytes": list(raw(i))} for i, lp in p.top]}
                 for t, p in picks]}
-        offsets = []
-        for t, _ in picks:
-            offsets.append(choice.offset)
-            choice.offset += len(text(t))
-        return {"tokens": [text(t) for t, _ in picks],
+        offsets = []  # where each token's text begins in the choice's text (the prompt's, then the answer's)
+        if first and self.options.echo:
+            prompt = IncrementalText(self.state.decode)
+            prompt.extend(choice.prompt)
+            offsets += prompt.starts
+        choice.text.extend(choice.tokens[:upto])
+        offsets += [len(choice.prefix) + at for at in choice.text.starts[start:upto]]
+        return {"tokens": [name(t) for t, _ in picks],
                 "token_logprobs": [p.raw if p else None for _, p in picks],
-                "top_logprobs": [{text(i): lp for i, lp in p.top} if p else None for _, p in picks],
+                "top_logprobs": [{name(i): lp for i, lp in p.top} if p else None for _, p in picks],
                 "text_offset": offsets,
                 "sampling_logprobs": [p.sampled if p else None for _, p in picks]}
 

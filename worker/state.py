@@ -99,9 +99,21 @@ class WorkerState:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def token_text(self, token: int) -> str:
-        """One token as text, for log-probabilities ("token_id:N" without a tokenizer)."""
-        return self.tokenizer.token_text(token) if self.tokenizer is not None else f"token_id:{token}"
+    def token_name(self, token: int) -> str:
+        """One token as log-probabilities name it: its text; for one that holds part of a character
+        (a replacement character alone), "bytes:" and its bytes escaped, as OpenAI's; "token_id:N"
+        without a tokenizer."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        data, _ = self.tokenizer.token_bytes(token)
+        try:
+            return data.decode()
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes one token adds to a text (a character may span tokens; b"" without a tokenizer)."""
+        return self.tokenizer.token_bytes(token)[0] if self.tokenizer is not None else b""
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.tokenizer is None:

@@ -386,10 +386,9 @@ def _metaspace_tokenizer():
 def test_text_decoded_token_by_token_is_the_whole_decode(default_model, kind):
     """A choice's text is decoded incrementally (it was decoded whole on every token: quadratic);
     at every token it must equal decoding all of them, partial characters and special tokens
-    included, with byte-level (the default model) and SentencePiece-style decoders."""
-    from types import SimpleNamespace
-
-    from worker.server import Choice, Generation
+    included, with byte-level (the default model) and SentencePiece-style decoders; and each
+    token's start (text_offset) is where its text begins."""
+    from worker.tokenizer import IncrementalText
     if kind == "default":
         tok = Tokenizer(default_model)._tok
         size = tok.get_vocab_size()
@@ -401,11 +400,17 @@ def test_text_decoded_token_by_token_is_the_whole_decode(default_model, kind):
     real = len(sequences)  # then random ids: bytes that make no character, which a byte-fallback decoder
     generator = torch.Generator().manual_seed(0)  # turns into replacement characters back to the run's start
     sequences += [torch.randint(0, size, (400,), generator=generator).tolist() for _ in range(5)]
-    state = SimpleNamespace(decode=lambda ids: tok.decode(ids, skip_special_tokens=True))
-    generation = SimpleNamespace(state=state)
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     for n, ids in enumerate(sequences):
-        choice = Choice(0, [], "")
+        text = IncrementalText(decode)
         for i, token in enumerate(ids):
-            choice.tokens.append(token)
-            assert Generation._text(generation, choice) == state.decode(ids[:i + 1]), (kind, ids[:i + 1])
-        assert choice.incremental or n >= real
+            text.add(token)
+            assert text.text == decode(ids[:i + 1]), (kind, ids[:i + 1])
+        assert text.incremental or n >= real
+        if n < real:  # each token's text begins where the text of those before it ends (whole characters)
+            assert text.starts == [len(decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    if kind == "default":  # the emoji's bytes span tokens: each begins where the emoji does
+        text = IncrementalText(decode)
+        ids = tok.encode("a🎉b").ids
+        text.extend(ids)
+        assert len(ids) > 3 and text.starts == [0] + [1] * (len(ids) - 2) + [2]

@@ -160,6 +160,21 @@ def test_openai_client_against_the_default_model(runtime_dir, default_model, sta
                                         max_tokens=8, temperature=0, stop=[stop], stream=stream)
         text = "".join(c.choices[0].text for c in out if c.choices) if stream else out.choices[0].text
         assert text == result.choices[0].text[:result.choices[0].text.index(stop)], (stream, text)
+    # Characters split across tokens: their log-probabilities' bytes join into the text (each token had
+    # the replacement character's), and text_offset points at each token's text (it drifted by 2 an emoji).
+    chat = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=12, temperature=0, logprobs=True,
+                                          top_logprobs=2, messages=[{"role": "user", "content": "Reply with only "
+                                                                     "these emoji: 🎉🙂🌍"}])
+    content = chat.choices[0].logprobs.content
+    assert b"".join(bytes(t.bytes) for t in content).decode() == chat.choices[0].message.content
+    assert any(t.token.startswith("bytes:") for t in content), "no character was split across tokens"
+    prompt = "Emoji party: 🎉🎉 and Japanese 日本語"
+    echoed = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12, temperature=0,
+                                       logprobs=2, echo=True).choices[0]
+    text, tokens, offsets = echoed.text, echoed.logprobs.tokens, echoed.logprobs.text_offset
+    assert text.startswith(prompt) and offsets == sorted(offsets) and offsets[0] == 0
+    for token, at in zip(tokens, offsets):
+        assert token.startswith("bytes:") or text[at:].startswith(token), (token, at, text)
 
 
 def test_engine_survives_a_killed_daemon_and_reattaches_to_its_successor(daemon, tiny_llama, start_engine,
