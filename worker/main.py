@@ -142,6 +142,9 @@ def check_draft_vocabulary(model: pathlib.Path, draft: pathlib.Path) -> None:
 
 
 def start_engine(config: EngineConfig, built: Built) -> Engine:
+    if config.max_model_len > (positions := built.model.spec.max_position_embeddings):
+        log.warning("--max-model-len %d is past the model's max_position_embeddings (%d): a request gets at most "
+                    "%d positions", config.max_model_len, positions, positions)
     engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len,
                     speculator=built.speculator).start()
     engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: first request pays nothing extra

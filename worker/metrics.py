@@ -33,12 +33,26 @@ class _EngineCollector:
                          timings["ready"] - timings["process_start"], fmt)
         engine = state.engine
         for key, value in (engine.stats if engine else {}).items():
-            yield family(CounterMetricFamily, f"preload_engine_{key}", f"Engine {key.replace('_', ' ')}", value)
+            yield family(CounterMetricFamily, f"preload_engine_{key}", STATS_HELP.get(key, key.replace("_", " ")),
+                         value)
         speculation = engine.speculation() if engine else {}
         for key in SPECULATION:
             if key in speculation:
                 yield family(GaugeMetricFamily, f"preload_engine_spec_{key}", f"Speculative decoding: {key}",
                              speculation[key])
+
+
+STATS_HELP = {  # what each of the engine's counters counts (HTTP requests are not: one may hold many choices)
+    "requests": "Choices prefilled: every prompt's n choices, of every HTTP request (those refused never start)",
+    "prompt_tokens": "Prompt tokens prefilled (a prompt once, whatever its n)",
+    "generated_tokens": "Tokens generated: end-of-sequence tokens and those past a stop string included, which a "
+                        "response's usage does not count",
+    "decode_steps": "Decode steps, each a token for every running choice",
+    "spec_proposed": "Speculative decoding: draft tokens proposed",
+    "spec_accepted": "Speculative decoding: draft tokens the main model accepted",
+    "spec_verified": "Speculative decoding: verifications by the main model, a choice each",
+    "spec_emitted": "Speculative decoding: tokens its steps emitted",
+}
 
 
 def metrics_text(state) -> str:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
@@ -108,10 +109,19 @@ def build_app(state: WorkerState) -> Starlette:
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 
-    return Starlette(routes=[
-        Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
-        Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"])])
+    routes = [Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
+              Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+
+    async def not_found(request: Request, e: HTTPException):  # OpenAI clients read errors as JSON
+        if e.status_code == 405:
+            return error(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
+        if e.status_code == 404:
+            return error(404, f"no such path {request.url.path!r}; this engine serves "
+                              f"{', '.join(r.path for r in routes)}", "not_found_error")
+        return error(e.status_code, str(e.detail), "invalid_request_error")
+
+    return Starlette(exception_handlers={HTTPException: not_found}, routes=routes)
 
 
 async def cancel_when_gone(request: Request, run: "Generation") -> None:

@@ -117,7 +117,7 @@ def _listening_ports(pid: int) -> list[int]:
 
 
 def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
-    engine = start_engine(tiny_llama, "safetensors")
+    engine = start_engine(tiny_llama, "safetensors", "--max-model-len", "1000")
     models = json.load(urllib.request.urlopen(engine.url + "/v1/models"))
     assert models["data"][0]["id"] == "tiny-llama"
     for body, status, message in [
@@ -127,15 +127,24 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
         ({"prompt": PROMPT, "top_p": 5}, 400, "top_p"),
         ({"prompt": "x" * (64 << 20)}, 413, "over 64 MiB; send a shorter prompt"),
         ({"prompt": [[1]] * 1025, "n": 4}, 400, "1025 prompts x n=4 are 4100 choices, over the limit of 4096"),
+        ({"prompt": PROMPT, "stop_token_ids": [10**30]}, 400, "stop_token_ids must be in [0, 256)"),
     ]:
         with pytest.raises(urllib.error.HTTPError) as err:
             post(engine.url + "/v1/completions", body)
+        assert err.value.code == status and message in json.load(err.value)["error"]["message"]
+    for request, status, message in [  # OpenAI clients read every error as JSON
+        (urllib.request.Request(engine.url + "/v1/embeddings", b"{}"), 404,
+         "no such path '/v1/embeddings'; this engine serves /health, /ready, /metrics, /v1/models"),
+        (urllib.request.Request(engine.url + "/v1/completions"), 405, "GET is not allowed on /v1/completions")]:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=10)
         assert err.value.code == status and message in json.load(err.value)["error"]["message"]
     batch = complete(engine, prompt=[PROMPT, PROMPT[:3]])
     assert [c["index"] for c in batch["choices"]] == [0, 1]
     assert batch["usage"]["completion_tokens"] == 24
     metrics = urllib.request.urlopen(engine.url + "/metrics").read().decode()
     assert 'preload_engine_ready{model="tiny-llama",replica="0"} 1.0' in metrics
+    assert "--max-model-len 1000 is past the model's max_position_embeddings (256)" in engine.stop()
 
 
 def test_openai_client_against_the_default_model(runtime_dir, default_model, start_engine):
