@@ -1,9 +1,13 @@
 """`preload bench decode`: decode tokens/s of our engine against transformers' generate, on the
 same checkpoint, prompt and dtype, greedy, both in this process; our aggregate tokens/s with several
-requests batched; llama.cpp's where `llama_cpp` is importable; and this machine's memory bandwidth,
-measured in the same run, against which the weight bytes a token reads are set. Decode rates count
-the tokens after the first over the time from the first to the last (the prefill, whose time to
-the first token is shown beside, is not decode); llama.cpp's count its steps after the prompt.
+requests batched; llama.cpp's where `llama_cpp` is importable (in a process of its own:
+preload_cli/bench/llama_cpp.py); and this machine's memory bandwidth, against which the weight
+bytes a token reads are set. Every row runs once a repeat, in turns, and the bandwidth is measured
+right before each one-request run: the share of it is each run's own, then their median (a VM's
+memory swings up to 2x between minutes, so a figure measured once, before or after, compared runs
+with another minute's). Decode rates count the tokens after the first over the time from the first
+to the last (the prefill, whose time to the first token is shown beside, is not decode); llama.cpp's
+count its steps after the prompt.
 
     preload bench decode [MODEL] [--quantization S] [--new-tokens 64] [--prompt-tokens N] [--repeats 5] [--batch 8]
                          [--json]
@@ -16,53 +20,14 @@ import argparse
 import json
 import pathlib
 import statistics
-import tempfile
 import threading
 import time
 
 from preload_cli.bench import machine
+from preload_cli.bench.llama_cpp import LlamaCpp
 
 PROMPT = "The history of the printing press begins"
 TARGETS = {"bandwidth_share": 0.6, "ours_over_transformers": 2.0, "batch_over_single": 4.0}
-LLAMA_FTYPES = {"none": ("BF16", 32), "int8": ("Q8_0", 7)}  # llama.cpp's file types with the same weight bits
-
-
-def llama_cpp_tokens_per_s(args, model_path: pathlib.Path, ids: list[int], threads: int) -> tuple[float | None, str]:
-    """(llama.cpp's decode tokens/s, on the same prompt and bits, greedy; or None, and why not)."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None, ("skipped: llama_cpp is not importable; `pip install llama-cpp-python` to compare (and pass "
-                      "--gguf FILE for a model other than the default)")
-    if args.quantization not in LLAMA_FTYPES:
-        return None, f"skipped: llama.cpp has no file type with {args.quantization}'s weight bits"
-    name, ftype = LLAMA_FTYPES[args.quantization]
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.gguf:
-            gguf = args.gguf
-        elif args.model:
-            return None, "skipped: pass --gguf FILE (this model as GGUF) to compare against llama.cpp"
-        else:  # the default model's own GGUF, re-quantized to the weight bits our engine runs
-            from preload_daemon.default_model import gguf_path
-
-            gguf = str(pathlib.Path(tmp) / f"model-{name}.gguf")
-            params = llama_cpp.llama_model_quantize_default_params()
-            params.ftype, params.allow_requantize = ftype, True
-            if llama_cpp.llama_model_quantize(str(gguf_path()).encode(), gguf.encode(), params) != 0:
-                return None, f"failed: llama.cpp could not write a {name} GGUF"
-        llm = llama_cpp.Llama(model_path=gguf, n_ctx=len(ids) + args.new_tokens + 8, n_threads=threads,
-                              verbose=False)
-
-        def run() -> float:  # decode steps per second after the prompt's evaluation, as for our rows
-            llm.reset()
-            llm.eval(ids)
-            start = time.perf_counter()
-            for _ in range(args.new_tokens):
-                llm.eval([llm.sample(temp=0.0)])
-            return args.new_tokens / (time.perf_counter() - start)
-
-        run()
-        return statistics.median(run() for _ in range(args.repeats)), f"llama.cpp {name}, {threads} threads"
 
 
 def run(args) -> int:
@@ -134,43 +99,51 @@ def run(args) -> int:
         first, last = max(s[0] for s in stamps), max(s[-1] for s in stamps)
         return args.batch * (n - 1) / (last - first), first - start
 
-    ours(), theirs(), ours_batched()  # warm-up
     single, batched = "preload engine, 1 request", f"preload engine, {args.batch} requests"
     with_logprobs = "preload engine, 1 request, logprobs=5"
-    rows = {single: [], with_logprobs: [], "transformers generate, 1 request": [], batched: []}
-    first_token = {name: [] for name in rows}
     runs = {single: ours, with_logprobs: lambda: ours(logprobs), "transformers generate, 1 request": theirs,
             batched: ours_batched}
-    for _ in range(args.repeats):  # alternated: drift hits every row alike
-        for name, measure in runs.items():
-            rate, ttft = measure()
-            rows[name].append(rate)
-            first_token[name].append(ttft)
-    engine.stop()
     threads = torch.get_num_threads()
+    probe = machine.MemoryProbe()
+    llama = LlamaCpp(ids, args.quantization, n, threads, args.gguf, args.model)  # in turns, in a process of its own
     try:
-        llama, llama_note = llama_cpp_tokens_per_s(args, model_path, ids, threads)
-    except Exception as e:  # an optional comparison: llama-cpp-python's API moves between releases
-        llama, llama_note = None, f"failed: {type(e).__name__}: {e}"
+        if llama.available:
+            runs[llama.name] = lambda: (llama.run(), 0.0)
+        rows = {name: [] for name in runs}
+        first_token = {name: [] for name in runs if name != llama.name}
+        bandwidths = []  # measured right before each 1-request run: the VM's memory swings between minutes
+        for measure in runs.values():  # warm-up
+            measure()
+        for _ in range(args.repeats):  # alternated: drift hits every row alike
+            for name, measure in runs.items():
+                if name == single:
+                    bandwidths.append(probe.measure())
+                rate, ttft = measure()
+                rows[name].append(rate)
+                if name in first_token:
+                    first_token[name].append(ttft)
+    finally:
+        llama.close()
+    engine.stop()
+    del probe
     measured = machine.measure(model_path)
-    bandwidth, summed = measured["memory_bandwidth_bytes_per_s"], measured["memory_bytes_summed"]
     medians = {k: statistics.median(v) for k, v in rows.items()}
     ttft = {k: statistics.median(v) for k, v in first_token.items()}
     weight_bytes = model.weight_bytes_per_token()
-    ratios = {"bandwidth_share": medians[single] * weight_bytes / bandwidth,
+    shares = [rate * weight_bytes / bandwidth for rate, bandwidth in zip(rows[single], bandwidths)]
+    ratios = {"bandwidth_share": statistics.median(shares),
               "ours_over_transformers": medians[single] / medians["transformers generate, 1 request"],
               "batch_over_single": medians[batched] / medians[single],
               "logprobs_on_over_off": medians[with_logprobs] / medians[single]}
-    if llama is not None:
-        medians[llama_note] = llama
-        ratios["ours_over_llama_cpp"] = medians[single] / llama
+    if llama.available:
+        ratios["ours_over_llama_cpp"] = medians[single] / medians[llama.name]
     if args.json:
         print(json.dumps({"model": str(model_path), "quantization": args.quantization, "new_tokens": n,
                           "prompt_tokens": len(ids),
                           "tokens_per_s": rows, "medians": medians, "first_token_s": ttft, "ratios": ratios,
                           "targets": TARGETS, "weight_bytes_per_token": weight_bytes,
-                          "bandwidth_bytes_per_s": bandwidth, "bandwidth_bytes_summed": summed,
-                          "llama_cpp": llama_note, "threads": threads, "machine": measured}, indent=2))
+                          "bandwidth_bytes_per_s": bandwidths, "bandwidth_shares": shares,
+                          "llama_cpp": llama.name, "threads": threads, "machine": measured}, indent=2))
         return 0
     print(f"preload bench decode — {model_path.name} ({args.quantization}), {len(ids)} prompt tokens, {n} new "
           f"tokens, greedy, median of {args.repeats}, {threads} threads; decode tokens/s after the first token, "
@@ -179,15 +152,18 @@ def run(args) -> int:
     for name, value in medians.items():
         extra = f"   first token {ttft[name] * 1e3:6.0f} ms" if name in ttft else ""
         print(f"{name:<40} {value:>8.1f} tokens/s{extra}")
-    if llama is None:
-        print(f"{'llama.cpp':<40} {llama_note}")
-    print(f"{f'memory bandwidth (sum of {summed >> 20} MiB)':<40} {bandwidth / 1e9:>8.1f} GB/s")
+    if not llama.available:
+        print(f"{'llama.cpp':<40} {llama.name}")
+    low, high = min(bandwidths) / 1e9, max(bandwidths) / 1e9
+    print(f"{'memory bandwidth before each 1 request':<40} {statistics.median(bandwidths) / 1e9:>8.1f} GB/s "
+          f"(median; {low:.1f}-{high:.1f}, sum of {measured['memory_bytes_summed'] >> 20} MiB)")
     print(f"{'weight bytes read per token':<40} {weight_bytes / 1e6:>8.1f} MB")
     print(f"{'tokens/s x bytes / bandwidth (1 request)':<40} {ratios['bandwidth_share']:>8.0%}   "
+          f"(median of each run's; {min(shares):.0%}-{max(shares):.0%})  "
           f"target >= {TARGETS['bandwidth_share']:.0%}")
     print(f"{'ours / transformers (1 request)':<40} {ratios['ours_over_transformers']:>8.2f}x  "
           f"target >= {TARGETS['ours_over_transformers']:.0f}x")
-    if llama is not None:
+    if llama.available:
         print(f"{'ours / llama.cpp (1 request)':<40} {ratios['ours_over_llama_cpp']:>8.2f}x  target >= 1x")
     print(f"{f'{args.batch} requests / 1 request (aggregate)':<40} {ratios['batch_over_single']:>8.2f}x  "
           f"target >= {TARGETS['batch_over_single']:.0f}x")

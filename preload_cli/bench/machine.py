@@ -45,18 +45,31 @@ def last_level_cache_bytes() -> int:
     return largest
 
 
+class MemoryProbe:
+    """Measures the memory bandwidth again and again on one buffer far larger than the caches
+    (faulted in once): a benchmark whose VM swings between minutes measures it beside each run."""
+
+    def __init__(self):
+        import torch
+
+        self.size = max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
+        self.buffer = torch.ones(self.size // 4)
+        self.buffer.sum()  # faults the pages in
+
+    def measure(self, repeats: int = 5) -> float:
+        """Bytes/s that summing the buffer reads, best of `repeats`."""
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            self.buffer.sum()
+            best = min(best, time.perf_counter() - start)
+        return self.size / best
+
+
 def memory_bandwidth(repeats: int = 5) -> tuple[float, int]:
     """(bytes/s that summing a buffer far larger than the caches reads, best of `repeats`; its size)."""
-    import torch
-
-    size = max(BANDWIDTH_BYTES, 4 * last_level_cache_bytes())
-    buffer = torch.ones(size // 4)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first pass also faults the pages in
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return size / best, size
+    probe = MemoryProbe()
+    return probe.measure(repeats), probe.size
 
 
 def read_bandwidth(files: list[pathlib.Path], repeats: int = 3) -> tuple[float, int]:
