@@ -15,7 +15,7 @@ import torch
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
 from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
-from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, pick, prompt_logprobs
+from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, pick, prompt_logprobs, seeded
 from worker.speculative import Speculator, accept, greedy, probabilities
 
 log = logging.getLogger(__name__)
@@ -26,21 +26,6 @@ _WAKE = object()
 def _prefill_key(request: Request) -> tuple[int, bool]:
     return len(request.prompt), request.params.prompt_logprobs is not None
 
-
-
-def generator_seed(seed: int) -> int:
-    """What seeds torch's CPU generator for a request's 64-bit seed. The generator keeps 32 bits of
-    its seed (7 and 7 + 2**32 drew alike, and 0 and -2**63), so the seed is mixed first
-    (splitmix64's finalizer) and every bit of it counts: seeds that differ in their high bits
-    alone no longer draw alike (two seeds of 2**32 and more still may, by chance)."""
-    z = seed & _U64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
-    z ^= z >> 31
-    return (z ^ (z >> 32)) & 0xFFFFFFFF
-
-
-_U64 = (1 << 64) - 1
 
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048,
@@ -67,17 +52,8 @@ class Engine:
             self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0)
 
     def speculation(self) -> dict:
-        """Acceptance rate, mean accepted length and tokens per main forward, per sequence (a step
-        verifies every running sequence in one forward) so far."""
-        if self.speculator is None:
-            return {}
-        s = self.stats
-        verified = max(s["spec_verified"], 1)
-        return {"kind": self.speculator.kind, "num_speculative_tokens": self.speculator.k,
-                "proposed": s["spec_proposed"], "accepted": s["spec_accepted"],
-                "acceptance_rate": s["spec_accepted"] / max(s["spec_proposed"], 1),
-                "mean_accepted_length": s["spec_accepted"] / verified,
-                "tokens_per_main_forward": s["spec_emitted"] / verified}
+        """Speculative decoding's figures so far (Speculator.figures); {} without it."""
+        return self.speculator.figures(self.stats) if self.speculator is not None else {}
 
     def start(self) -> "Engine":
         self._thread.start()
@@ -129,7 +105,7 @@ class Engine:
                on_done: Callable[[str], None], enqueue: bool = True) -> Request:
         self.check(prompt, params)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
-        generator = torch.Generator().manual_seed(generator_seed(params.seed)) if params.seed is not None else None
+        generator = seeded(params.seed)
         request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
         if enqueue:
             self._pending.put(request)
@@ -151,10 +127,9 @@ class Engine:
                                             or params.repetition_penalty != 1):
             raise InvalidRequestError("presence, frequency and repetition penalties are not supported with "
                                       "speculative decoding (its verification samples the model's own distribution)")
-        if any(not 0 <= t < vocab for t in prompt):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if any(not 0 <= t < vocab for t in params.stop_token_ids):
-            raise InvalidRequestError(f"stop_token_ids must be in [0, {vocab}): no other token can be generated")
+        for name, ids in (("prompt token ids", prompt), ("stop_token_ids", params.stop_token_ids)):
+            if any(not 0 <= t < vocab for t in ids):
+                raise InvalidRequestError(f"{name} must be in [0, {vocab}): no other token exists")
         if params.prompt_logprobs is not None and len(prompt) * vocab * 4 > ECHO_LOGITS_BYTES:
             raise InvalidRequestError(
                 f"the prompt's log-probabilities (echo with logprobs) are limited to {ECHO_LOGITS_BYTES // (vocab * 4)} "

@@ -44,10 +44,10 @@ class _EngineCollector:
 
 STATS_HELP = {  # what each of the engine's counters counts (HTTP requests are not: one may hold many choices)
     "requests": "Choices prefilled: every prompt's n choices, of every HTTP request (those refused never start)",
-    "prompt_tokens": "Prompt tokens prefilled (a prompt once, whatever its n)",
+    "prompt_tokens": "Prompt tokens prefilled",
     "generated_tokens": "Tokens generated: end-of-sequence tokens and those past a stop string included, which a "
                         "response's usage does not count",
-    "decode_steps": "Decode steps, each a token for every running choice",
+    "decode_steps": "Decode steps: forwards of the main model over every running choice",
     "spec_proposed": "Speculative decoding: draft tokens proposed",
     "spec_accepted": "Speculative decoding: draft tokens the main model accepted",
     "spec_verified": "Speculative decoding: verifications by the main model, a choice each",

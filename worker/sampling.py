@@ -115,3 +115,20 @@ def prompt_logprobs(logits: torch.Tensor, prompt: list[int], k: int) -> list[Pic
             top = list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if tops is not None else []
             out.append(Pick(token, chosen[i], None, top))
     return out
+
+
+U64 = (1 << 64) - 1
+
+
+def seeded(seed: int | None) -> torch.Generator | None:
+    """The generator a request with `seed` draws from (None: torch's global one). torch's CPU
+    generator keeps 32 bits of its seed (7 and 7 + 2**32 drew alike, and 0 and -2**63), so the
+    64-bit seed is mixed first (splitmix64's finalizer) and every bit of it counts: seeds that
+    differ in their high bits alone no longer draw alike (two of the 2**64 still may, by chance)."""
+    if seed is None:
+        return None
+    z = seed & U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & U64
+    z ^= z >> 31
+    return torch.Generator().manual_seed((z ^ (z >> 32)) & 0xFFFFFFFF)

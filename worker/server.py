@@ -74,17 +74,23 @@ def build_app(state: WorkerState) -> Starlette:
         def prepare():  # the template and the tokenizer may take seconds: not on the event loop
             options = parse_options(body, chat=chat)
             if chat:
-                return options, [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))], [None]
-            prompts, texts = parse_prompts(body.get("prompt"), state)
-            if len(prompts) * len(options.params) > MAX_CHOICES:
-                raise InvalidRequestError(f"{len(prompts)} prompts x n={len(options.params)} are "
-                                          f"{len(prompts) * len(options.params)} choices, over the limit of "
+                return options, [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))], [None], None
+            prompt, n = body.get("prompt"), len(options.params)
+            count = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
+            if count * n > MAX_CHOICES:  # before any is tokenized
+                raise InvalidRequestError(f"{count} prompts x n={n} are {count * n} choices, over the limit of "
                                           f"{MAX_CHOICES} a request; send them in several requests")
-            return options, prompts, texts
+            prompts, texts = parse_prompts(prompt, state)
+            echoed = [IncrementalText(state.decode) for _ in prompts] if options.echo and options.logprobs is not None \
+                else None  # where each prompt token's text begins, for its log-probabilities' text_offset
+            for text, ids in zip(echoed or (), prompts):
+                text.extend(ids)
+            return options, prompts, texts, echoed and [text.starts for text in echoed]
 
         try:
-            options, prompts, texts = await asyncio.to_thread(prepare)
-            run = Generation(state, prompts, texts, options, chat)
+            options, prompts, texts, prompt_starts = await asyncio.to_thread(prepare)
+            del body  # the request's parsed body is not kept while it is answered
+            run = Generation(state, prompts, texts, options, chat, prompt_starts)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
         except RendererBusyError as e:
@@ -115,7 +121,8 @@ def build_app(state: WorkerState) -> Starlette:
 
     async def not_found(request: Request, e: HTTPException):  # OpenAI clients read errors as JSON
         if e.status_code == 405:
-            return error(405, f"{request.method} is not allowed on {request.url.path}", "invalid_request_error")
+            return JSONResponse({"error": {"message": f"{request.method} is not allowed on {request.url.path}",
+                                           "type": "invalid_request_error", "code": 405}}, 405, e.headers)
         if e.status_code == 404:
             return error(404, f"no such path {request.url.path!r}; this engine serves "
                               f"{', '.join(r.path for r in routes)}", "not_found_error")
@@ -189,8 +196,10 @@ class Generation:
     loop through a queue."""
 
     def __init__(self, state: WorkerState, prompts: list[list[int]], texts: list[str | None], options: Options,
-                 chat: bool):
+                 chat: bool, prompt_starts: list[list[int]] | None = None):
         self.state, self.prompts, self.options, self.chat = state, prompts, options, chat
+        self.prompt_starts = prompt_starts
+        """Where each prompt token's text begins in its prompt's (echo with log-probabilities)."""
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.loop = asyncio.get_running_loop()
@@ -236,7 +245,7 @@ class Generation:
         if choice.stopped:
             return ""  # the text up to the stop string went out when it matched: nothing after it does
         settled = len(choice.text.settled)
-        text = choice.text.extend(choice.tokens)
+        text = choice.text.extend(choice.tokens, final)
         for stop in self.options.stops:
             # A stop string in the settled text would have been found before: only the end is new.
             cut = text.find(stop, max(0, settled - len(stop) + 1) if choice.text.incremental else 0)
@@ -284,9 +293,7 @@ class Generation:
                 for t, p in picks]}
         offsets = []  # where each token's text begins in the choice's text (the prompt's, then the answer's)
         if first and self.options.echo:
-            prompt = IncrementalText(self.state.decode)
-            prompt.extend(choice.prompt)
-            offsets += prompt.starts
+            offsets += self.prompt_starts[choice.index // len(self.options.params)]
         choice.text.extend(choice.tokens[:upto])
         offsets += [len(choice.prefix) + at for at in choice.text.starts[start:upto]]
         return {"tokens": [name(t) for t, _ in picks],

@@ -141,6 +141,16 @@ class Speculator:
         """The draft's per-slot state and cache, for an engine of `num_slots` slots."""
         return (MTPDraftRunner if self.kind == "mtp" else ModelDraft)(self.model, num_slots, max_len)
 
+    def figures(self, stats: dict) -> dict:
+        """Acceptance rate, mean accepted length and tokens per main forward, per sequence (a step
+        verifies every running sequence in one forward), from an engine's counters so far."""
+        verified = max(stats["spec_verified"], 1)
+        return {"kind": self.kind, "num_speculative_tokens": self.k,
+                "proposed": stats["spec_proposed"], "accepted": stats["spec_accepted"],
+                "acceptance_rate": stats["spec_accepted"] / max(stats["spec_proposed"], 1),
+                "mean_accepted_length": stats["spec_accepted"] / verified,
+                "tokens_per_main_forward": stats["spec_emitted"] / verified}
+
 
 def accept(logits: torch.Tensor, proposal: Proposal, temperature: float, top_p: float,
            generator: torch.Generator | None) -> tuple[int, int]:

@@ -105,7 +105,7 @@ class WorkerState:
         without a tokenizer."""
         if self.tokenizer is None:
             return f"token_id:{token}"
-        data, _ = self.tokenizer.token_bytes(token)
+        data = self.tokenizer.token_bytes(token)
         try:
             return data.decode()
         except UnicodeDecodeError:
@@ -113,7 +113,7 @@ class WorkerState:
 
     def token_bytes(self, token: int) -> bytes:
         """The UTF-8 bytes one token adds to a text (a character may span tokens; b"" without a tokenizer)."""
-        return self.tokenizer.token_bytes(token)[0] if self.tokenizer is not None else b""
+        return self.tokenizer.token_bytes(token) if self.tokenizer is not None else b""
 
     def chat_prompt(self, messages: list[dict]) -> str:
         if self.tokenizer is None:

@@ -52,8 +52,7 @@ class Tokenizer:
             return read_regular(inside(root, path / name, allow_external), limit, FIX)
 
         self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
-        self._texts: dict[int, str] = {}
-        self._bytes: dict[int, tuple[bytes, bool]] = {}
+        self._bytes: dict[int, bytes] = {}
         self._added = self._tok.get_added_tokens_decoder()
         config_path = path / "tokenizer_config.json"
         config = load_json(read(config_path.name, TOKENIZER_CONFIG_MAX_BYTES), str(config_path), FIX) \
@@ -84,37 +83,29 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def token_text(self, token: int) -> str:
-        """One token's own text, special tokens included."""
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self._tok.decode([token], skip_special_tokens=False)
-        return text
-
-    def token_bytes(self, token: int) -> tuple[bytes, bool]:
-        """(the UTF-8 bytes one token adds to a text, whether decoding skips it: a special token,
-        whose bytes are its own text's). A character may span tokens (an emoji is often three):
-        each token has only its share of the bytes, where its text alone is a replacement
-        character. Byte-level tokenizers (GPT-2's table of a printable character per byte) and
-        SentencePiece's byte fallback (<0xE2>) are read back to their bytes; other tokens are their
-        text's."""
+    def token_bytes(self, token: int) -> bytes:
+        """The UTF-8 bytes one token adds to a text: a character may span tokens (an emoji is often
+        three), and each token has only its share of its bytes, where its text alone is a
+        replacement character. Byte-level tokenizers (GPT-2's table of a printable character per
+        byte) and SentencePiece's byte fallback (<0xE2>) are read back to their bytes, its ▁ to a
+        space; an added token is its own text (a special one, which decoding skips, too)."""
         known = self._bytes.get(token)
         if known is None:
             known = self._bytes[token] = self._read_bytes(token)
         return known
 
-    def _read_bytes(self, token: int) -> tuple[bytes, bool]:
+    def _read_bytes(self, token: int) -> bytes:
         added = self._added.get(token)
         if added is not None:
-            return added.content.encode(), added.special
+            return added.content.encode()
         piece = self._tok.id_to_token(token) or ""
         if isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel) and all(c in BYTE_LEVEL for c in piece):
-            return bytes(BYTE_LEVEL[c] for c in piece), False
+            return bytes(BYTE_LEVEL[c] for c in piece)
         if (fallback := BYTE_FALLBACK.fullmatch(piece)) is not None:
-            return bytes([int(fallback[1], 16)]), False
+            return bytes([int(fallback[1], 16)])
         if "▁" in piece:  # SentencePiece's space, which decoding a token alone drops at its start
-            return piece.replace("▁", " ").encode(), False
-        return self.token_text(token).encode(), False
+            return piece.replace("▁", " ").encode()
+        return self._tok.decode([token], skip_special_tokens=False).encode()
 
     @property
     def has_chat_template(self) -> bool:
@@ -142,26 +133,29 @@ def _special_token(config: dict, key: str, where: pathlib.Path) -> str:
 
 
 MAX_CONTEXT_TOKENS = 64
-"""Tokens without text (skipped special tokens) IncrementalText keeps as context."""
+"""Tokens without text (skipped special tokens) IncrementalText keeps in its context."""
 
 
 class IncrementalText:
-    """The text of a growing list of tokens, decoded as they come: the tokens since the last settled
-    point, and again those that made the text before it, for their context (a decoder may treat a
-    text's first token apart: SentencePiece's drops its space; special tokens are skipped, so they
-    are no context). Decoding every token on every token was quadratic (the default model's
-    tokenizer: 0.23 s of CPU for 2,048 tokens, 4.5 s for 8,192). A trailing partial UTF-8
-    character settles with the token that completes it. A decoder whose text is not a running
-    concatenation (byte fallback over bytes that make no character) gets the tokens decoded whole
-    from then on."""
+    """The text of a growing list of tokens, decoded as they come: the new tokens after a context,
+    the tokens that made the text before them (a decoder may treat a text's first token apart:
+    SentencePiece's drops its space; special tokens are skipped, so they are no context). Decoding
+    every token on every token was quadratic (the default model's tokenizer: 0.23 s of CPU for
+    2,048 tokens, 4.5 s for 8,192). A partial UTF-8 character at the end settles with the token
+    that completes it (byte fallback decodes a run of byte tokens as one: an incomplete run shows
+    as replacement characters, the characters before it in the run included). A decoder whose text
+    is not a running concatenation gets the tokens decoded whole from then on."""
 
     def __init__(self, decode):
         self.decode = decode
         self.tokens: list[int] = []
         self.settled = ""
         """The text of tokens[:read]: decoding more tokens does not change it."""
-        self.window = self.read = 0
-        """Tokens [window, read) are decoded again beside the new ones, for their context."""
+        self.read = 0
+        self.context: list[int] = []
+        """The tokens decoded again before the new ones: those that made the last text settled."""
+        self.pending = ""
+        """The text of tokens[read:], which ends in a partial character."""
         self.incremental = True
         self.text = ""
         """The text of all the tokens (its end may be a partial character's replacement)."""
@@ -169,29 +163,35 @@ class IncrementalText:
         """Where each token's text begins: the whole characters before it (a token that ends a
         character begins where that character does)."""
 
-    def extend(self, tokens: list[int]) -> str:
-        """The text of `tokens`, which begin with those already added."""
+    def extend(self, tokens: list[int], final: bool = False) -> str:
+        """The text of `tokens`, which begin with those already added; `final`: exactly, a partial
+        character at the end included (once: it decodes the whole)."""
         for token in tokens[len(self.tokens):]:
             self.add(token)
-        return self.text
+        return self.decode(self.tokens) if final and self.incremental and self.pending else self.text
 
     def add(self, token: int) -> None:
         tokens = self.tokens
-        self.starts.append(len(self.text.rstrip("\ufffd")))
+        whole = len(self.settled) + len(self.pending.rstrip("\ufffd")) if self.incremental else \
+            len(self.text.rstrip("\ufffd"))
+        self.starts.append(whole)
         tokens.append(token)
         if self.incremental:
-            before = self.decode(tokens[self.window:self.read])
-            now = self.decode(tokens[self.window:])
-            self.incremental = now.startswith(before)
+            before = self.decode(self.context)
+            now = self.decode(self.context + tokens[self.read:])
+            follows = now.startswith(before)
+            if now.endswith("\ufffd"):  # nothing settles until the character completes
+                self.pending = now[len(before):] if follows else "\ufffd"
+                self.text = self.settled + self.pending
+                return
+            self.incremental = follows
         if not self.incremental:
             self.text = self.decode(tokens)
             return
         new = now[len(before):]
-        if new.endswith("\ufffd"):
-            self.text = self.settled + new
-            return
         self.settled += new
-        if new or self.read - self.window > MAX_CONTEXT_TOKENS:
-            self.window = self.read  # else the context keeps a token with text, not only skipped ones
-        self.read = len(tokens)
-        self.text = self.settled
+        if new:
+            self.context = tokens[self.read:]
+        elif len(self.context) < MAX_CONTEXT_TOKENS:  # no text: skipped tokens; the context keeps its text
+            self.context = self.context + tokens[self.read:]
+        self.read, self.pending, self.text = len(tokens), "", self.settled

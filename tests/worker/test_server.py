@@ -139,6 +139,7 @@ def test_http_api_errors_and_streaming(runtime_dir, tiny_llama, start_engine):
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(request, timeout=10)
         assert err.value.code == status and message in json.load(err.value)["error"]["message"]
+        assert status == 404 or err.value.headers["Allow"] == "POST"
     batch = complete(engine, prompt=[PROMPT, PROMPT[:3]])
     assert [c["index"] for c in batch["choices"]] == [0, 1]
     assert batch["usage"]["completion_tokens"] == 24
