@@ -190,6 +190,23 @@ def test_bench_decode_produces_json(default_model):
     assert doc["machine"]["read_bandwidth_bytes_per_s"] > 0
 
 
+def test_a_llama_cpp_child_that_fails_drops_its_row_and_says_why(monkeypatch):
+    """bench decode's llama.cpp row runs in a child process; one that dies mid-run (a crash, an API
+    change) ended the whole benchmark with a traceback."""
+    from preload_cli.bench import llama_cpp
+    script = ('import json, sys; print(json.dumps({"ready": True, "name": "llama.cpp BF16, 1 threads"}), flush=True); '
+              'print(json.dumps({"tokens_per_s": 50.0}), flush=True) if sys.stdin.readline() else None; '
+              'sys.stdin.readline(); print("ggml_abort: out of memory", file=sys.stderr, flush=True); sys.exit(3)')
+    popen = subprocess.Popen
+    monkeypatch.setattr(llama_cpp.subprocess, "Popen", lambda _, **kw: popen([sys.executable, "-c", script], **kw))
+    child = llama_cpp.LlamaCpp([1, 2], "none", 4, 1, None, None)
+    assert child.available and child.name == "llama.cpp BF16, 1 threads"
+    assert child.run() == 50.0
+    assert child.run() is None and not child.available and child.run() is None
+    assert child.name.startswith("failed: it ended or did not answer") and "ggml_abort: out of memory" in child.name
+    assert child.proc.poll() == 3
+
+
 @pytest.mark.slow
 def test_bench_spec_produces_json(tmp_path):
     from preload_cli.models import tiny_model

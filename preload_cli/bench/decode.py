@@ -107,21 +107,23 @@ def run(args) -> int:
     probe = machine.MemoryProbe()
     llama = LlamaCpp(ids, args.quantization, n, threads, args.gguf, args.model)  # in turns, in a process of its own
     try:
-        if llama.available:
-            runs[llama.name] = lambda: (llama.run(), 0.0)
         rows = {name: [] for name in runs}
-        first_token = {name: [] for name in runs if name != llama.name}
+        first_token = {name: [] for name in runs}
+        llama_rates = []  # a row once all its runs came back (a failure says why instead)
         bandwidths = []  # measured right before each 1-request run: the VM's memory swings between minutes
         for measure in runs.values():  # warm-up
             measure()
+        llama.run()
         for _ in range(args.repeats):  # alternated: drift hits every row alike
             for name, measure in runs.items():
                 if name == single:
                     bandwidths.append(probe.measure())
                 rate, ttft = measure()
                 rows[name].append(rate)
-                if name in first_token:
-                    first_token[name].append(ttft)
+                first_token[name].append(ttft)
+            llama_rates.append(llama.run())
+        if llama.available:
+            rows[llama.name] = llama_rates
     finally:
         llama.close()
     engine.stop()

@@ -22,42 +22,56 @@ ANSWER_TIMEOUT_S = 600.0
 
 
 class LlamaCpp:
-    """The child: `run()` times one decode; `name` says what it runs, or why it does not (then
-    `available` is False)."""
+    """The child: `run()` times one decode (None once it fails); `name` says what it runs, or why it
+    does not (then `available` is False)."""
 
     def __init__(self, ids: list[int], quantization: str, new_tokens: int, threads: int, gguf: str | None,
                  model: str | None):
         settings = {"ids": ids, "quantization": quantization, "new_tokens": new_tokens, "threads": threads,
                     "gguf": gguf, "model": model}
+        self.log = tempfile.TemporaryFile("w+")  # what it says there (llama.cpp's own lines): why it failed
         self.proc = subprocess.Popen([sys.executable, "-m", "preload_cli.bench.llama_cpp", json.dumps(settings)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True)
-        try:
-            answer = json.loads(self._line())
-        except (ValueError, RuntimeError) as e:
-            answer = {"ready": False, "name": f"failed: {e}"}
-        self.available, self.name = answer["ready"], answer["name"]
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.available, self.name = True, ""
+        answer = self._answer()
+        if answer is not None:
+            self.available, self.name = answer["ready"], answer["name"]
         if not self.available:
             self.close()
 
-    def run(self) -> float:
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-        return float(self._line())
+    def run(self) -> float | None:
+        if not self.available:
+            return None
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died: _answer says how
+        answer = self._answer()
+        return None if answer is None else answer["tokens_per_s"]
 
-    def _line(self) -> str:
+    def _answer(self) -> dict | None:
+        """Its next line; None when there is none (it failed: then not `available`, `name` says why)."""
         ready, _, _ = select.select([self.proc.stdout], [], [], ANSWER_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            raise RuntimeError(f"the llama.cpp process ended or did not answer within {ANSWER_TIMEOUT_S:g} s")
-        return line
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = {"error": f"it ended or did not answer within {ANSWER_TIMEOUT_S:g} s"}
+        if "error" not in answer:
+            return answer
+        self.log.seek(0)
+        said = " ".join(self.log.read().split()[-40:])
+        self.available, self.name = False, f"failed: {answer['error']}" + (f" ({said})" if said else "")
+        self.close()
+        return None
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.proc.stdin.close()
             try:
+                self.proc.stdin.close()
                 self.proc.wait(10)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
 
@@ -109,7 +123,11 @@ def main() -> int:
         if run is None:
             return 0
         for _ in sys.stdin:
-            print(run(), flush=True)
+            try:
+                print(json.dumps({"tokens_per_s": run()}), flush=True)
+            except Exception as e:
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+                return 1
     return 0
 
 
