@@ -203,7 +203,7 @@ def test_a_llama_cpp_child_that_fails_drops_its_row_and_says_why(monkeypatch):
     assert child.available and child.name == "llama.cpp BF16, 1 threads"
     assert child.run() == 50.0
     assert child.run() is None and not child.available and child.run() is None
-    assert child.name.startswith("failed: it ended or did not answer") and "ggml_abort: out of memory" in child.name
+    assert child.name.startswith("failed: it ended, or did not answer") and "ggml_abort: out of memory" in child.name
     assert child.proc.poll() == 3
 
 

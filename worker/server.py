@@ -81,6 +81,8 @@ def build_app(state: WorkerState) -> Starlette:
                 raise InvalidRequestError(f"{count} prompts x n={n} are {count * n} choices, over the limit of "
                                           f"{MAX_CHOICES} a request; send them in several requests")
             prompts, texts = parse_prompts(prompt, state)
+            for ids in prompts:  # before decoding them: ids past the vocabulary, lengths past the context
+                state.engine.check(ids, options.params[0])
             echoed = [IncrementalText(state.decode) for _ in prompts] if options.echo and options.logprobs is not None \
                 else None  # where each prompt token's text begins, for its log-probabilities' text_offset
             for text, ids in zip(echoed or (), prompts):
@@ -245,18 +247,20 @@ class Generation:
         if choice.stopped:
             return ""  # the text up to the stop string went out when it matched: nothing after it does
         settled = len(choice.text.settled)
-        text = choice.text.extend(choice.tokens, final)
+        text = choice.text.extend(choice.tokens)
+        searched = text if final else text[:choice.text.whole]  # not a partial character's stand-in
         for stop in self.options.stops:
             # A stop string in the settled text would have been found before: only the end is new.
-            cut = text.find(stop, max(0, settled - len(stop) + 1) if choice.text.incremental else 0)
+            cut = searched.find(stop, max(0, settled - len(stop) + 1) if choice.text.incremental else 0)
             if cut >= 0:
-                text = text[:cut]
+                text = searched = text[:cut]
                 choice.request.cancelled = choice.stopped = True
         if not (final or choice.stopped):
             if text.endswith("\ufffd"):
                 return ""
             text = text[:len(text) - max((stop_prefix(text, stop) for stop in self.options.stops), default=0)]
-        delta, choice.sent = text[len(choice.sent):], text
+        delta = text[len(choice.sent):]  # sent only grows: what was streamed is the answer, whatever a decoder redoes
+        choice.sent += delta
         return delta
 
     async def _events(self):

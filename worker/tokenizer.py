@@ -134,17 +134,20 @@ def _special_token(config: dict, key: str, where: pathlib.Path) -> str:
 
 MAX_CONTEXT_TOKENS = 64
 """Tokens without text (skipped special tokens) IncrementalText keeps in its context."""
+MAX_PENDING_TOKENS = 16
+"""Tokens a partial character may span (UTF-8's are at most 4 bytes) before what they make settles as it is."""
 
 
 class IncrementalText:
     """The text of a growing list of tokens, decoded as they come: the new tokens after a context,
-    the tokens that made the text before them (a decoder may treat a text's first token apart:
-    SentencePiece's drops its space; special tokens are skipped, so they are no context). Decoding
-    every token on every token was quadratic (the default model's tokenizer: 0.23 s of CPU for
-    2,048 tokens, 4.5 s for 8,192). A partial UTF-8 character at the end settles with the token
-    that completes it (byte fallback decodes a run of byte tokens as one: an incomplete run shows
-    as replacement characters, the characters before it in the run included). A decoder whose text
-    is not a running concatenation gets the tokens decoded whole from then on."""
+    the tokens that made the text before them and those without text since (a decoder may treat a
+    text's first token apart: SentencePiece's drops its space). Decoding every token on every token
+    was quadratic (the default model's tokenizer: 0.23 s of CPU for 2,048 tokens, 4.5 s for 8,192).
+    A partial UTF-8 character at the end settles with the token that completes it, and stands as
+    one replacement character until then, the final text included (byte fallback decodes a run of
+    byte tokens as one: an incomplete run would turn the characters before it in the run into
+    replacement characters too, which went out already). A decoder whose text is not a running
+    concatenation gets the tokens decoded whole from then on."""
 
     def __init__(self, decode):
         self.decode = decode
@@ -152,36 +155,42 @@ class IncrementalText:
         self.settled = ""
         """The text of tokens[:read]: decoding more tokens does not change it."""
         self.read = 0
-        self.context: list[int] = []
-        """The tokens decoded again before the new ones: those that made the last text settled."""
+        self.anchor: list[int] = []
+        """The tokens that made the last text settled, decoded again before the new ones ..."""
+        self.quiet: list[int] = []
+        """... with those since that made no text (skipped special tokens; at most MAX_CONTEXT_TOKENS)."""
         self.pending = ""
         """The text of tokens[read:], which ends in a partial character."""
         self.incremental = True
         self.text = ""
-        """The text of all the tokens (its end may be a partial character's replacement)."""
+        """The text of all the tokens (a partial character at its end stands as a replacement)."""
         self.starts: list[int] = []
         """Where each token's text begins: the whole characters before it (a token that ends a
         character begins where that character does)."""
 
-    def extend(self, tokens: list[int], final: bool = False) -> str:
-        """The text of `tokens`, which begin with those already added; `final`: exactly, a partial
-        character at the end included (once: it decodes the whole)."""
+    @property
+    def whole(self) -> int:
+        """Characters of the text that no later token changes (a partial character's are not)."""
+        return len(self.settled) + len(self.pending.rstrip("\ufffd")) if self.incremental else \
+            len(self.text.rstrip("\ufffd"))
+
+    def extend(self, tokens: list[int]) -> str:
+        """The text of `tokens`, which begin with those already added."""
         for token in tokens[len(self.tokens):]:
             self.add(token)
-        return self.decode(self.tokens) if final and self.incremental and self.pending else self.text
+        return self.text
 
     def add(self, token: int) -> None:
         tokens = self.tokens
-        whole = len(self.settled) + len(self.pending.rstrip("\ufffd")) if self.incremental else \
-            len(self.text.rstrip("\ufffd"))
-        self.starts.append(whole)
+        self.starts.append(self.whole)
         tokens.append(token)
         if self.incremental:
-            before = self.decode(self.context)
-            now = self.decode(self.context + tokens[self.read:])
+            context = self.anchor + self.quiet
+            before = self.decode(context)
+            now = self.decode(context + tokens[self.read:])
             follows = now.startswith(before)
-            if now.endswith("\ufffd"):  # nothing settles until the character completes
-                self.pending = now[len(before):] if follows else "\ufffd"
+            if now.endswith("\ufffd") and len(tokens) - self.read <= MAX_PENDING_TOKENS:
+                self.pending = now[len(before):] if follows else "\ufffd"  # nothing settles until it completes
                 self.text = self.settled + self.pending
                 return
             self.incremental = follows
@@ -191,7 +200,7 @@ class IncrementalText:
         new = now[len(before):]
         self.settled += new
         if new:
-            self.context = tokens[self.read:]
-        elif len(self.context) < MAX_CONTEXT_TOKENS:  # no text: skipped tokens; the context keeps its text
-            self.context = self.context + tokens[self.read:]
+            self.anchor, self.quiet = tokens[self.read:], []
+        else:
+            self.quiet = (self.quiet + tokens[self.read:])[-MAX_CONTEXT_TOKENS:]
         self.read, self.pending, self.text = len(tokens), "", self.settled

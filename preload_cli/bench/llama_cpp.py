@@ -10,6 +10,7 @@ each line it reads.
 """
 
 import json
+import os
 import pathlib
 import select
 import subprocess
@@ -29,7 +30,7 @@ class LlamaCpp:
                  model: str | None):
         settings = {"ids": ids, "quantization": quantization, "new_tokens": new_tokens, "threads": threads,
                     "gguf": gguf, "model": model}
-        self.log = tempfile.TemporaryFile("w+")  # what it says there (llama.cpp's own lines): why it failed
+        self.log = tempfile.TemporaryFile("w+", errors="replace")  # what it says (llama.cpp's lines): why it failed
         self.proc = subprocess.Popen([sys.executable, "-m", "preload_cli.bench.llama_cpp", json.dumps(settings)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.available, self.name = True, ""
@@ -57,7 +58,9 @@ class LlamaCpp:
         try:
             answer = json.loads(line)
         except ValueError:
-            answer = {"error": f"it ended or did not answer within {ANSWER_TIMEOUT_S:g} s"}
+            answer = None
+        if not isinstance(answer, dict):
+            answer = {"error": f"it ended, or did not answer within {ANSWER_TIMEOUT_S:g} s, or not in JSON"}
         if "error" not in answer:
             return answer
         self.log.seek(0)
@@ -74,6 +77,11 @@ class LlamaCpp:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            self.proc.stdin.close()  # after a broken pipe: its buffered line is dropped, not reported at exit
+        except OSError:
+            pass
+        self.log.close()
 
 
 def _runner(settings: dict, tmp: str):
@@ -114,19 +122,22 @@ def _runner(settings: dict, tmp: str):
 
 def main() -> int:
     settings = json.loads(sys.argv[1])
+    answers = os.fdopen(os.dup(1), "w")  # the protocol's lines; whatever else writes to stdout goes to stderr
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     with tempfile.TemporaryDirectory() as tmp:
         try:
             run, name = _runner(settings, tmp)
         except Exception as e:  # an optional comparison: llama-cpp-python's API moves between releases
             run, name = None, f"failed: {type(e).__name__}: {e}"
-        print(json.dumps({"ready": run is not None, "name": name}), flush=True)
+        print(json.dumps({"ready": run is not None, "name": name}), file=answers, flush=True)
         if run is None:
             return 0
         for _ in sys.stdin:
             try:
-                print(json.dumps({"tokens_per_s": run()}), flush=True)
+                print(json.dumps({"tokens_per_s": run()}), file=answers, flush=True)
             except Exception as e:
-                print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+                print(json.dumps({"error": f"{type(e).__name__}: {e}"}), file=answers, flush=True)
                 return 1
     return 0
 

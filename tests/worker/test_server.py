@@ -177,6 +177,10 @@ def test_openai_client_against_the_default_model(runtime_dir, default_model, sta
                                                                      "these emoji: 🎉🙂🌍"}])
     content = chat.choices[0].logprobs.content
     assert b"".join(bytes(t.bytes) for t in content).decode() == chat.choices[0].message.content
+    guarded = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=12, temperature=0,
+                                             stop=["\ufffd"], messages=[{"role": "user", "content": "Reply with only "
+                                                                          "these emoji: 🎉🙂🌍"}])
+    assert guarded.choices[0].message.content == chat.choices[0].message.content  # a partial emoji is no U+FFFD
     assert any(t.token.startswith("bytes:") for t in content), "no character was split across tokens"
     prompt = "Emoji party: 🎉🎉 and Japanese 日本語"
     echoed = client.completions.create(model="smollm2-135m-instruct", prompt=prompt, max_tokens=12, temperature=0,
