@@ -131,11 +131,11 @@ def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir
         assert status == 200 and body["status"] == "ready" and body["replicas_ready"] == 2
         for _ in range(4):
             assert complete(engine.url)["choices"][0]["finish_reason"] in ("length", "stop")
-        huge = urllib.request.Request(engine.url + "/v1/completions", b" " * (17 << 20),
+        huge = urllib.request.Request(engine.url + "/v1/completions", b" " * ((64 << 20) + 1),
                                       {"Content-Type": "application/json"})
-        with pytest.raises(urllib.error.HTTPError) as err:
+        with pytest.raises(urllib.error.HTTPError) as err:  # the router's limit, as an engine's
             urllib.request.urlopen(huge, timeout=60)
-        assert err.value.code == 413
+        assert err.value.code == 413 and "over 64 MiB" in json.load(err.value)["error"]["message"]
         replicas = [r["engine"]["pid"] for r in body["replicas"]]
         shm = DaemonConfig(runtime_dir=runtime_dir).shm_dir
         slab_pss = [slab_memory(pid, shm) for pid in replicas]
