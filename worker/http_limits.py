@@ -5,11 +5,14 @@ past MAX_CONNECTIONS is answered 503 and closed at once, and one whose request (
 not arrived REQUEST_TIMEOUT_S after it began is closed then (uvicorn's own keep-alive timer covers
 the wait between requests; h11 bounds the head's size, BodyBudget the body's). Bodies are bounded
 each (MAX_BODY_BYTES: 413) and all together (BODY_BUDGET_BYTES: 503, retry), since every
-connection may be sending one: 1,024 bodies of 64 MiB would be 64 GiB."""
+connection may be sending one: 1,024 bodies of 64 MiB would be 64 GiB. Both servers' own HTTP
+errors (an unknown path, a wrong method) are JSON in OpenAI's shape, as their clients read them
+(json_errors)."""
 
 import asyncio
 
 import h11
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 MAX_CONNECTIONS = 1024
@@ -21,6 +24,24 @@ BODY_BUDGET_BYTES = 256 << 20
 """Request bodies held at once, all requests together."""
 DRAIN_BYTES = 256 << 20
 """What is read and discarded of a refused body before the connection is closed on the rest."""
+
+
+def json_errors(routes: list, server: str):
+    """Starlette's exception handler for its own HTTP errors (HTTPException: 404 for a path none of
+    `routes` serves, 405 for a method, with its Allow header), in OpenAI's JSON error shape."""
+
+    async def handler(request, e):
+        if e.status_code == 404:
+            message = f"no such path {request.url.path!r}; this {server} serves {', '.join(r.path for r in routes)}"
+        elif e.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(e.detail)
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse({"error": {"message": message, "type": kind, "code": e.status_code}}, e.status_code,
+                            e.headers)
+
+    return handler
 
 
 class BodyRefused(Exception):

@@ -28,11 +28,12 @@ import anyio
 import httpx
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from worker.http_limits import BodyBudget, BodyRefused, BoundedH11
+from worker.http_limits import BodyBudget, BodyRefused, BoundedH11, json_errors
 from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
@@ -257,9 +258,9 @@ def build_app(router: Router) -> Starlette:
         return JSONResponse({"error": {"message": "no engine replica is ready; retry shortly", "type": "unavailable",
                                        "code": 503}}, status_code=503)
 
-    return Starlette(routes=[
-        Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
-        Route("/v1/{path:path}", proxy, methods=["GET", "POST"])])
+    routes = [Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
+              Route("/v1/{path:path}", proxy, methods=["GET", "POST"])]
+    return Starlette(exception_handlers={HTTPException: json_errors(routes, "router")}, routes=routes)
 
 
 async def _relay(replica: Replica, generation: int, response: httpx.Response, ended):

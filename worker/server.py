@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from preload_daemon.errors import InvalidRequestError, PreloadError
-from worker.http_limits import BodyBudget, BodyRefused
+from worker.http_limits import BodyBudget, BodyRefused, json_errors
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.sampling import Pick
 from worker.state import WorkerState
@@ -121,16 +121,7 @@ def build_app(state: WorkerState) -> Starlette:
               Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"])]
 
-    async def not_found(request: Request, e: HTTPException):  # OpenAI clients read errors as JSON
-        if e.status_code == 405:
-            return JSONResponse({"error": {"message": f"{request.method} is not allowed on {request.url.path}",
-                                           "type": "invalid_request_error", "code": 405}}, 405, e.headers)
-        if e.status_code == 404:
-            return error(404, f"no such path {request.url.path!r}; this engine serves "
-                              f"{', '.join(r.path for r in routes)}", "not_found_error")
-        return error(e.status_code, str(e.detail), "invalid_request_error")
-
-    return Starlette(exception_handlers={HTTPException: not_found}, routes=routes)
+    return Starlette(exception_handlers={HTTPException: json_errors(routes, "engine")}, routes=routes)
 
 
 async def cancel_when_gone(request: Request, run: "Generation") -> None:

@@ -157,6 +157,15 @@ def test_bodies_a_single_engine_takes_pass_the_router_and_their_bytes_are_given_
         assert err.value.code == 413 and "over 64 MiB" in json.load(err.value)["error"]["message"]
         metrics = urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
         assert "preload_router_request_body_bytes 0\n" in metrics
+        for request, status, message in [  # the router's own errors in OpenAI's JSON shape, as an engine's
+            (urllib.request.Request(router.url + "/v2/completions"), 404,
+             "no such path '/v2/completions'; this router serves /health, /ready, /metrics, /v1/{path:path}"),
+            (urllib.request.Request(router.url + "/v1/completions", method="DELETE"), 405,
+             "DELETE is not allowed on /v1/completions")]:
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=10)
+            assert err.value.code == status and json.load(err.value)["error"]["message"] == message
+            assert status == 404 or set(err.value.headers["Allow"].split(", ")) == {"GET", "HEAD", "POST"}
     finally:
         router.stop()
 
