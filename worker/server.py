@@ -16,6 +16,7 @@ from starlette.routing import Route
 from preload_daemon.errors import InvalidRequestError, PreloadError
 from worker.http_limits import BodyBudget, BodyRefused, json_errors
 from worker.openai_api import Options, parse_messages, parse_options
+from worker.requests import SamplingParams
 from worker.sampling import Pick
 from worker.state import WorkerState
 from worker.template_bounds import MAX_PROMPT_CHARS
@@ -74,25 +75,28 @@ def build_app(state: WorkerState) -> Starlette:
         def prepare():  # the template and the tokenizer may take seconds: not on the event loop
             options = parse_options(body, chat=chat)
             if chat:
-                return options, [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))], [None], None
-            prompt, n = body.get("prompt"), len(options.params)
-            count = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
-            if count * n > MAX_CHOICES:  # before any is tokenized
-                raise InvalidRequestError(f"{count} prompts x n={n} are {count * n} choices, over the limit of "
-                                          f"{MAX_CHOICES} a request; send them in several requests")
-            prompts, texts = parse_prompts(prompt, state)
-            for ids in prompts:  # before decoding them: ids past the vocabulary, lengths past the context
-                state.engine.check(ids, options.params[0])
-            echoed = [IncrementalText(state.decode) for _ in prompts] if options.echo and options.logprobs is not None \
-                else None  # where each prompt token's text begins, for its log-probabilities' text_offset
-            for text, ids in zip(echoed or (), prompts):
-                text.extend(ids)
-            return options, prompts, texts, echoed and [text.starts for text in echoed]
+                prompts, texts = [state.encode(state.chat_prompt(parse_messages(body.get("messages"))))], [None]
+            else:
+                prompt, n = body.get("prompt"), len(options.params)
+                count = len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)) else 1
+                if count * n > MAX_CHOICES:  # before any is tokenized
+                    raise InvalidRequestError(f"{count} prompts x n={n} are {count * n} choices, over the limit of "
+                                              f"{MAX_CHOICES} a request; send them in several requests")
+                prompts, texts = parse_prompts(prompt, state)
+            plans = plan_choices(state.engine, prompts, options)  # checks every prompt before any is decoded
+            starts = None  # where each prompt token's text begins, for echo's log-probabilities' text_offset
+            if options.echo and options.logprobs is not None:
+                starts = []
+                for ids in prompts:
+                    text = IncrementalText(state.decode)
+                    text.extend(ids)
+                    starts.append(text.starts)
+            return options, prompts, texts, plans, starts
 
         try:
-            options, prompts, texts, prompt_starts = await asyncio.to_thread(prepare)
+            options, prompts, texts, plans, prompt_starts = await asyncio.to_thread(prepare)
             del body  # the request's parsed body is not kept while it is answered
-            run = Generation(state, prompts, texts, options, chat, prompt_starts)
+            run = Generation(state, prompts, texts, options, chat, plans, prompt_starts)
         except (InvalidRequestError, TypeError, ValueError) as e:
             return error(400, str(e))
         except RendererBusyError as e:
@@ -164,6 +168,20 @@ def stop_prefix(text: str, stop: str) -> int:
     return 0
 
 
+def plan_choices(engine, prompts: list[list[int]], options: Options) -> list[list[SamplingParams]]:
+    """Each prompt's choices' parameters (a chat without max_tokens gets what its context leaves),
+    every prompt checked (Engine.check) before the first one runs."""
+    plans = []
+    for prompt in prompts:
+        params = options.params
+        if options.until_full:
+            params = [dataclasses.replace(q, max_tokens=max(engine.max_len - len(prompt), 1)) for q in params]
+        for q in params:
+            engine.check(prompt, q)
+        plans.append(params)
+    return plans
+
+
 class Choice:
     """One choice of one prompt: its engine request, the tokens and text it has produced so far."""
 
@@ -189,7 +207,8 @@ class Generation:
     loop through a queue."""
 
     def __init__(self, state: WorkerState, prompts: list[list[int]], texts: list[str | None], options: Options,
-                 chat: bool, prompt_starts: list[list[int]] | None = None):
+                 chat: bool, plans: list[list[SamplingParams]], prompt_starts: list[list[int]] | None = None):
+        """`plans`: each prompt's choices' parameters, checked (plan_choices)."""
         self.state, self.prompts, self.options, self.chat = state, prompts, options, chat
         self.prompt_starts = prompt_starts
         """Where each prompt token's text begins in its prompt's (echo with log-probabilities)."""
@@ -200,14 +219,6 @@ class Generation:
         n = len(options.params)
         self.choices: list[Choice] = []
         engine = state.engine
-        plans = []
-        for prompt in prompts:  # every prompt is checked before the first one runs
-            params = options.params
-            if options.until_full:
-                params = [dataclasses.replace(q, max_tokens=max(engine.max_len - len(prompt), 1)) for q in params]
-            for q in params:
-                engine.check(prompt, q)
-            plans.append(params)
         for p, (prompt, text, params) in enumerate(zip(prompts, texts, plans)):
             prefix = (text if text is not None else state.decode(prompt)) if options.echo else ""
             group = [Choice(p * n + j, prompt, prefix, state.decode) for j in range(n)]
@@ -289,7 +300,7 @@ class Generation:
         offsets = []  # where each token's text begins in the choice's text (the prompt's, then the answer's)
         if first and self.options.echo:
             offsets += self.prompt_starts[choice.index // len(self.options.params)]
-        choice.text.extend(choice.tokens[:upto])
+        choice.text.extend(choice.tokens, upto)
         offsets += [len(choice.prefix) + at for at in choice.text.starts[start:upto]]
         return {"tokens": [name(t) for t, _ in picks],
                 "token_logprobs": [p.raw if p else None for _, p in picks],
