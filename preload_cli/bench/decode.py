@@ -127,8 +127,8 @@ def run(args) -> int:
     finally:
         llama.close()
     engine.stop()
+    measured = machine.measure(model_path, probe)
     del probe
-    measured = machine.measure(model_path)
     medians = {k: statistics.median(v) for k, v in rows.items()}
     ttft = {k: statistics.median(v) for k, v in first_token.items()}
     weight_bytes = model.weight_bytes_per_token()

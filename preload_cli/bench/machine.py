@@ -66,12 +66,6 @@ class MemoryProbe:
         return self.size / best
 
 
-def memory_bandwidth(repeats: int = 5) -> tuple[float, int]:
-    """(bytes/s that summing a buffer far larger than the caches reads, best of `repeats`; its size)."""
-    probe = MemoryProbe()
-    return probe.measure(repeats), probe.size
-
-
 def read_bandwidth(files: list[pathlib.Path], repeats: int = 3) -> tuple[float, int]:
     """(bytes/s of a sequential read of `files` from the page cache into one reused buffer, on one
     thread, best of `repeats` after a pass that brings them into the cache; the bytes read: at most
@@ -94,10 +88,11 @@ def read_bandwidth(files: list[pathlib.Path], repeats: int = 3) -> tuple[float, 
     return (total / best if total else 0.0), total
 
 
-def measure(checkpoint: pathlib.Path | None = None) -> dict:
-    """The machine and its bandwidths now; the read, of `checkpoint`'s safetensors files (where given)."""
-    memory, summed = memory_bandwidth()
-    out = {"machine": describe(), "memory_bandwidth_bytes_per_s": memory, "memory_bytes_summed": summed}
+def measure(checkpoint: pathlib.Path | None = None, probe: MemoryProbe | None = None) -> dict:
+    """The machine and its bandwidths now (the memory's with `probe` where the caller has one); the
+    read, of `checkpoint`'s safetensors files (where given)."""
+    probe = probe or MemoryProbe()
+    out = {"machine": describe(), "memory_bandwidth_bytes_per_s": probe.measure(), "memory_bytes_summed": probe.size}
     files = sorted(pathlib.Path(checkpoint).glob("*.safetensors")) if checkpoint else []
     if files:
         out["read_bandwidth_bytes_per_s"], out["read_bytes"] = read_bandwidth(files)
