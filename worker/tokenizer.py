@@ -174,10 +174,11 @@ class IncrementalText:
         return len(self.settled) + len(self.pending.rstrip("\ufffd")) if self.incremental else \
             len(self.text.rstrip("\ufffd"))
 
-    def extend(self, tokens: list[int]) -> str:
-        """The text of `tokens`, which begin with those already added."""
-        for token in tokens[len(self.tokens):]:
-            self.add(token)
+    def extend(self, tokens: list[int], end: int | None = None) -> str:
+        """The text of `tokens[:end]`, which begin with those already added (no copy of them: a
+        streamed choice extends on every token)."""
+        for i in range(len(self.tokens), len(tokens) if end is None else end):
+            self.add(tokens[i])
         return self.text
 
     def add(self, token: int) -> None:
