@@ -5,9 +5,9 @@ past MAX_CONNECTIONS is answered 503 and closed at once, and one whose request (
 not arrived REQUEST_TIMEOUT_S after it began is closed then (uvicorn's own keep-alive timer covers
 the wait between requests; h11 bounds the head's size, BodyBudget the body's). Bodies are bounded
 each (MAX_BODY_BYTES: 413) and all together (BODY_BUDGET_BYTES: 503, retry), since every
-connection may be sending one: 1,024 bodies of 64 MiB would be 64 GiB. Both servers' own HTTP
-errors (an unknown path, a wrong method) are JSON in OpenAI's shape, as their clients read them
-(json_errors)."""
+connection may be sending one: 1,024 bodies of 64 MiB would be 64 GiB. Both servers' errors are
+JSON in OpenAI's shape, as their clients read them (error), Starlette's own too (an unknown path, a
+wrong method: json_errors)."""
 
 import asyncio
 
@@ -26,6 +26,11 @@ DRAIN_BYTES = 256 << 20
 """What is read and discarded of a refused body before the connection is closed on the rest."""
 
 
+def error(status: int, message: str, kind: str = "invalid_request_error", headers=None) -> JSONResponse:
+    """An error answer in OpenAI's JSON shape, which the engine's and the router's clients read."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers)
+
+
 def json_errors(routes: list, server: str):
     """Starlette's exception handler for its own HTTP errors (HTTPException: 404 for a path none of
     `routes` serves, 405 for a method, with its Allow header), in OpenAI's JSON error shape."""
@@ -38,8 +43,7 @@ def json_errors(routes: list, server: str):
         else:
             message = str(e.detail)
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse({"error": {"message": message, "type": kind, "code": e.status_code}}, e.status_code,
-                            e.headers)
+        return error(e.status_code, message, kind, e.headers)
 
     return handler
 

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.routing import Route
 
-from worker.http_limits import BodyBudget, BodyRefused, BoundedH11, json_errors
+from worker.http_limits import BodyBudget, BodyRefused, BoundedH11, error, json_errors
 from worker.procs import spawn_child
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ def build_app(router: Router) -> Starlette:
         try:
             body = await bodies.read(request)
         except BodyRefused as e:
-            kind = "invalid_request_error" if e.status == 413 else "unavailable"
-            return JSONResponse({"error": {"message": str(e), "type": kind, "code": e.status}}, status_code=e.status)
+            return error(e.status, str(e), "invalid_request_error" if e.status == 413 else "unavailable")
         try:
             return await forward(request, headers, body)
         except BaseException:
@@ -255,8 +254,7 @@ def build_app(router: Router) -> Starlette:
                                      headers={k: v for k, v in response.headers.items()
                                               if k.lower() not in HOP_HEADERS})
         bodies.release(len(body))
-        return JSONResponse({"error": {"message": "no engine replica is ready; retry shortly", "type": "unavailable",
-                                       "code": 503}}, status_code=503)
+        return error(503, "no engine replica is ready; retry shortly", "unavailable")
 
     routes = [Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
               Route("/v1/{path:path}", proxy, methods=["GET", "POST"])]

@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from preload_daemon.errors import InvalidRequestError, PreloadError
-from worker.http_limits import BodyBudget, BodyRefused, json_errors
+from worker.http_limits import BodyBudget, BodyRefused, error, json_errors
 from worker.openai_api import Options, parse_messages, parse_options
 from worker.requests import SamplingParams
 from worker.sampling import Pick
@@ -26,10 +26,6 @@ from worker.tokenizer import IncrementalText
 MAX_CHOICES = 4096
 """Choices (prompts x n) one request may ask for: each is set up on the event loop (800,000 of them
 held it 13 s, and 600 MB)."""
-
-
-def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 def build_app(state: WorkerState) -> Starlette:
