@@ -83,6 +83,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="the draft checkpoint of --speculative draft (same tokenizer and vocabulary)")
     p.add_argument("--max-batch", type=int, default=8, help="concurrent sequences (KV cache slots)")
     p.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens per sequence")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="TOKENS",
+                   help="a longer prompt arriving while others decode is prefilled this many tokens at a time, "
+                        "their decode steps between (default 256; 0: always whole)")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per process (default: the cores divided among the processes)")
     # Set by the engine itself on the processes it starts.
@@ -122,7 +125,7 @@ def engine_config(args):
         model=pathlib.Path(os.path.abspath(args.model)) if args.model else default_model_path(), name=args.name,
         load_format=args.load_format, fallback=not args.no_fallback, devices=devices, dtype=args.dtype,
         quantization=args.quantization, runtime_dir=args.runtime_dir, max_batch=args.max_batch,
-        max_model_len=args.max_model_len, tp_size=args.tp_size, tp_rank=rank or 0,
+        max_model_len=args.max_model_len, prefill_chunk=args.prefill_chunk, tp_size=args.tp_size, tp_rank=rank or 0,
         rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
         rendezvous_env=torchrun, replica=args.replica, num_threads=threads, weights_version=args.weights_version,
         wait_for_daemon=args.wait_for_daemon, allow_external_links=args.allow_external_links,

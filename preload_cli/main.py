@@ -1,8 +1,8 @@
 """The `preload` console script: one parser with every command, and main(). The commands live in
 daemon_commands (daemon, serve, status, wait-ready, evict, verify, default-model), engine_commands
 (engine, generate), version_commands (publish, rollback, pin, unpin), snapshot_commands (snapshot
-check, create, inspect, restore), demo and bench/ (attach, restart, decode, quant, replicas,
-rollback, spec).
+check, create, inspect, restore), demo and bench/ (attach, restart, decode, prefill, quant,
+replicas, rollback, spec).
 
 Only the command being run has its parser built and its modules imported (the others are listed
 with their one-line help): `preload snapshot restore`, on every restore's path to ready, starts
@@ -174,12 +174,14 @@ def _demo(sub) -> list:
 
 
 def _bench(sub) -> list:
-    from preload_cli.bench import attach, decode, quant, replicas, restart, rollback, spec
+    from preload_cli.bench import attach, decode, prefill, quant, replicas, restart, rollback, spec
     p = sub.add_parser("bench", help=HELP["bench"])
     bench = p.add_subparsers(dest="bench", required=True, metavar="BENCH")
     add_module_command(bench.add_parser("attach", help="attach time vs cold-read time, 0.1 / 1 / 4 GB"), attach)
     add_module_command(bench.add_parser("restart", help="engine start -> ready, cold vs warm"), restart)
     add_module_command(bench.add_parser("decode", help="decode tokens/s: our engine vs transformers"), decode)
+    add_module_command(bench.add_parser("prefill", help="a stream's longest pause while a long prompt arrives: "
+                                        "prefilled whole vs in parts"), prefill)
     add_module_command(bench.add_parser("quant", help="quantization schemes: bytes, quality, linear speed"), quant)
     add_module_command(bench.add_parser("replicas", help="memory of M DP replicas: warm (one slab) vs cold"),
                        replicas)
@@ -234,8 +236,8 @@ HELP = {
     "verify": "re-hash slabs against the digests they were sealed with",
     "default-model": "print the embedded default model's path (converting it once)",
     "demo": "the whole story on the default model: daemon, cold and warm engines, an answer",
-    "bench": "benchmarks: attach time, engine restarts, decode speed, quantization, replicas, rollback, "
-             "speculative decoding",
+    "bench": "benchmarks: attach time, engine restarts, decode speed, prefill in parts, quantization, replicas, "
+             "rollback, speculative decoding",
     "snapshot": "CRIU snapshots of TP 1 engines, weights re-attached from the daemon",
     "engine": "the engine worker: HTTP /health /ready /metrics /v1/completions",
     "generate": "one-shot generation, JSON on stdout",

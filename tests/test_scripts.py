@@ -190,6 +190,20 @@ def test_bench_decode_produces_json(default_model):
     assert doc["machine"]["read_bandwidth_bytes_per_s"] > 0
 
 
+def test_bench_prefill_produces_json(tiny_llama):
+    out = run_preload("bench", "prefill", "--model", tiny_llama, "--prompt-tokens", "48", "--chunk", "8", "--repeats",
+                      "1", "--json", timeout=600)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["prompt_tokens"] == 48 and set(doc["runs"]) == {"whole", "parts"}
+    for mode in ("whole", "parts"):
+        run = doc["runs"][mode][0]
+        assert 0 < run["median_step_s"] <= run["longest_pause_s"] and run["first_token_s"] > 0
+    assert doc["pause_whole_over_parts"] > 0 and doc["first_token_parts_over_whole"] > 0
+    refused = run_preload("bench", "prefill", "--model", tiny_llama, "--prompt-tokens", "100000")
+    assert refused.returncode == 1 and "lower it" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_a_llama_cpp_child_that_fails_drops_its_row_and_says_why(monkeypatch):
     """bench decode's llama.cpp row runs in a child process; one that dies mid-run (a crash, an API
     change) ended the whole benchmark with a traceback."""

@@ -29,6 +29,8 @@ class EngineConfig:
     max_batch: int = 8
     """Concurrent sequences (KV cache slots)."""
     max_model_len: int = 2048
+    prefill_chunk: int = 256
+    """Prompt tokens a step prefills of a long prompt arriving while others decode (0: whole)."""
     tp_size: int = 1
     tp_rank: int = 0
     rendezvous_addr: str = "127.0.0.1"
@@ -62,6 +64,9 @@ class EngineConfig:
                                       f"for --tp-size {self.tp_size}; give one distinct device per rank")
         if self.max_batch < 1 or self.max_model_len < 2:
             raise InvalidRequestError("--max-batch must be >= 1 and --max-model-len >= 2")
+        if self.prefill_chunk < 0:
+            raise InvalidRequestError(f"--prefill-chunk must be >= 0 (0: prefill every prompt whole), "
+                                      f"got {self.prefill_chunk}")
         if self.num_threads < 0:
             raise InvalidRequestError(f"--threads must be >= 0 (0: the cores divided among the processes), "
                                       f"got {self.num_threads}")

@@ -14,13 +14,17 @@ import torch
 
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
-from worker.requests import ECHO_LOGITS_BYTES, Request, Result, SamplingParams
+from worker.requests import Request, Result, SamplingParams, check_request
 from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, pick, prompt_logprobs, seeded
 from worker.speculative import Speculator, accept, greedy, probabilities
 
 log = logging.getLogger(__name__)
 _WAKE = object()
 """Queued by pause() so that a scheduler waiting for requests looks at its pause flag."""
+PREFILL_CHUNK = 256
+"""Prompt tokens a step prefills of a long prompt that arrives while others decode; a decode step of
+the others runs between its parts, so their streams pause for one part, not for the whole prompt
+(`preload bench prefill`)."""
 
 
 def _prefill_key(request: Request) -> tuple[int, bool]:
@@ -29,10 +33,13 @@ def _prefill_key(request: Request) -> tuple[int, bool]:
 
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048,
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, prefill_chunk: int = PREFILL_CHUNK):
         """With a `speculator`, its draft proposes tokens that one main forward per step verifies
-        (worker/speculative.py); the caches get room for the K positions a step may look ahead."""
+        (worker/speculative.py); the caches get room for the K positions a step may look ahead.
+        A prompt longer than `prefill_chunk` that arrives while others decode is prefilled that
+        many tokens at a time, between their steps (0: always whole)."""
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.max_len = model.spec.context_len(max_len)
         self.speculator = speculator
         ahead = speculator.k if speculator else 0
@@ -45,9 +52,11 @@ class Engine:
         self._running: list[Request] = []
         self._held: list[Request] = []
         """Taken from the queue, waiting for enough free slots for all its choices (n > 1)."""
+        self._filling: list[Request] = []
+        """Holding slots, prefilled in parts (_fill), oldest first; then they run."""
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._pause, self._parked, self._resume = threading.Event(), threading.Event(), threading.Event()
-        self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0}
+        self.stats = {"requests": 0, "prompt_tokens": 0, "generated_tokens": 0, "decode_steps": 0, "prefill_parts": 0}
         if speculator is not None:
             self.stats.update(spec_proposed=0, spec_accepted=0, spec_verified=0, spec_emitted=0)
 
@@ -114,26 +123,7 @@ class Engine:
     def check(self, prompt: list[int], params: SamplingParams) -> None:
         """Raises InvalidRequestError (what is wrong and what to change) for a request this engine
         cannot run; submit() checks too, this lets a caller check every prompt before the first runs."""
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty")
-        if len(prompt) >= self.max_len:  # said apart: a chat without max_tokens asks for what fits, here 1
-            raise InvalidRequestError(f"the prompt ({len(prompt)} tokens) leaves no room in the engine's max length "
-                                      f"{self.max_len} for a token of the answer; shorten it")
-        if len(prompt) + params.max_tokens > self.max_len:
-            raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                                      f"engine's max length {self.max_len}; shorten one of them")
-        vocab = self.model.spec.vocab_size
-        if self.speculator is not None and (params.presence_penalty or params.frequency_penalty
-                                            or params.repetition_penalty != 1):
-            raise InvalidRequestError("presence, frequency and repetition penalties are not supported with "
-                                      "speculative decoding (its verification samples the model's own distribution)")
-        for name, ids in (("prompt token ids", prompt), ("stop_token_ids", params.stop_token_ids)):
-            if any(not 0 <= t < vocab for t in ids):
-                raise InvalidRequestError(f"{name} must be in [0, {vocab}): no other token exists")
-        if params.prompt_logprobs is not None and len(prompt) * vocab * 4 > ECHO_LOGITS_BYTES:
-            raise InvalidRequestError(
-                f"the prompt's log-probabilities (echo with logprobs) are limited to {ECHO_LOGITS_BYTES // (vocab * 4)} "
-                f"prompt tokens with this model's vocabulary of {vocab}; this prompt has {len(prompt)}: shorten it")
+        check_request(prompt, params, self.max_len, self.model.spec.vocab_size, self.speculator is not None)
 
     def submit_choices(self, prompt: list[int], params: list[SamplingParams], on_token: list[Callable[[int], None]],
                        on_done: list[Callable[[str], None]]) -> list[Request]:
@@ -162,13 +152,13 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            if self._pause.is_set() and not self._running:
+            if self._pause.is_set() and not self._running and not self._filling:
                 if not self._orphans():
                     return
                 self._parked.set()
                 self._resume.wait()
                 continue
-            block = not self._running
+            block = not self._running and not self._filling
             arrived, slots = [], len(self._free)
             while self._held:  # n > 1 waiting for slots, in order; one cancelled meanwhile goes
                 if not self._dropped(held := self._held[0]):
@@ -200,39 +190,78 @@ class Engine:
             for (_, echo), group in itertools.groupby(sorted(arrived, key=_prefill_key), _prefill_key):
                 for part in ([r] for r in group) if echo else [list(group)]:
                     self._prefill(part)
+            if self._filling:
+                self._fill()
             if self._running:
                 self._decode()
 
     def _prefill(self, requests: list[Request]) -> None:
+        """Gives the requests' choices their slots, then prefills them now, or in parts (_fill) if
+        their prompts are long and others decode meanwhile. Echoed ones (every position's logits)
+        go whole."""
         for request in requests:
             for r in (request, *request.siblings):
                 r.slot = heapq.heappop(self._free)
                 self.stats["requests"] += 1
             self.stats["prompt_tokens"] += len(request.prompt)
+        if (0 < self.prefill_chunk < len(requests[0].prompt) and (self._running or self._filling)
+                and all(r.params.prompt_logprobs is None for r in requests)):
+            self._filling.extend(requests)
+        else:
+            self._forward_prompts(requests, len(requests[0].prompt))
+
+    def _fill(self) -> None:
+        """The next part of the oldest prompt prefilled in parts; all the rest of it once nothing
+        else runs (no stream waits on it). One whose client has gone ends here."""
+        request = self._filling[0]
+        if all(r.cancelled for r in (request, *request.siblings)):
+            self._filling.pop(0)
+            for r in (request, *request.siblings):
+                self._finish(r, "stop")
+            return
+        length, chunk = len(request.prompt), self.prefill_chunk if self._running else 0
+        end = min(request.filled + chunk, length) if chunk > 0 else length
+        self.stats["prefill_parts"] += 1
+        if end == length:
+            self._filling.pop(0)
+        self._forward_prompts([request], end)
+
+    def _forward_prompts(self, requests: list[Request], end: int) -> None:
+        """Prefills the requests' prompts (all of one length) from where they are (Request.filled)
+        up to `end`; once a prompt is in, its choices run, each with its first token."""
+        start, length = requests[0].filled, len(requests[0].prompt)
         echo = any(r.params.prompt_logprobs is not None for r in requests)
         try:
-            ids = torch.tensor([r.prompt for r in requests])
-            positions = torch.arange(ids.shape[1]).expand(len(requests), -1)
+            ids = torch.tensor([r.prompt[start:end] for r in requests])
+            positions = torch.arange(start, end).expand(len(requests), -1)
             slots = torch.tensor([r.slot for r in requests])
             # echo: every position's logits (the prompt's log-probabilities); a draft: the states
             out = self.model.forward(ids, positions, self.cache, slots, all_logits=echo,
                                      hidden=self.speculator is not None)
             logits, states = out if self.speculator is not None else (out, None)
+            for row, request in enumerate(requests):
+                request.filled = end
+                if states is not None:
+                    request.states.append(states[row])
+            if end < length:
+                return
             if echo:
                 for row, r in enumerate(requests):
                     if r.params.prompt_logprobs is not None:
                         r.prompt_picks = prompt_logprobs(logits[row], r.prompt, r.params.prompt_logprobs)
                 logits = logits[:, -1]
-            if states is not None:
-                for row, request in enumerate(requests):
-                    self.draft.prefilled(request.slot, request.prompt, states[row])
             for request in requests:
+                if states is not None:
+                    parts, request.states = request.states, []
+                    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    self.draft.prefilled(request.slot, request.prompt, joined)
                 if request.siblings:  # n > 1: one prefill, its keys and values copied
-                    self.model.copy_cache(self.cache, request.slot, [s.slot for s in request.siblings],
-                                          len(request.prompt))
+                    self.model.copy_cache(self.cache, request.slot, [s.slot for s in request.siblings], length)
         except Exception as e:
             log.exception("prefill failed")
             for request in requests:
+                if request in self._filling:
+                    self._filling.remove(request)
                 for r in (request, *request.siblings):
                     self._finish(r, f"error: {e}")
             return
@@ -355,11 +384,13 @@ class Engine:
 
     def _abandon(self, requests: list[Request], reason: str = "error: the engine stopped") -> None:
         """Every request given, and every choice of theirs, ends with `reason`, so that no caller
-        waits forever. Running ones are dropped too: the engine is stopping or parking."""
+        waits forever. Running and part-prefilled ones are dropped too: the engine is stopping or
+        parking."""
         ended = {id(r): r for r in self._running}
         self._running.clear()
-        for request in requests:  # a running request's siblings run too: each is notified once
+        for request in [*self._filling, *requests]:  # siblings run too: each is notified once
             ended.update((id(s), s) for s in (request, *request.siblings))
+        self._filling.clear()
         for request in ended.values():
             self._call(request, request.on_done, reason)
 

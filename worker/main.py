@@ -146,7 +146,7 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
         log.warning("--max-model-len %d is past the model's max_position_embeddings (%d): a request gets at most "
                     "%d positions", config.max_model_len, positions, positions)
     engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len,
-                    speculator=built.speculator).start()
+                    speculator=built.speculator, prefill_chunk=config.prefill_chunk).start()
     engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: first request pays nothing extra
     return engine
 

@@ -48,6 +48,7 @@ STATS_HELP = {  # what each of the engine's counters counts (HTTP requests are n
     "generated_tokens": "Tokens generated: end-of-sequence tokens and those past a stop string included, which a "
                         "response's usage does not count",
     "decode_steps": "Decode steps: forwards of the main model over every running choice",
+    "prefill_parts": "Parts of long prompts prefilled between decode steps (--prefill-chunk)",
     "spec_proposed": "Speculative decoding: draft tokens proposed",
     "spec_accepted": "Speculative decoding: draft tokens the main model accepted",
     "spec_verified": "Speculative decoding: verifications by the main model, a choice each",

@@ -82,6 +82,11 @@ class Request:
     siblings: list["Request"] = dataclasses.field(default_factory=list)
     """More choices of the same prompt (n > 1): prefilled once, by this request, then their caches
     are copies of this one's and each samples on its own."""
+    filled: int = 0
+    """Prompt tokens in the cache so far: a long prompt that arrives while others decode is
+    prefilled in parts (Engine.prefill_chunk)."""
+    states: list = dataclasses.field(default_factory=list)
+    """With an MTP draft, the main model's states of the parts prefilled so far."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,3 +100,26 @@ class Result:
     @property
     def logprobs(self) -> list[float]:
         return [p.raw for p in self.picks]
+
+
+def check_request(prompt: list[int], params: SamplingParams, max_len: int, vocab: int, speculative: bool) -> None:
+    """Raises InvalidRequestError, saying what is wrong and what to change, for a request an engine
+    of `max_len` positions and a vocabulary of `vocab` (speculating or not) cannot run."""
+    if not prompt:
+        raise InvalidRequestError("the prompt is empty")
+    if len(prompt) >= max_len:  # said apart: a chat without max_tokens asks for what fits, here 1
+        raise InvalidRequestError(f"the prompt ({len(prompt)} tokens) leaves no room in the engine's max length "
+                                  f"{max_len} for a token of the answer; shorten it")
+    if len(prompt) + params.max_tokens > max_len:
+        raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                  f"engine's max length {max_len}; shorten one of them")
+    if speculative and (params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1):
+        raise InvalidRequestError("presence, frequency and repetition penalties are not supported with "
+                                  "speculative decoding (its verification samples the model's own distribution)")
+    for name, ids in (("prompt token ids", prompt), ("stop_token_ids", params.stop_token_ids)):
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"{name} must be in [0, {vocab}): no other token exists")
+    if params.prompt_logprobs is not None and len(prompt) * vocab * 4 > ECHO_LOGITS_BYTES:
+        raise InvalidRequestError(
+            f"the prompt's log-probabilities (echo with logprobs) are limited to {ECHO_LOGITS_BYTES // (vocab * 4)} "
+            f"prompt tokens with this model's vocabulary of {vocab}; this prompt has {len(prompt)}: shorten it")

@@ -1,1 +1,2 @@
-"""`preload bench attach | restart | decode | quant`: each module has add_arguments(parser) and run(args)."""
+"""`preload bench attach | restart | decode | prefill | quant | replicas | rollback | spec`: each module has
+add_arguments(parser) and run(args)."""
