@@ -19,7 +19,7 @@ import sys
 
 from preload_cli import argtypes
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
-from preload_daemon.config import ensure_private_dir, parse_device, resolve_devices
+from preload_daemon.config import check_socket_room, ensure_private_dir, parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
 
@@ -153,6 +153,7 @@ def start_followers(args, config):
 def become_router(args, config) -> None:
     """Replaces this process with the lean DP router (no torch in it), which runs each replica as
     this same command with --dp-size 1."""
+    check_socket_room(config.runtime_dir)
     sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
     # Each replica sees --dp-size 1, so it is told its share of the cores here.
     settings = {"replicas": args.dp_size, "socket_dir": str(sockets), "host": args.host, "port": args.port,

@@ -8,6 +8,7 @@
 import argparse
 import json
 import math
+import os
 import pathlib
 
 import torch
@@ -68,6 +69,28 @@ def add_mtp_layers(path: pathlib.Path, model, count: int, shared: bool, seed: in
     save_file(tensors, str(file), metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": count}, indent=2))
+
+
+def bench_dir() -> pathlib.Path:
+    """Where the benchmarks keep the synthetic checkpoints they build once and reuse: $PRELOAD_BENCH_DIR
+    (made 0700 if missing), else the cache directory's bench/; either must be ours and only ours to
+    write (a checkpoint a stranger planted at a fixed /tmp path was benchmarked as ours)."""
+    from preload_daemon.config import check_trusted_dir
+    from preload_daemon.default_model import cache_subdir
+    from preload_daemon.errors import PreloadError
+    if not os.environ.get("PRELOAD_BENCH_DIR"):
+        return cache_subdir("bench")
+    path = pathlib.Path(os.environ["PRELOAD_BENCH_DIR"])
+    try:
+        path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise SystemExit(f"PRELOAD_BENCH_DIR={path}: cannot make it ({e.strerror}); name a directory of your own")
+    try:
+        check_trusted_dir(path, "plant a checkpoint we would benchmark",
+                          "set PRELOAD_BENCH_DIR to a directory of your own")
+    except PreloadError as e:
+        raise SystemExit(str(e)) from None
+    return path
 
 
 def synthetic_checkpoint(path: str | pathlib.Path, gigabytes: float, hidden: int | None = None,

@@ -93,8 +93,17 @@ def cmd_publish(args) -> int:
                    for r in range(tp)]
     started = time.monotonic()
     targets = targets_for(args.name, args.runtime_dir, devices, layouts)
-    published = publish_dir(args.name, args.source, targets, args.runtime_dir, keep=args.keep,
-                            max_bytes=args.max_bytes, show_progress=not args.json)
+    try:
+        published = publish_dir(args.name, args.source, targets, args.runtime_dir, keep=args.keep,
+                                max_bytes=args.max_bytes, show_progress=not args.json)
+    except KeyboardInterrupt:
+        what = (f"interrupted; the daemons ({', '.join(t.device for t in targets)}) finish the load under way and "
+                f"keep it as a version of {args.name} that is not active: `preload status` shows it, "
+                f"`preload evict {args.name}@VERSION` frees it")
+        if args.json:
+            print(json.dumps({"error": what}), flush=True)
+        print(f"preload publish: {what}", file=sys.stderr)
+        raise
     version, results = published.version, published.variants
     variants = [v for rows in results for v in rows]
     seconds = time.monotonic() - started

@@ -28,7 +28,7 @@ import torch
 
 from preload_daemon.attached import AttachedModel
 from preload_daemon.buffers import dtype_name
-from preload_daemon.config import default_runtime_dir, parse_device, socket_path
+from preload_daemon.config import check_daemon_socket, default_runtime_dir, parse_device, socket_path
 from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, InvalidRequestError, PreloadError,
                                    from_details, from_rpc_error)
 from preload_daemon.plan import Layout, LoadSpec
@@ -73,6 +73,7 @@ class DaemonClient:
         from grpc_health.v1 import health_pb2_grpc
 
         from protos import preload_pb2_grpc as pb_grpc
+        check_daemon_socket(self.path)
         with self._channel_lock:
             if self._channel is None:
                 self._channel = grpc.insecure_channel(f"unix:{self.path}", options=[

@@ -101,9 +101,68 @@ def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib
         raise InvalidRequestError(f"{path} exists but is not a directory; {fix}")
     if info.st_uid != os.getuid():
         raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); {fix}")
+    check_ancestors(path, fix)
     if info.st_mode & 0o077:
         _make_private(path, info, fix)
     return path
+
+
+def check_ancestors(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> None:
+    """Refuses `path` if a directory above it lets a stranger rename it away and put one of theirs
+    in its place (as sshd's StrictModes does): each must be ours or root's, and writable by no one
+    else unless sticky (/tmp, /dev/shm). Checked along the real path, every link resolved."""
+    real = pathlib.Path(os.path.realpath(pathlib.Path(path).parent))
+    for directory in (real, *real.parents):
+        info = os.stat(directory)
+        if info.st_uid not in (os.geteuid(), 0):
+            raise InvalidRequestError(f"{directory}, above {path}, belongs to uid {info.st_uid}, not to us "
+                                      f"({os.geteuid()}) or root: its owner can swap {path} for a directory of "
+                                      f"theirs; {fix}")
+        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+            raise InvalidRequestError(f"{directory}, above {path}, is writable by others (mode "
+                                      f"{stat.S_IMODE(info.st_mode):04o}) and not sticky: anyone can swap {path} for "
+                                      f"a directory of theirs; {fix}")
+
+
+CONNECT_FIX = f"{RUNTIME_DIR_FIX}; refusing to connect"
+
+
+def check_runtime_dir(directory: pathlib.Path) -> None:
+    """A client's check of the runtime directory it looks for daemons in, since whoever answers
+    there names the slabs the client maps (check_trusted_dir). Nothing to check where it does not
+    exist."""
+    if os.path.lexists(directory):
+        check_trusted_dir(directory, "plant a daemon socket", CONNECT_FIX)
+
+
+def check_trusted_dir(directory: pathlib.Path, planted: str, fix: str) -> None:
+    """Refuses a directory others could put things in: it must be a real directory, ours or root's,
+    writable by no one else, with trusted directories above it (check_ancestors). `planted` says
+    what a stranger could do there, `fix` what the user should do."""
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid not in (os.geteuid(), 0) \
+            or info.st_mode & 0o022:
+        what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory" \
+            if not stat.S_ISDIR(info.st_mode) else f"owned by uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}"
+        raise InvalidRequestError(f"{directory} ({what}) is not a directory of ours or root's that only its owner "
+                                  f"writes: whoever can write there can {planted}; {fix}")
+    check_ancestors(directory, fix)
+
+
+def check_daemon_socket(path: pathlib.Path) -> None:
+    """check_runtime_dir of the socket's directory, and the socket itself: a socket (not a link)
+    owned by us or root. Where nothing is at `path`, connecting fails on its own (no daemon)."""
+    path = pathlib.Path(path)
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, PermissionError):  # no daemon; another user's private dir: connect says so
+        return
+    check_runtime_dir(path.parent)
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
+        what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else \
+            "not a socket" if not stat.S_ISSOCK(info.st_mode) else f"owned by uid {info.st_uid}"
+        raise InvalidRequestError(f"{path} is {what}, not a daemon socket of ours or root's; remove it, or "
+                                  f"{CONNECT_FIX}")
 
 
 def _make_private(path: pathlib.Path, seen: os.stat_result, fix: str) -> None:
@@ -120,6 +179,24 @@ def _make_private(path: pathlib.Path, seen: os.stat_result, fix: str) -> None:
         os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
+
+
+MAX_SOCKET_PATH = 107
+"""The longest path a Unix socket may have (sun_path is 108 bytes with its terminating NUL)."""
+SOCKET_TAIL = 40
+"""The longest name preload puts below a runtime dir for a socket: a DP replica's
+engine-<pid>-<8 hex>/replica-<n>.sock, a snapshot's control socket, the daemons' own."""
+
+
+def check_socket_room(runtime_dir: pathlib.Path) -> None:
+    """Refuses a runtime dir so long that the sockets made below it would pass MAX_SOCKET_PATH: said
+    at start-up, not when a replica or a snapshot first needs its socket."""
+    length = len(os.fsencode(str(runtime_dir)))
+    if length + SOCKET_TAIL > MAX_SOCKET_PATH:
+        raise InvalidRequestError(f"the runtime directory {runtime_dir} is {length} bytes long: the sockets below it "
+                                  f"need up to {SOCKET_TAIL} more, past the {MAX_SOCKET_PATH}-byte limit of a Unix "
+                                  f"socket's path; set PRELOAD_RUNTIME_DIR to a directory at most "
+                                  f"{MAX_SOCKET_PATH - SOCKET_TAIL} bytes long")
 
 
 def socket_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:

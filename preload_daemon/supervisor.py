@@ -7,6 +7,7 @@ import logging
 import os
 import pathlib
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ from preload_daemon.arch import ArchSpec
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
 from preload_daemon.default_model import default_model_path
-from preload_daemon.errors import DaemonUnavailableError
+from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
 from preload_daemon.versions import Target, publish_dir
@@ -32,7 +33,7 @@ class DaemonProcess:
                  allow_external_links: bool = False):
         self.device = device
         self.config = DaemonConfig(device=device, runtime_dir=runtime_dir)
-        self.log_file = open(self.config.log_path, "ab")
+        self.log_file = open_log(self.config.log_path)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "preload_daemon", "--device", device, "--runtime-dir", str(runtime_dir),
              "--log-level", log_level, *(["--allow-external-links"] if allow_external_links else [])],
@@ -66,6 +67,21 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log_file.close()
+
+
+def open_log(path: pathlib.Path):
+    """The daemon's log, appended to: a regular file of ours, never through a link (it lies in the
+    private runtime dir; a FIFO there would block the open, a link aim our writes elsewhere)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot open the daemon's log {path} ({e.strerror}); remove it") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)
+        raise InvalidRequestError(f"{path} is not a regular file of ours; remove it")
+    return os.fdopen(fd, "ab")
 
 
 def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO",
@@ -105,8 +121,8 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
                for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    for sig in (signal.SIGTERM, signal.SIGINT):  # while loading: end the command (watch() sets `stop` instead)
+        signal.signal(sig, _interrupt)
     try:
         for device in device_list:
             daemon = ensure_daemon(device, runtime_dir, log_level, allow_external_links)
@@ -128,10 +144,32 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
         if not supervise:
             started.clear()  # leave them running
             return 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         return watch(started, device_list, runtime_dir, stop)
+    except Interrupted as e:
+        reused = [d for d in device_list if d not in {daemon.device for daemon in started}]
+        print(f"preload serve: interrupted by {signal.Signals(e.signum).name} while loading"
+              + (f"; stopping the daemons this command started ({', '.join(d.device for d in started)}): their "
+                 "load is dropped" if started else "")
+              + (f"; the daemons it reused ({', '.join(reused)}) finish the load under way: `preload status` shows "
+                 f"it, `preload evict {spec.name}@VERSION` frees it" if reused else ""), file=sys.stderr, flush=True)
+        return 128 + e.signum
     finally:
         for daemon in started:
             daemon.stop()
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM while serve loads: the command ends, cleaning up on its way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _interrupt(signum, frame) -> None:
+    raise Interrupted(signum)
 
 
 def watch(started: list[DaemonProcess], devices: list[str], runtime_dir, stop: threading.Event) -> int:

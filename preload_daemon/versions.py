@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from preload_daemon.client import DaemonClient, access_denied
-from preload_daemon.config import default_runtime_dir
+from preload_daemon.config import check_runtime_dir, default_runtime_dir
 from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
 from protos import preload_pb2 as pb
@@ -43,6 +43,7 @@ def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
     """(device, socket) for every daemon socket in the runtime dir. AccessDeniedError if the
     directory is another user's (whose daemons we may not use)."""
     runtime_dir = pathlib.Path(runtime_dir)
+    check_runtime_dir(runtime_dir)
     if runtime_dir.is_dir() and not os.access(runtime_dir, os.R_OK | os.X_OK):
         raise access_denied(runtime_dir / "daemon.sock")
     found = []

@@ -163,9 +163,9 @@ def digest_throughput(nbytes: int = 1 << 30) -> dict:
 def run(args) -> int:
     from preload_daemon.client import DaemonClient
     from preload_daemon.plan import LoadSpec
-    from preload_cli.models import synthetic_checkpoint
+    from preload_cli.models import bench_dir, synthetic_checkpoint
 
-    work = pathlib.Path(os.environ.get("PRELOAD_BENCH_DIR", "/tmp/preload-bench"))
+    work = bench_dir()
     checkpoints = [(f"synthetic-{gb:g}gb", gb, 0) for gb in (float(s) for s in args.sizes_gb.split(",") if s)]
     if args.tensors:
         checkpoints.append((f"synthetic-{args.tensors}-tensors", 0.0, args.tensors))

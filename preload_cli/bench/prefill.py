@@ -19,6 +19,8 @@ import statistics
 import threading
 import time
 
+from preload_cli.bench import machine
+
 LONG_NEW_TOKENS = 8
 TIMEOUT = 600.0
 
@@ -92,7 +94,7 @@ def run(args) -> int:
                 runs[mode].append(one_run(engine, long_prompt))
     finally:
         engine.stop()
-    result = {"model": str(path), "quantization": args.quantization, "prompt_tokens": args.prompt_tokens,
+    result = {"machine": machine.describe(), "model": str(path), "quantization": args.quantization, "prompt_tokens": args.prompt_tokens,
               "chunk": args.chunk, "runs": runs,
               "median": {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for mode, rs in runs.items()}}
     whole, parts = result["median"]["whole"], result["median"]["parts"]
@@ -103,6 +105,7 @@ def run(args) -> int:
         return 0
     print(f"preload bench prefill — {path.name}, {args.quantization}, a {args.prompt_tokens}-token prompt arriving "
           f"while a stream decodes; median of {args.repeats}")
+    print(f"machine: {result['machine']}")
     print(f"{'prefill':>18} {'stream: longest pause':>22} {'its median step':>16} {'long prompt: 1st token':>23}")
     for mode, m in result["median"].items():
         label = "whole" if mode == "whole" else f"in parts of {args.chunk}"

@@ -237,8 +237,8 @@ def with_daemon(model: pathlib.Path, name: str = "", tp_size: int = 1, kind: str
 def run(args) -> int:
     from preload_daemon.default_model import default_model_path
     if args.synthetic_gb:
-        from preload_cli.models import synthetic_checkpoint
-        model = pathlib.Path(tempfile.gettempdir()) / f"preload-bench-synthetic-{args.synthetic_gb:g}gb"
+        from preload_cli.models import bench_dir, synthetic_checkpoint
+        model = bench_dir() / f"synthetic-{args.synthetic_gb:g}gb"  # as bench attach names it
         if not (model / "config.json").exists():
             print(f"building a {args.synthetic_gb:g} GB synthetic checkpoint in {model} ...", file=sys.stderr)
             synthetic_checkpoint(model, args.synthetic_gb)

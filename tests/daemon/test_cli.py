@@ -155,3 +155,76 @@ def test_numbers_out_of_range_get_a_usage_error_not_a_traceback(runtime_dir, arg
     nan or inf waited for good, --keep -1 failed inside protobuf, a version past 2**31 in the RPC."""
     out = run_cli(*args, runtime_dir=runtime_dir)
     assert out.returncode in (1, 2) and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("planted", ["daemon-cpu-0.sock", "session-cpu-0.sock", "daemon-cpu-0.lock"])
+def test_a_directory_where_a_socket_or_the_lock_goes_is_one_line(runtime_dir, planted):
+    """Each was a traceback (IsADirectoryError), and left the daemon's other socket behind."""
+    (runtime_dir / planted).mkdir()
+    out = run_preload("daemon", runtime_dir=runtime_dir, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert f"cannot start the daemon for cpu:0: Is a directory: {runtime_dir / planted}; remove what is in the way" \
+        in out.stderr, out.stderr
+    assert sorted(p.name for p in runtime_dir.iterdir() if p.name.endswith(".sock")) == \
+        ([planted] if planted.endswith(".sock") else [])
+
+
+def test_a_busy_http_port_is_one_line_and_leaves_no_socket(runtime_dir):
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    try:
+        port = busy.getsockname()[1]
+        out = run_preload("daemon", "--http-port", port, runtime_dir=runtime_dir, timeout=60)
+    finally:
+        busy.close()
+    assert out.returncode == 1 and f"--http-port {port}: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not list(runtime_dir.glob("*.sock"))
+
+
+def test_a_runtime_dir_too_long_for_its_sockets_is_refused_at_start(runtime_dir):
+    """A path of 70-88 bytes let the daemon start, and a DP replica's or a snapshot's socket failed
+    later; past 88 the daemon failed with a traceback."""
+    long_dir = runtime_dir / ("x" * (99 - len(str(runtime_dir))))  # 100 bytes in all
+    for command in (("daemon",), ("engine", "--dp-size", "2", "--load-format", "safetensors")):
+        out = run_preload(*command, runtime_dir=long_dir, timeout=120)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert f"the runtime directory {long_dir} is 100 bytes long" in out.stderr and "at most 67 bytes" in out.stderr
+
+
+def test_a_planted_daemon_log_is_not_written_through(runtime_dir, tiny_llama, tmp_path):
+    """serve appended the daemon's log to whatever a link at its name pointed to."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious data")
+    (runtime_dir / "daemon-cpu-0.log").symlink_to(victim)
+    out = run_cli("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
+    assert out.returncode == 1 and "cannot open the daemon's log" in out.stderr and "remove it" in out.stderr
+    assert victim.read_text() == "precious data"
+
+
+def test_ctrl_c_while_serve_loads_ends_it_and_says_what_became_of_the_load(runtime_dir, tmp_path):
+    """serve took SIGINT and SIGTERM as 'stop watching' from its start: a load of minutes went on,
+    then serve exited 0 with the version loaded."""
+    from preload_cli.models import synthetic_checkpoint
+    model = synthetic_checkpoint(tmp_path / "synthetic", 0.3)
+    env = {**os.environ, "PRELOAD_RUNTIME_DIR": str(runtime_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "preload_cli", "serve", str(model), "--quantization", "mxfp4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while '"loading"' not in run_cli("status", "--json", runtime_dir=runtime_dir).stdout:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        pids = daemon_pids(runtime_dir)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted by SIGTERM while loading; stopping the daemons this command started (cpu:0)" in err, err
+    assert "ready:" not in out and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "serve left its daemon running"
+        time.sleep(0.1)

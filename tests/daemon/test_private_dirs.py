@@ -7,6 +7,7 @@ import hashlib
 import os
 import pathlib
 import re
+import socket
 import stat
 import threading
 
@@ -197,3 +198,73 @@ def test_concurrent_daemons_get_one_shm_dir(tmp_path, shm_root):
     for t in threads:
         t.join()
     assert len(results) == 8 and len(set(results)) == 1 and list(shm_root.iterdir()) == [results[0]]
+
+
+def bound_socket(path: pathlib.Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path))
+    return sock
+
+
+def test_a_client_refuses_a_strangers_runtime_dir_and_its_sockets(tmp_path):
+    """Clients (status, evict, attach, engines) trusted any runtime dir: a stranger who made
+    /tmp/preload-$UID first, with links to their own daemon's sockets, named the slabs we mapped."""
+    from preload_daemon.client import DaemonClient
+    from preload_daemon.config import check_daemon_socket
+    from preload_daemon.session_client import open_session
+    from preload_daemon.versions import daemon_sockets
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    real = bound_socket(ours / "daemon-cpu-0.sock")
+    planted = tmp_path / "planted"
+    planted.mkdir(mode=0o777)
+    (planted / "daemon-cpu-0.sock").symlink_to(ours / "daemon-cpu-0.sock")
+    (planted / "session-cpu-0.sock").symlink_to(ours / "daemon-cpu-0.sock")
+    os.chown(planted, NOBODY, NOBODY)
+    os.chmod(planted, 0o777)
+    try:
+        check_daemon_socket(ours / "daemon-cpu-0.sock")  # a socket of ours, in a dir of ours: fine
+        message = rf"{planted} \(owned by uid {NOBODY}, mode 0777\) is not a directory of ours or root's"
+        for connect in (lambda: daemon_sockets(planted), lambda: DaemonClient(planted / "daemon-cpu-0.sock").stats(),
+                        lambda: open_session(planted / "session-cpu-0.sock")):
+            with pytest.raises(InvalidRequestError, match=message + ".*PRELOAD_RUNTIME_DIR"):
+                connect()
+        os.chown(planted, 0, 0)
+        os.chmod(planted, 0o700)  # a dir of ours, but the socket a link a stranger could aim anywhere
+        with pytest.raises(InvalidRequestError, match="daemon-cpu-0.sock is a symbolic link, not a daemon socket"):
+            check_daemon_socket(planted / "daemon-cpu-0.sock")
+        os.chown(ours / "daemon-cpu-0.sock", NOBODY, NOBODY)
+        with pytest.raises(InvalidRequestError, match=f"is owned by uid {NOBODY}, not a daemon socket"):
+            check_daemon_socket(ours / "daemon-cpu-0.sock")
+    finally:
+        real.close()
+
+
+def test_status_refuses_a_strangers_runtime_dir(tmp_path):
+    from tests.conftest import run_preload
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    bound_socket(planted / "daemon-cpu-0.sock").close()
+    os.chown(planted, NOBODY, NOBODY)
+    out = run_preload("status", runtime_dir=planted)
+    assert out.returncode == 1 and "can plant a daemon socket" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("parent_mode, owner, refused", [
+    (0o777, 0, "is writable by others \\(mode 0777\\) and not sticky"),
+    (0o755, NOBODY, f"belongs to uid {NOBODY}, not to us"),
+    (0o1777, 0, None),  # sticky, as /tmp: no one can rename another's entry
+])
+def test_a_runtime_dir_under_a_directory_others_control_is_refused(tmp_path, parent_mode, owner, refused):
+    """Whoever controls a directory above can rename ours away and put theirs in its place (a root
+    daemon given a user's $XDG_RUNTIME_DIR; a snapshot moved under a world-writable directory)."""
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    os.chown(parent, owner, owner)
+    os.chmod(parent, parent_mode)
+    if refused is None:
+        assert mode(ensure_private_dir(parent / "run")) == 0o700
+        return
+    with pytest.raises(InvalidRequestError, match=rf"{parent}, above {parent / 'run'}, {refused}"):
+        ensure_private_dir(parent / "run")
