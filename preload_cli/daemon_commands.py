@@ -61,7 +61,7 @@ def cmd_status(args) -> int:
         print(json.dumps({"runtime_dir": str(args.runtime_dir), "daemons": [
             json_format.MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             if not isinstance(s, Exception) else {"device": d, "error": str(s)} for d, s in rows]}, indent=2))
-        return 0
+        return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
     if not rows:
         print(f"no daemons in {args.runtime_dir}; start one with `preload serve MODEL`")
         return 0
@@ -69,11 +69,11 @@ def cmd_status(args) -> int:
     daemons = [["DEVICE", "PID", "UPTIME", "STATE", "MODELS", "RESIDENT", "LEASES", "SESSIONS"]]
     versions = [["MODEL", "VERSION", "DEVICE", "ACTIVE", "PINNED", "STATE", "VARIANTS", "BYTES", "LEASES", "SOURCE"]]
     variants = [["MODEL", "VERSION", "DEVICE", "RANK", "DTYPE", "QUANT", "COMPONENT", "BYTES", "TENSORS", "LEASES"]]
-    failures, notes = [], []
+    failures, notes, unreachable = [], [], []
     for dev, s in rows:
         if isinstance(s, Exception):
             daemons.append([dev, "-", "-", "unreachable", "-", "-", "-", "-"])
-            notes.append(f"  {dev}: {s}")
+            unreachable.append(f"  {dev}: {s}")
             continue
         daemons.append([s.device, str(s.pid), human_seconds(now - s.started_at),
                         "serving" if s.serving else "not serving", str(len(s.summaries)),
@@ -94,10 +94,12 @@ def cmd_status(args) -> int:
             print()
             print(table(rows_))
     if failures:
-        print("\nrecent failed loads:\n" + "\n".join(f"  {f}" for f in failures))
+        print("\nrecent failed loads:\n" + "\n".join(f"  {printable(f)}" for f in failures))
+    if unreachable:
+        print("\nunreachable daemons:\n" + "\n".join(printable(line) for line in unreachable))
     if notes:
-        print("\nunreachable daemons, and what each daemon recovered at start:\n" + "\n".join(notes))
-    return 0
+        print("\nwhat each daemon recovered at start:\n" + "\n".join(printable(line) for line in notes))
+    return 1 if unreachable else 0
 
 
 def cmd_verify(args) -> int:
@@ -189,6 +191,11 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) 
         state = next((v.state for v in m.versions if v.version == number), None) if number else None
         failed = next((f for f in m.failures if f.startswith(f"{version}:")), None) if version else \
             (m.failures[0] if m.failures and not number else None)
+        if state == "stale" and not version:  # an engine started on the model's files would refuse it
+            info = next(i for i in dict(answering)[dev].models if i.name == model and i.version == number)
+            return FAILED, (f"{model} v{number} on {dev} is stale ({info.stale_reason}): engines started on its "
+                            f"files refuse it; `preload serve {info.path}` loads them again (engines given "
+                            f"--weights-version {number} still attach)")
         if state in ("ready", "stale"):
             continue
         if state == "loading":
@@ -225,8 +232,15 @@ def cmd_evict(args) -> int:
 
 
 def table(rows: list[list[str]]) -> str:
+    """Aligned columns; a cell's characters that are not printable (a checkpoint path's escape
+    sequences or newlines, which would drive the terminal or break the table) are shown escaped."""
+    rows = [[printable(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def printable(text: str) -> str:
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def human_bytes(n: float) -> str:

@@ -109,7 +109,8 @@ def _serve(sub) -> list:
 def _status(sub) -> list:
     from preload_cli import daemon_commands as dc
     p = sub.add_parser("status", help=HELP["status"],
-                       epilog="examples:\n  preload status\n  preload status --json | jq .daemons[0].models",
+                       epilog="exit codes: 0, or 1 when a daemon does not answer (its row says why)\n\n"
+                              "examples:\n  preload status\n  preload status --json | jq .daemons[0].models",
                        formatter_class=RAW)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=dc.cmd_status)

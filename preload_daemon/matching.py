@@ -98,11 +98,19 @@ def check_fresh(version: Version, device: str, on_change) -> None:
     variant may be loaded from them as this version any more, and no caller is matched to it by
     files. Its slabs still hold its weights: attaching by version number keeps working. Calls
     `on_change` when it marks one."""
-    if version.files and not version.stale_reason:
-        diffs = file_differences(refresh_identity(version.files), version.files)
-        if diffs:
-            version.stale_reason = f"checkpoint changed on disk since it was loaded: {', '.join(diffs)}"
-            on_change()
+    if mark_stale(version):
+        on_change()
     if version.stale_reason:
         raise StaleError(f"{version.model.name} v{version.number} on {device} is stale "
                          f"({version.stale_reason}); load it again with `preload serve {version.source}`")
+
+
+def mark_stale(version: Version) -> bool:
+    """Sets the version's stale_reason if its checkpoint files changed on disk since it was loaded
+    (a stat of each file); True if it was marked just now."""
+    if not version.files or version.stale_reason:
+        return False
+    diffs = file_differences(refresh_identity(version.files), version.files)
+    if diffs:
+        version.stale_reason = f"checkpoint changed on disk since it was loaded: {', '.join(diffs)}"
+    return bool(diffs)

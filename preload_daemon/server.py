@@ -27,6 +27,7 @@ from preload_daemon.cachekey import file_identity
 from preload_daemon.config import DaemonConfig, ensure_private_dir
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, PreloadError, to_status
 from preload_daemon.metrics import DaemonMetrics
+from preload_daemon.matching import mark_stale
 from preload_daemon.records import check_name
 from preload_daemon.sessions import ATTACH, Session, SessionServer, session_path
 from preload_daemon.store import ModelStore
@@ -195,6 +196,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
     @_rpc
     def GetStats(self, request, context):
         with self.store.lock:
+            for model in self.store.models():  # status and wait-ready show what an engine attaching by files finds
+                for version in model.versions.values():
+                    if not version.loading:
+                        mark_stale(version)
             return self._stats()
 
     def _stats(self) -> pb.Stats:

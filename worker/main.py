@@ -321,6 +321,7 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         ids = prompt
     stopping = threading.Event()
     watch_followers(followers, stopping)
+    engine = None
     try:
         built = build(config, process_start, open_group(config))
         engine = start_engine(config, built)
@@ -330,6 +331,10 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         if isinstance(built.model, Leader):
             built.model.close()
             built.group.close()  # a process group left alive at exit can abort the interpreter
+    except KeyboardInterrupt:  # the scheduler ends its step first: a thread still in native code at exit aborts
+        if engine is not None:
+            engine.stop()
+        raise
     finally:
         stopping.set()
         stop_followers(followers)

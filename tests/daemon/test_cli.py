@@ -17,8 +17,9 @@ from tests.conftest import REPO, copy_checkpoint, run_cli, run_preload
 
 
 def daemon_pids(runtime_dir) -> list[int]:
-    out = run_cli("status", "--json", runtime_dir=runtime_dir, check=True).stdout
-    return [d["pid"] for d in json.loads(out)["daemons"]]
+    """The pids of the daemons that answer (status exits 1 when one does not)."""
+    out = run_cli("status", "--json", runtime_dir=runtime_dir).stdout
+    return [d["pid"] for d in json.loads(out)["daemons"] if "pid" in d]
 
 
 def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
@@ -228,3 +229,47 @@ def test_ctrl_c_while_serve_loads_ends_it_and_says_what_became_of_the_load(runti
     while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
         assert time.monotonic() < deadline, "serve left its daemon running"
         time.sleep(0.1)
+
+
+def test_wait_ready_fails_on_a_stale_active_version_and_says_how_to_reload(runtime_dir, tiny_llama, tmp_path):
+    """A version whose files changed on disk (chown -R, a new checkpoint written over the old) was
+    'ready' to wait-ready and status, and engines started on its files refused it."""
+    model = tmp_path / "m"
+    copy_checkpoint(tiny_llama, model)
+    assert run_cli("serve", model, "--no-supervise", runtime_dir=runtime_dir).returncode == 0
+    try:
+        assert run_cli("wait-ready", "--model", "m", runtime_dir=runtime_dir).returncode == 0
+        os.chmod(model / "model.safetensors", 0o600)  # its ctime changes: the daemon can no longer vouch for it
+        out = run_cli("wait-ready", "--model", "m", "--timeout", "5", runtime_dir=runtime_dir)
+        assert out.returncode == 3, out.stderr
+        assert "m v1 on cpu:0 is stale (checkpoint changed on disk since it was loaded" in out.stderr
+        assert f"`preload serve {model}` loads them again" in out.stderr
+        status = run_cli("status", runtime_dir=runtime_dir, check=True).stdout
+        assert any(line.split()[:5] == ["m", "1", "cpu:0", "*", "stale"] for line in status.splitlines()), status
+        by_number = run_cli("wait-ready", "--model", "m", "--version", "1", runtime_dir=runtime_dir)
+        assert by_number.returncode == 0, by_number.stderr  # attaching by number still works
+    finally:
+        for pid in daemon_pids(runtime_dir):
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_status_escapes_what_it_did_not_write_and_fails_for_a_daemon_that_does_not_answer(runtime_dir, tiny_llama,
+                                                                                            tmp_path):
+    """A checkpoint directory named with an escape sequence and a newline drove the terminal and
+    broke the table; an unreachable daemon was exit 0, under a heading meant for adoption notes."""
+    import socket
+    model = tmp_path / "m\x1b[31mX\nINJECTED"
+    copy_checkpoint(tiny_llama, model)
+    assert run_cli("serve", model, "--name", "m", "--no-supervise", runtime_dir=runtime_dir).returncode == 0
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(str(runtime_dir / "daemon-cpu-1.sock"))  # what a daemon killed with SIGKILL leaves
+    stale.close()
+    try:
+        out = run_cli("status", runtime_dir=runtime_dir)
+        assert out.returncode == 1 and "\x1b" not in out.stdout and "\\x1b[31mX\\nINJECTED" in out.stdout, out.stdout
+        assert not any(line.startswith("INJECTED") for line in out.stdout.splitlines())
+        assert "\nunreachable daemons:\n  cpu:1: " in out.stdout
+        assert run_cli("status", "--json", runtime_dir=runtime_dir).returncode == 1
+    finally:
+        for pid in daemon_pids(runtime_dir):
+            os.kill(pid, signal.SIGTERM)

@@ -29,3 +29,28 @@ def test_a_gpu_engine_on_a_host_without_one_is_refused_with_the_reason(tiny_llam
         assert out.returncode == 1, out.stderr
         last = out.stderr.strip().splitlines()[-1]
         assert "cuda:0: this process has no usable GPU" in last and "use cpu:N devices" in last, out.stderr
+
+
+def test_ctrl_c_while_generating_stops_the_scheduler_first(tiny_llama, monkeypatch):
+    """Ctrl-C left the engine's thread inside native code while the interpreter exited: `terminate
+    called without an active exception`, SIGABRT (3 of 4 tries)."""
+    import threading
+
+    from worker.config import EngineConfig
+    from worker.engine import Engine
+    from worker.main import run_generate
+    from worker.requests import SamplingParams
+    calls = []
+    real = Engine.generate
+
+    def interrupted(self, prompt, params):
+        calls.append(prompt)
+        if len(calls) == 1:
+            return real(self, prompt, params)  # the warm-up
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    config = EngineConfig(model=tiny_llama, load_format="safetensors")
+    with pytest.raises(KeyboardInterrupt):
+        run_generate(config, [1, 2, 3], SamplingParams(max_tokens=4))
+    assert len(calls) == 2 and not [t for t in threading.enumerate() if t.name == "engine"]
