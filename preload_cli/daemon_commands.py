@@ -51,8 +51,11 @@ def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str
 
 
 def cmd_status(args) -> int:
+    from preload_daemon.versions import daemon_sockets
     try:
         rows = collect_stats(args.runtime_dir)
+        stale: list = []
+        daemon_sockets(args.runtime_dir, stale)
     except AccessDeniedError as e:
         print(f"preload status: {e}", file=sys.stderr)
         return 1
@@ -60,10 +63,13 @@ def cmd_status(args) -> int:
         from google.protobuf import json_format
         print(json.dumps({"runtime_dir": str(args.runtime_dir), "daemons": [
             json_format.MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            if not isinstance(s, Exception) else {"device": d, "error": str(s)} for d, s in rows]}, indent=2))
+            if not isinstance(s, Exception) else {"device": d, "error": str(s)} for d, s in rows],
+            "stale_sockets": [{"device": d, "path": str(p)} for d, p in stale]}, indent=2))
         return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
+    gone = ("\nsockets of daemons that are gone (a new daemon for the device replaces its socket):\n"
+            + "\n".join(printable(f"  {dev}: {path}") for dev, path in stale)) if stale else ""
     if not rows:
-        print(f"no daemons in {args.runtime_dir}; start one with `preload serve MODEL`")
+        print(f"no daemons in {args.runtime_dir}; start one with `preload serve MODEL`{gone}")
         return 0
     now = time.time()
     daemons = [["DEVICE", "PID", "UPTIME", "STATE", "MODELS", "RESIDENT", "LEASES", "SESSIONS"]]
@@ -99,6 +105,8 @@ def cmd_status(args) -> int:
         print("\nunreachable daemons:\n" + "\n".join(printable(line) for line in unreachable))
     if notes:
         print("\nwhat each daemon recovered at start:\n" + "\n".join(printable(line) for line in notes))
+    if gone:
+        print(gone)
     return 1 if unreachable else 0
 
 
@@ -109,9 +117,12 @@ def cmd_verify(args) -> int:
     name, version = split_target(args.target) if args.target else ("", 0)
     device = parse_device(args.device) if args.device else ""
     rows = [["MODEL", "VERSION", "DEVICE", "LAYOUT", "SLAB", "DIGEST", "OK"]]
-    results = []
+    results, silent = [], []
     for dev, stats in collect_stats(args.runtime_dir, device):
-        if isinstance(stats, Exception) or (name and not any(m.name == name for m in stats.summaries)):
+        if isinstance(stats, Exception):
+            silent.append(f"daemon {dev} does not answer, so its slabs are not verified: {stats}")
+            continue
+        if name and not any(m.name == name for m in stats.summaries):
             continue
         with DaemonClient.for_device(dev, args.runtime_dir, timeout=600) as client:
             for check in client.verify(name, version).slabs:
@@ -123,12 +134,18 @@ def cmd_verify(args) -> int:
                              "ok" if check.ok else f"CHANGED (sealed as {check.expected})"])
     bad = [r for r in results if not r["ok"]]
     if args.json:
-        print(json.dumps({"slabs": results, "ok": bool(results) and not bad}, indent=2))
+        print(json.dumps({"slabs": results, "unreachable": silent, "ok": bool(results) and not bad and not silent},
+                         indent=2))
     elif results:
         print(table(rows))
+    for line in silent:
+        print(f"preload verify: {line}", file=sys.stderr)
     if not results:
-        print(f"preload verify: no slabs{' of ' + name if name else ''} on the daemons in {args.runtime_dir}",
+        where = f"daemon for {device}" if device else "daemons"
+        print(f"preload verify: no slabs{' of ' + name if name else ''} on the {where} in {args.runtime_dir}",
               file=sys.stderr)
+        return 1
+    if silent:
         return 1
     if bad:
         print(f"preload verify: {len(bad)} slab(s) changed after they were sealed; evict and load them again "
@@ -218,8 +235,13 @@ def cmd_evict(args) -> int:
         print(f"preload evict: {e}", file=sys.stderr)
         return 2
     device = parse_device(args.device) if args.device else ""
-    holders = [(d, s) for d, s in collect_stats(args.runtime_dir, device)
-               if not isinstance(s, Exception) and any(m.name == name for m in s.summaries)]
+    rows = collect_stats(args.runtime_dir, device)
+    silent = [(d, s) for d, s in rows if isinstance(s, Exception)]
+    if silent:  # it runs (holds its lock) but does not answer: it may hold a rank of `name`
+        print(f"preload evict: daemon {silent[0][0]} does not answer, so whether it holds {name!r} is unknown: "
+              f"{silent[0][1]}", file=sys.stderr)
+        return 1
+    holders = [(d, s) for d, s in rows if any(m.name == name for m in s.summaries)]
     if not holders:
         print(f"preload evict: {name!r} is not loaded on any daemon in {args.runtime_dir}", file=sys.stderr)
         return 1

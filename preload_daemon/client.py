@@ -111,6 +111,10 @@ class DaemonClient:
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
+            if e.code().name == "DEADLINE_EXCEEDED" and not from_details(e.details() or ""):
+                raise DaemonUnavailableError(
+                    f"the daemon on {self.path} did not answer within {timeout or self.timeout:g}s: it may be hung "
+                    "or stopped (SIGSTOP); see its log beside the socket, or restart it") from None
             raise self._error(e) from None
 
     def _error(self, error) -> PreloadError:

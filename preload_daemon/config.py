@@ -203,6 +203,26 @@ def socket_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:
     return runtime_dir / f"daemon-{device.replace(':', '-')}.sock"
 
 
+def lock_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:
+    """The file a daemon holds locked while it runs (one daemon per device and runtime dir)."""
+    return runtime_dir / f"daemon-{device.replace(':', '-')}.lock"
+
+
+def daemon_running(runtime_dir: pathlib.Path, device: str) -> bool:
+    """Whether a daemon for `device` holds its lock: read from /proc/locks, never by taking the lock
+    (a daemon starting meanwhile must find it free). False tells a socket a dead daemon left behind
+    from one that is hung; True where it cannot be told."""
+    try:
+        info = os.lstat(lock_path(runtime_dir, device))
+        with open("/proc/locks") as locks:
+            key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+            return any(key in line.split() for line in locks)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
 SHM_RECORD = "shm-dir"
 _SHM_NAME = re.compile(r"preload-[0-9a-f]{16}")
 _SHM_RECORD_MAX_BYTES = 64

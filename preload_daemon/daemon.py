@@ -10,7 +10,7 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from preload_daemon.config import DaemonConfig, check_socket_room
+from preload_daemon.config import DaemonConfig, check_socket_room, daemon_running
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.server import DaemonServer
 
@@ -32,7 +32,7 @@ def socket_in_use(path) -> bool:
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     """Runs one per-device daemon until SIGTERM or SIGINT; returns the exit code."""
     check_socket_room(config.runtime_dir)
-    if socket_in_use(config.socket_path):
+    if daemon_running(config.runtime_dir, config.device) and socket_in_use(config.socket_path):
         raise InvalidRequestError(f"a daemon for {config.device} already serves {config.socket_path}; use it "
                                   "(`preload status`) or stop it before starting another")
     probes = _bind_http(config.http_port) if config.http_port is not None else None  # before any socket is made

@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from preload_daemon import __version__
 from preload_daemon import stream, wire
 from preload_daemon.cachekey import file_identity
-from preload_daemon.config import DaemonConfig, ensure_private_dir
+from preload_daemon.config import DaemonConfig, ensure_private_dir, lock_path
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, PreloadError, to_status
 from preload_daemon.metrics import DaemonMetrics
 from preload_daemon.matching import mark_stale
@@ -332,8 +332,8 @@ class DaemonServer:
 def _lock_device(config: DaemonConfig) -> int:
     """One daemon per device and runtime dir: an exclusive lock the kernel drops when the daemon
     dies, so a new daemon knows the slabs it finds have no live owner."""
-    path = config.runtime_dir / f"daemon-{config.device.replace(':', '-')}.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(lock_path(config.runtime_dir, config.device), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

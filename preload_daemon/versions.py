@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from preload_daemon.client import DaemonClient, access_denied
-from preload_daemon.config import check_runtime_dir, default_runtime_dir
+from preload_daemon.config import check_runtime_dir, daemon_running, default_runtime_dir
 from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
 from protos import preload_pb2 as pb
@@ -39,9 +39,10 @@ class Target:
     layouts: list[Layout]
 
 
-def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
-    """(device, socket) for every daemon socket in the runtime dir. AccessDeniedError if the
-    directory is another user's (whose daemons we may not use)."""
+def daemon_sockets(runtime_dir: pathlib.Path, stale: list | None = None) -> list[tuple[str, pathlib.Path]]:
+    """(device, socket) for every daemon socket in the runtime dir whose daemon runs (holds its
+    lock); those a dead daemon left behind are skipped, and listed in `stale` if given.
+    AccessDeniedError if the directory is another user's (whose daemons we may not use)."""
     runtime_dir = pathlib.Path(runtime_dir)
     check_runtime_dir(runtime_dir)
     if runtime_dir.is_dir() and not os.access(runtime_dir, os.R_OK | os.X_OK):
@@ -49,7 +50,11 @@ def daemon_sockets(runtime_dir: pathlib.Path) -> list[tuple[str, pathlib.Path]]:
     found = []
     for path in sorted(runtime_dir.glob("daemon-*.sock")):
         kind, _, index = path.stem.removeprefix("daemon-").partition("-")
-        found.append((f"{kind}:{index}", path))
+        device = f"{kind}:{index}"
+        if daemon_running(runtime_dir, device):
+            found.append((device, path))
+        elif stale is not None:
+            stale.append((device, path))
     return found
 
 
@@ -60,8 +65,9 @@ def holders(name: str, runtime_dir: pathlib.Path) -> dict[str, pb.Stats]:
         with DaemonClient(path, timeout=5.0) as client:
             try:
                 stats = client.stats()
-            except DaemonUnavailableError:
-                continue
+            except DaemonUnavailableError as e:  # it runs (holds its lock): whether it holds `name` is unknown
+                raise DaemonUnavailableError(f"daemon {device} does not answer, so whether it holds {name!r} is "
+                                             f"unknown: {e}") from None
         if any(s.name == name for s in stats.summaries):
             found[device] = stats
     return found

@@ -253,10 +253,11 @@ def test_wait_ready_fails_on_a_stale_active_version_and_says_how_to_reload(runti
             os.kill(pid, signal.SIGTERM)
 
 
-def test_status_escapes_what_it_did_not_write_and_fails_for_a_daemon_that_does_not_answer(runtime_dir, tiny_llama,
-                                                                                            tmp_path):
+def test_status_escapes_what_it_did_not_write_and_tells_a_dead_daemons_socket_from_a_hung_daemon(
+        runtime_dir, tiny_llama, tmp_path):
     """A checkpoint directory named with an escape sequence and a newline drove the terminal and
-    broke the table; an unreachable daemon was exit 0, under a heading meant for adoption notes."""
+    broke the table. The socket a SIGKILL-ed daemon left behind made wait-ready --model fail for
+    every model; a hung daemon made evict say the model was not loaded, and status exit 0."""
     import socket
     model = tmp_path / "m\x1b[31mX\nINJECTED"
     copy_checkpoint(tiny_llama, model)
@@ -264,12 +265,23 @@ def test_status_escapes_what_it_did_not_write_and_fails_for_a_daemon_that_does_n
     stale = socket.socket(socket.AF_UNIX)
     stale.bind(str(runtime_dir / "daemon-cpu-1.sock"))  # what a daemon killed with SIGKILL leaves
     stale.close()
+    pid = daemon_pids(runtime_dir)[0]
     try:
         out = run_cli("status", runtime_dir=runtime_dir)
-        assert out.returncode == 1 and "\x1b" not in out.stdout and "\\x1b[31mX\\nINJECTED" in out.stdout, out.stdout
+        assert out.returncode == 0 and "\x1b" not in out.stdout and "\\x1b[31mX\\nINJECTED" in out.stdout, out.stdout
         assert not any(line.startswith("INJECTED") for line in out.stdout.splitlines())
-        assert "\nunreachable daemons:\n  cpu:1: " in out.stdout
-        assert run_cli("status", "--json", runtime_dir=runtime_dir).returncode == 1
+        assert f"daemons that are gone (a new daemon for the device replaces its socket):\n  cpu:1: {runtime_dir}" \
+            in out.stdout, out.stdout
+        assert run_cli("wait-ready", "--model", "m", "--timeout", "3", runtime_dir=runtime_dir).returncode == 0
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            out = run_cli("status", runtime_dir=runtime_dir)
+            assert out.returncode == 1 and "\nunreachable daemons:\n  cpu:0: the daemon on " in out.stdout, out.stdout
+            assert "did not answer within 3s: it may be hung or stopped" in out.stdout
+            evict = run_cli("evict", "m", runtime_dir=runtime_dir)
+            assert evict.returncode == 1 and "daemon cpu:0 does not answer, so whether it holds 'm' is unknown" \
+                in evict.stderr, evict.stderr
+        finally:
+            os.kill(pid, signal.SIGCONT)
     finally:
-        for pid in daemon_pids(runtime_dir):
-            os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGTERM)
