@@ -51,6 +51,8 @@ def _int(text: str, what: str) -> int:
 def split_target(target: str) -> tuple[str, int]:
     """MODEL or MODEL@VERSION: (name, version or 0)."""
     name, sep, version = target.rpartition("@")
+    if not (name if sep else target):
+        raise PreloadError(f"no model name in {target!r}; use MODEL or MODEL@N, e.g. llama@2")
     if not sep:
         return target, 0
     if not (version.isascii() and version.isdigit()) or not 1 <= int(version) <= MAX_VERSION:  # not '²'

@@ -60,10 +60,8 @@ def cmd_status(args) -> int:
         print(f"preload status: {e}", file=sys.stderr)
         return 1
     if args.json:
-        from google.protobuf import json_format
         print(json.dumps({"runtime_dir": str(args.runtime_dir), "daemons": [
-            json_format.MessageToDict(s, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-            if not isinstance(s, Exception) else {"device": d, "error": str(s)} for d, s in rows],
+            message_json(s) if not isinstance(s, Exception) else {"device": d, "error": str(s)} for d, s in rows],
             "stale_sockets": [{"device": d, "path": str(p)} for d, p in stale]}, indent=2))
         return 1 if any(isinstance(s, Exception) for _, s in rows) else 0
     gone = ("\nsockets of daemons that are gone (a new daemon for the device replaces its socket):\n"
@@ -166,7 +164,11 @@ def cmd_wait_ready(args) -> int:
     if args.version is not None and not args.model:
         print("preload wait-ready: --version needs --model", file=sys.stderr)
         return 2
-    device = parse_device(args.device) if args.device else ""
+    try:
+        device = parse_device(args.device) if args.device else ""
+    except PreloadError as e:  # a usage error (2), not "timed out" (1)
+        print(f"preload wait-ready: {e}", file=sys.stderr)
+        return 2
     deadline = time.monotonic() + args.timeout
     while True:
         code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
@@ -251,6 +253,30 @@ def cmd_evict(args) -> int:
                 print(f"evicted {m.name} v{m.version} ({m.key.dtype}/{m.key.quantization} rank "
                       f"{m.key.tp_rank}/{m.key.tp_size}) from {dev} ({human_bytes(m.slab_bytes)})")
     return 0
+
+
+def message_json(message) -> dict:
+    """A protobuf message as JSON data with every field, 64-bit integers as numbers: protobuf's own
+    JSON mapping writes them as strings, which jq then compares as text."""
+    from google.protobuf import json_format
+    from google.protobuf.descriptor import FieldDescriptor as F
+    wide = {F.TYPE_INT64, F.TYPE_UINT64, F.TYPE_SINT64, F.TYPE_FIXED64, F.TYPE_SFIXED64}
+
+    def numbers(msg, data: dict) -> None:
+        for field in msg.DESCRIPTOR.fields:
+            value, repeated = getattr(msg, field.name), field.is_repeated
+            if field.name not in data:
+                continue
+            if field.type in wide:
+                data[field.name] = [int(v) for v in value] if repeated else int(value)
+            elif field.type == F.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+                for m, d in zip(value, data[field.name]) if repeated else [(value, data[field.name])]:
+                    numbers(m, d)
+
+    data = json_format.MessageToDict(message, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    numbers(message, data)
+    return data
 
 
 def table(rows: list[list[str]]) -> str:

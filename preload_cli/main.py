@@ -9,7 +9,9 @@ with their one-line help): `preload snapshot restore`, on every restore's path t
 without the daemon's, the engine's or the benchmarks' imports."""
 
 import argparse
+import os
 import pathlib
+import signal
 import sys
 from types import ModuleType
 
@@ -273,7 +275,9 @@ def main(argv=None) -> int:
     args = build_parser(argv=argv).parse_args(argv)
     args.argv = argv  # engines start their other ranks and replicas as the same command
     configure_logging(args.log_level)
-    args.runtime_dir = args.runtime_dir or default_runtime_dir()
+    args.runtime_dir = pathlib.Path(os.path.abspath(args.runtime_dir)) if args.runtime_dir else default_runtime_dir()
+    if args.command in ("demo", "bench"):  # SIGTERM (timeout, a supervisor) unwinds: engines and temp dirs go
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         return args.func(args) or 0
     except PreloadError as e:
@@ -281,6 +285,10 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import sys
 
 from preload_daemon.errors import InvalidRequestError
 
-_DEVICE_RE = re.compile(r"^(cpu|cuda):(\d+)$")
+_DEVICE_RE = re.compile(r"^(cpu|cuda):(\d{1,4})$")  # up to 9999: no int() of a long string
 log = logging.getLogger(__name__)
 
 
@@ -31,7 +31,7 @@ def parse_device(text: str) -> str:
     """Normalises a device name ("cpu:0", "cuda:1"); raises on anything else."""
     match = _DEVICE_RE.match(text.strip())
     if not match:
-        raise InvalidRequestError(f"bad device {text!r}: use cpu:N or cuda:N, e.g. --device cpu:0")
+        raise InvalidRequestError(f"bad device {text!r}: use cpu:N or cuda:N (N < 10000), e.g. --device cpu:0")
     return f"{match.group(1)}:{int(match.group(2))}"
 
 
@@ -55,10 +55,10 @@ def resolve_devices(devices: str, tp_size: int) -> list[str]:
 
 def default_runtime_dir() -> pathlib.Path:
     """$PRELOAD_RUNTIME_DIR, else $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID."""
-    if os.environ.get("PRELOAD_RUNTIME_DIR"):
-        return pathlib.Path(os.environ["PRELOAD_RUNTIME_DIR"])
+    if os.environ.get("PRELOAD_RUNTIME_DIR"):  # absolute: a relative one meant another dir in each process
+        return pathlib.Path(os.path.abspath(os.environ["PRELOAD_RUNTIME_DIR"]))
     if os.environ.get("XDG_RUNTIME_DIR"):
-        return pathlib.Path(os.environ["XDG_RUNTIME_DIR"]) / "preload"
+        return pathlib.Path(os.path.abspath(os.environ["XDG_RUNTIME_DIR"])) / "preload"
     return pathlib.Path(f"/tmp/preload-{os.getuid()}")
 
 

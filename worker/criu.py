@@ -34,8 +34,15 @@ class SnapshotError(PreloadError):
 def find_criu() -> tuple[str, str]:
     """(path, version) of the CRIU to use: $PRELOAD_CRIU, else the one scripts/setup.sh built
     beside this interpreter, else criu on PATH; it must be at least 4.1."""
-    candidates = [os.environ.get(CRIU_ENV, ""), str(pathlib.Path(sys.executable).parent / "criu"),
-                  shutil.which("criu") or ""]
+    chosen = os.environ.get(CRIU_ENV, "")
+    if chosen:  # the user's choice is used or refused, never passed over for another CRIU
+        version = criu_version(chosen) if os.access(chosen, os.X_OK) else ""
+        if version and tuple(int(x) for x in version.split(".")[:2]) >= MIN_CRIU:
+            return chosen, version
+        raise SnapshotError(f"{CRIU_ENV}={chosen} is not a CRIU >= {'.'.join(map(str, MIN_CRIU))} that runs here "
+                            f"({'version ' + version if version else 'it does not run or has no version'}); point "
+                            f"it at one, or unset it to use the one scripts/setup.sh built")
+    candidates = [str(pathlib.Path(sys.executable).parent / "criu"), shutil.which("criu") or ""]
     seen = []
     for path in filter(None, candidates):
         if not os.access(path, os.X_OK):

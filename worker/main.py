@@ -10,6 +10,7 @@ import logging
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -228,6 +229,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     """Rank 0: the HTTP server. Ready once every rank has loaded and the engine has warmed up.
     `followers`: the processes of ranks 1..N-1 when this engine started them."""
     config.check_fits()
+    sockets = None if uds else [listen_tcp(host, port)]  # a busy port or an unknown host: said before loading
     state = WorkerState(config.name, config.load_format, config.replica)
     listen = {"uds": uds} if uds else {"host": host, "port": port}
     app = build_app(state)
@@ -280,7 +282,6 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
     watch_followers(followers, stopping)
     threading.Thread(target=start, name="engine-start", daemon=True).start()
     try:
-        sockets = None
         while True:
             if quiet is not None:
                 quiet.server = server
@@ -298,6 +299,21 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
             leader.group.close()
         stop_followers(followers)
     return outcome["code"]
+
+
+def listen_tcp(host: str, port: int) -> socket.socket:
+    """The engine's listening socket, bound here so that a port in use or a host that is not this
+    one's is one line naming the flag (uvicorn logged its own text and exited with code 3)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except socket.gaierror as e:
+        raise InvalidRequestError(f"--host {host}: {e.strerror}; give an address of this host, such as 127.0.0.1 "
+                                  "or 0.0.0.0") from None
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise InvalidRequestError(f"--port {port}: cannot listen on {host}:{port} ({why}); pick a free port, or 0 "
+                                  "for any") from None
 
 
 def new_server(app, listen: dict) -> uvicorn.Server:

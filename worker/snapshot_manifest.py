@@ -9,7 +9,8 @@ import re
 import secrets
 import stat
 
-from preload_daemon.config import socket_path
+from preload_daemon.config import check_ancestors, socket_path
+from preload_daemon.errors import InvalidRequestError
 from worker.criu import SnapshotError, host_facts
 from worker.snapshot_images import IMAGES
 
@@ -25,6 +26,10 @@ def check_ours(path: pathlib.Path) -> None:
         raise SnapshotError(f"{path} must be owned by uid {os.geteuid()}, not a symlink, and not writable by group or "
                             f"others (it is uid {st.st_uid}, mode {stat.filemode(st.st_mode)}); a snapshot someone "
                             "else can change is code they could run as you")
+    try:  # nor may anyone else swap it: the directories above it are trusted too
+        check_ancestors(path, "move the snapshot under directories only you (or root) can write")
+    except InvalidRequestError as e:
+        raise SnapshotError(str(e)) from None
 
 
 def write_atomically(path: pathlib.Path, data: bytes) -> None:

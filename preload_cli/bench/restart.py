@@ -45,7 +45,12 @@ class Engine:
             [sys.executable, "-m", "preload_cli", "engine", str(model), "--load-format", load_format, "--port", "0",
              "--runtime-dir", str(runtime_dir), "--log-level", "WARNING", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        line = self.proc.stdout.readline()
+        try:
+            line = self.proc.stdout.readline()
+        except BaseException:  # Ctrl-C or SIGTERM while it starts: it must not outlive us
+            self.proc.kill()
+            self.proc.wait()
+            raise
         self.ready = json.loads(line) if line else {"event": "failed", "error": self.proc.stderr.read()}
         if self.ready.get("event") != "ready":
             self.stop()
@@ -85,11 +90,13 @@ def measure(model: pathlib.Path, runtime_dir: pathlib.Path, repeats: int, drop_c
             if devices:
                 extra += ("--devices", devices)
             engine = Engine(model, fmt, runtime_dir, "--tp-size", str(tp_size), *extra)
-            r = engine.ready
-            samples[name].append({"start_to_ready": r["ready"] - r["process_start"],
-                                  "weights": max(k["weights_done"] - k["weights_start"] for k in r["ranks"]),
-                                  "load_format": r["load_format"]})
-            engine.stop()
+            try:
+                r = engine.ready
+                samples[name].append({"start_to_ready": r["ready"] - r["process_start"],
+                                      "weights": max(k["weights_done"] - k["weights_start"] for k in r["ranks"]),
+                                      "load_format": r["load_format"]})
+            finally:
+                engine.stop()
     return samples
 
 

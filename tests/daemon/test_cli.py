@@ -34,7 +34,11 @@ def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
         assert header.split()[:4] == ["MODEL", "VERSION", "DEVICE", "ACTIVE"]
         assert row.split()[:4] == ["tiny-llama", "1", "cpu:0", "*"]
         doc = json.loads(run_cli("status", "--json", runtime_dir=runtime_dir, check=True).stdout)
-        assert doc["daemons"][0]["models"][0]["key"]["architecture"] == "LlamaForCausalLM"
+        daemon = doc["daemons"][0]
+        assert daemon["models"][0]["key"]["architecture"] == "LlamaForCausalLM"
+        # 64-bit integers are numbers, as jq compares them (protobuf's JSON mapping writes strings)
+        assert type(daemon["resident_bytes"]) is int and daemon["resident_bytes"] > 0
+        assert type(daemon["models"][0]["slab_bytes"]) is int and doc["stale_sockets"] == []
 
         assert run_cli("wait-ready", "--model", "tiny-llama", "--timeout", "5", runtime_dir=runtime_dir).returncode == 0
         missing = run_cli("wait-ready", "--model", "other", "--timeout", "0.5", runtime_dir=runtime_dir)
@@ -150,6 +154,9 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     (("evict", "m@²"), "bad version '²' in 'm@²'"),
     (("pin", "m@²"), "'m@²': use NAME@VERSION"),
     (("snapshot", "restore", "D", "--port", "65536"), "argument --port: 65536 is not a port"),
+    (("evict", "@3"), "no model name in '@3'; use MODEL or MODEL@N"),
+    (("wait-ready", "--device", "foo"), "preload wait-ready: bad device 'foo': use cpu:N or cuda:N"),
+    (("wait-ready", "--device", "cpu:99999999999999999999999"), "bad device 'cpu:99999999999999999999999'"),
 ])
 def test_numbers_out_of_range_get_a_usage_error_not_a_traceback(runtime_dir, args, message):
     """A port past 65535 crashed the engine's server with a traceback (once an abort), a timeout of
@@ -285,3 +292,26 @@ def test_status_escapes_what_it_did_not_write_and_tells_a_dead_daemons_socket_fr
             os.kill(pid, signal.SIGCONT)
     finally:
         os.kill(pid, signal.SIGTERM)
+
+
+def test_an_engine_on_a_busy_port_or_an_unknown_host_is_one_line(runtime_dir, tiny_llama):
+    """uvicorn's own text (no flag named) and exit code 3, after the weights had loaded."""
+    import socket
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        for args, message in ((("--port", port), f"--port {port}: cannot listen on 127.0.0.1:{port} (Address already "
+                                                  "in use); pick a free port"),
+                              (("--host", "host.invalid"), "--host host.invalid: ")):
+            out = run_preload("engine", tiny_llama, "--load-format", "safetensors", *args, runtime_dir=runtime_dir)
+            assert out.returncode == 1 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+    finally:
+        busy.close()
+
+
+def test_a_criu_named_by_preload_criu_is_used_or_refused_never_passed_over(runtime_dir):
+    out = run_preload("snapshot", "check", runtime_dir=runtime_dir, env_extra={"PRELOAD_CRIU": "/bin/false"})
+    assert out.returncode == 1 and "PRELOAD_CRIU=/bin/false is not a CRIU >= 4.1 that runs here" in out.stdout, \
+        out.stdout

@@ -383,6 +383,18 @@ def test_every_file_and_field_a_restore_uses_is_checked(tmp_path, change, messag
     assert message in str(err.value)
 
 
+def test_a_snapshot_under_a_directory_others_can_write_is_refused(tmp_path):
+    """Restored as root from a directory a stranger owns: they could have swapped the snapshot."""
+    world = tmp_path / "world"
+    world.mkdir()
+    directory = _snapshot_dir(world / "snap", MINIMAL)
+    os.chown(world, 65534, 65534)
+    os.chmod(world, 0o777)
+    with pytest.raises(snapshot.SnapshotError, match=rf"{world}, above {directory}, belongs to uid 65534.*move the "
+                                                     "snapshot under directories only you"):
+        snapshot.read_manifest(directory)
+
+
 def _rewrite(directory: pathlib.Path, edit) -> None:
     manifest = json.loads((directory / "manifest.json").read_text())
     edit(manifest)
