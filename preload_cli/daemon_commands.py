@@ -10,7 +10,7 @@ import time
 
 from preload_cli.argtypes import split_target
 from preload_daemon.config import DaemonConfig, parse_device
-from preload_daemon.errors import AccessDeniedError, PreloadError
+from preload_daemon.errors import AccessDeniedError, InvalidRequestError, PreloadError
 
 
 def cmd_daemon(args) -> int:
@@ -113,7 +113,11 @@ def cmd_verify(args) -> int:
     match, 1 if any does not (or no daemon holds the model)."""
     from preload_daemon.client import DaemonClient
     name, version = split_target(args.target) if args.target else ("", 0)
-    device = parse_device(args.device) if args.device else ""
+    try:
+        device = parse_device(args.device) if args.device else ""
+    except PreloadError as e:  # a usage error
+        print(f"preload verify: {e}", file=sys.stderr)
+        return 2
     rows = [["MODEL", "VERSION", "DEVICE", "LAYOUT", "SLAB", "DIGEST", "OK"]]
     results, silent = [], []
     for dev, stats in collect_stats(args.runtime_dir, device):
@@ -171,7 +175,11 @@ def cmd_wait_ready(args) -> int:
         return 2
     deadline = time.monotonic() + args.timeout
     while True:
-        code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
+        try:
+            code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
+        except InvalidRequestError as e:  # the runtime dir cannot be trusted: bad set-up, not a timeout
+            print(f"preload wait-ready: {e}", file=sys.stderr)
+            return 2
         if code == READY:
             print(reason)
             return READY
@@ -236,7 +244,11 @@ def cmd_evict(args) -> int:
     except PreloadError as e:
         print(f"preload evict: {e}", file=sys.stderr)
         return 2
-    device = parse_device(args.device) if args.device else ""
+    try:
+        device = parse_device(args.device) if args.device else ""
+    except PreloadError as e:  # a usage error
+        print(f"preload evict: {e}", file=sys.stderr)
+        return 2
     rows = collect_stats(args.runtime_dir, device)
     silent = [(d, s) for d, s in rows if isinstance(s, Exception)]
     if silent:  # it runs (holds its lock) but does not answer: it may hold a rank of `name`

@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import secrets
+import socket
 import stat
 import sys
 
@@ -110,18 +111,39 @@ def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib
 def check_ancestors(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> None:
     """Refuses `path` if a directory above it lets a stranger rename it away and put one of theirs
     in its place (as sshd's StrictModes does): each must be ours or root's, and writable by no one
-    else unless sticky (/tmp, /dev/shm). Checked along the real path, every link resolved."""
-    real = pathlib.Path(os.path.realpath(pathlib.Path(path).parent))
-    for directory in (real, *real.parents):
+    else unless sticky (/tmp, /dev/shm). Checked along the path as given (each directory that holds
+    a link on the way, so no stranger can re-aim one) and along the real path it resolves to."""
+    given = pathlib.Path(os.path.abspath(path)).parent
+    real = pathlib.Path(os.path.realpath(given))
+    for directory in dict.fromkeys((given, *given.parents, real, *real.parents)):
         info = os.stat(directory)
         if info.st_uid not in (os.geteuid(), 0):
             raise InvalidRequestError(f"{directory}, above {path}, belongs to uid {info.st_uid}, not to us "
                                       f"({os.geteuid()}) or root: its owner can swap {path} for a directory of "
                                       f"theirs; {fix}")
-        if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        if others_can_write(info) and not info.st_mode & stat.S_ISVTX:
             raise InvalidRequestError(f"{directory}, above {path}, is writable by others (mode "
                                       f"{stat.S_IMODE(info.st_mode):04o}) and not sticky: anyone can swap {path} for "
-                                      f"a directory of theirs; {fix}")
+                                      f"a directory of theirs; `chmod go-w {directory}` (or `chmod +t` for a shared "
+                                      f"one), or {fix}")
+
+
+def others_can_write(info: os.stat_result) -> bool:
+    """Write permission for anyone but the owner: for all, or for a group that is not the owner's
+    own (a group of the user's name with no other member, as umask 002 systems make them)."""
+    if info.st_mode & 0o002:
+        return True
+    return bool(info.st_mode & 0o020) and not _private_group(info.st_gid, info.st_uid)
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    import grp
+    import pwd
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return group.gr_name == user.pw_name and user.pw_gid == gid and set(group.gr_mem) <= {user.pw_name}
 
 
 CONNECT_FIX = f"{RUNTIME_DIR_FIX}; refusing to connect"
@@ -141,7 +163,7 @@ def check_trusted_dir(directory: pathlib.Path, planted: str, fix: str) -> None:
     what a stranger could do there, `fix` what the user should do."""
     info = os.lstat(directory)
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid not in (os.geteuid(), 0) \
-            or info.st_mode & 0o022:
+            or others_can_write(info):
         what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory" \
             if not stat.S_ISDIR(info.st_mode) else f"owned by uid {info.st_uid}, mode {stat.S_IMODE(info.st_mode):04o}"
         raise InvalidRequestError(f"{directory} ({what}) is not a directory of ours or root's that only its owner "
@@ -154,10 +176,10 @@ def check_daemon_socket(path: pathlib.Path) -> None:
     owned by us or root. Where nothing is at `path`, connecting fails on its own (no daemon)."""
     path = pathlib.Path(path)
     try:
+        check_runtime_dir(path.parent)
         info = os.lstat(path)
     except (FileNotFoundError, PermissionError):  # no daemon; another user's private dir: connect says so
         return
-    check_runtime_dir(path.parent)
     if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
         what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else \
             "not a socket" if not stat.S_ISSOCK(info.st_mode) else f"owned by uid {info.st_uid}"
@@ -188,15 +210,19 @@ SOCKET_TAIL = 40
 engine-<pid>-<8 hex>/replica-<n>.sock, a snapshot's control socket, the daemons' own."""
 
 
-def check_socket_room(runtime_dir: pathlib.Path) -> None:
-    """Refuses a runtime dir so long that the sockets made below it would pass MAX_SOCKET_PATH: said
-    at start-up, not when a replica or a snapshot first needs its socket."""
+DAEMON_SOCKET_TAIL = 24
+"""The longest name of a daemon's own sockets below the runtime dir (/session-cuda-NNNN.sock)."""
+
+
+def check_socket_room(runtime_dir: pathlib.Path, tail: int = SOCKET_TAIL) -> None:
+    """Refuses a runtime dir so long that sockets of up to `tail` bytes below it would pass
+    MAX_SOCKET_PATH: said at start-up, not when a replica or a snapshot first needs its socket."""
     length = len(os.fsencode(str(runtime_dir)))
-    if length + SOCKET_TAIL > MAX_SOCKET_PATH:
+    if length + tail > MAX_SOCKET_PATH:
         raise InvalidRequestError(f"the runtime directory {runtime_dir} is {length} bytes long: the sockets below it "
-                                  f"need up to {SOCKET_TAIL} more, past the {MAX_SOCKET_PATH}-byte limit of a Unix "
+                                  f"need up to {tail} more, past the {MAX_SOCKET_PATH}-byte limit of a Unix "
                                   f"socket's path; set PRELOAD_RUNTIME_DIR to a directory at most "
-                                  f"{MAX_SOCKET_PATH - SOCKET_TAIL} bytes long")
+                                  f"{MAX_SOCKET_PATH - tail} bytes long")
 
 
 def socket_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:
@@ -208,19 +234,20 @@ def lock_path(runtime_dir: pathlib.Path, device: str) -> pathlib.Path:
     return runtime_dir / f"daemon-{device.replace(':', '-')}.lock"
 
 
-def daemon_running(runtime_dir: pathlib.Path, device: str) -> bool:
-    """Whether a daemon for `device` holds its lock: read from /proc/locks, never by taking the lock
-    (a daemon starting meanwhile must find it free). False tells a socket a dead daemon left behind
-    from one that is hung; True where it cannot be told."""
+def socket_abandoned(path: pathlib.Path) -> bool:
+    """Whether the Unix socket at `path` is one a dead daemon left behind: nothing listens on it, so
+    connecting is refused. A daemon that is stopped or hung still has the kernel accept for it."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
     try:
-        info = os.lstat(lock_path(runtime_dir, device))
-        with open("/proc/locks") as locks:
-            key = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
-            return any(key in line.split() for line in locks)
-    except FileNotFoundError:
+        probe.connect(str(path))
         return False
-    except OSError:
+    except ConnectionRefusedError:
         return True
+    except OSError:  # timed out (a full backlog), or cannot tell: not abandoned
+        return False
+    finally:
+        probe.close()
 
 
 SHM_RECORD = "shm-dir"

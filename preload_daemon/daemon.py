@@ -5,36 +5,26 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from preload_daemon.config import DaemonConfig, check_socket_room, daemon_running
+from preload_daemon.config import DAEMON_SOCKET_TAIL, DaemonConfig, check_socket_room
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.server import DaemonServer
 
 log = logging.getLogger(__name__)
 
 
-def socket_in_use(path) -> bool:
-    """Whether something accepts connections on the Unix socket at `path`."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-        return True
-    except OSError:
-        return False
-    finally:
-        probe.close()
-
-
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     """Runs one per-device daemon until SIGTERM or SIGINT; returns the exit code."""
-    check_socket_room(config.runtime_dir)
-    if daemon_running(config.runtime_dir, config.device) and socket_in_use(config.socket_path):
-        raise InvalidRequestError(f"a daemon for {config.device} already serves {config.socket_path}; use it "
-                                  "(`preload status`) or stop it before starting another")
+    check_socket_room(config.runtime_dir, DAEMON_SOCKET_TAIL)  # its own sockets; warned of the others' below
+    try:
+        check_socket_room(config.runtime_dir)
+    except InvalidRequestError as e:
+        log.warning("%s (data-parallel engines and snapshots need that room; this daemon does not)", e)
+    # A daemon of the device holds its lock: DaemonServer says so. Whatever else is at the socket's
+    # path (one a dead daemon left, or a process of ours listening there) is replaced.
     probes = _bind_http(config.http_port) if config.http_port is not None else None  # before any socket is made
     try:
         server = DaemonServer(config)

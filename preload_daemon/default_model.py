@@ -77,8 +77,10 @@ def cache_subdir(name: str) -> pathlib.Path:
     dirs = _cache_dirs()
     models = dirs[-1] / name
     if not os.path.isdir(models):
-        if not os.path.isdir(dirs[0].parent):
-            raise CheckpointError(f"cannot keep the default model in {dirs[-1]}: {dirs[0].parent} does not exist; "
+        if os.environ.get("PRELOAD_CACHE_DIR"):  # named by the user: made with its parents, as mkdir -p
+            dirs = [d for d in reversed(dirs[0].parents) if not os.path.isdir(d)] + dirs
+        elif not os.path.isdir(dirs[0].parent):
+            raise CheckpointError(f"cannot make the cache directory {dirs[-1]}: {dirs[0].parent} does not exist; "
                                   f"{CACHE_FIX}")
         for directory in (*dirs, models):
             try:

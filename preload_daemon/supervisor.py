@@ -85,9 +85,10 @@ def open_log(path: pathlib.Path):
 
 
 def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO",
-                  allow_external_links: bool = False) -> DaemonProcess | None:
+                  allow_external_links: bool = False, started: list | None = None) -> DaemonProcess | None:
     """Reuses the daemon serving `device` if one answers (with the options it was started with);
-    otherwise starts one and returns it."""
+    otherwise starts one and returns it, appended to `started` as soon as it is spawned (so that a
+    caller interrupted while it starts stops it too)."""
     config = DaemonConfig(device=device, runtime_dir=runtime_dir)
     with DaemonClient(config.socket_path, timeout=2.0) as client:
         try:
@@ -98,6 +99,8 @@ def ensure_daemon(device: str, runtime_dir: pathlib.Path, log_level: str = "INFO
             pass
     ensure_private_dir(runtime_dir)
     daemon = DaemonProcess(device, runtime_dir, log_level, allow_external_links)
+    if started is not None:
+        started.append(daemon)
     daemon.wait_started()
     log.info("started daemon for %s (pid %d, log %s)", device, daemon.proc.pid, config.log_path)
     return daemon
@@ -120,14 +123,13 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r, component=c) for c in components])
                for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []
-    stop = threading.Event()
+    stop, loading = threading.Event(), []
     for sig in (signal.SIGTERM, signal.SIGINT):  # while loading: end the command (watch() sets `stop` instead)
         signal.signal(sig, _interrupt)
     try:
         for device in device_list:
-            daemon = ensure_daemon(device, runtime_dir, log_level, allow_external_links)
-            if daemon is not None:
-                started.append(daemon)
+            ensure_daemon(device, runtime_dir, log_level, allow_external_links, started)
+        loading.append(True)
         published = publish_dir(spec.name, model, targets, runtime_dir, always_activate=False, keep=keep,
                                 max_bytes=max_bytes)
         results = list(zip(device_list, published.variants))
@@ -148,10 +150,13 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
             signal.signal(sig, lambda *_: stop.set())
         return watch(started, device_list, runtime_dir, stop)
     except Interrupted as e:
-        reused = [d for d in device_list if d not in {daemon.device for daemon in started}]
-        print(f"preload serve: interrupted by {signal.Signals(e.signum).name} while loading"
-              + (f"; stopping the daemons this command started ({', '.join(d.device for d in started)}): their "
-                 "load is dropped" if started else "")
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second one must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
+        reused = [d for d in device_list if d not in {daemon.device for daemon in started}] if loading else []
+        print(f"preload serve: interrupted by {signal.Signals(e.signum).name} while "
+              + ("loading" if loading else "starting the daemons")
+              + (f"; stopping the daemons this command started ({', '.join(d.device for d in started)})"
+                 + (": their load is dropped" if loading else "") if started else "")
               + (f"; the daemons it reused ({', '.join(reused)}) finish the load under way: `preload status` shows "
                  f"it, `preload evict {spec.name}@VERSION` frees it" if reused else ""), file=sys.stderr, flush=True)
         return 128 + e.signum

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 
 from preload_daemon.client import DaemonClient, access_denied
-from preload_daemon.config import check_runtime_dir, daemon_running, default_runtime_dir
+from preload_daemon.config import check_runtime_dir, default_runtime_dir, socket_abandoned
 from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
 from protos import preload_pb2 as pb
@@ -40,8 +40,8 @@ class Target:
 
 
 def daemon_sockets(runtime_dir: pathlib.Path, stale: list | None = None) -> list[tuple[str, pathlib.Path]]:
-    """(device, socket) for every daemon socket in the runtime dir whose daemon runs (holds its
-    lock); those a dead daemon left behind are skipped, and listed in `stale` if given.
+    """(device, socket) for every daemon socket in the runtime dir that something listens on; those a
+    dead daemon left behind are skipped, and listed in `stale` if given.
     AccessDeniedError if the directory is another user's (whose daemons we may not use)."""
     runtime_dir = pathlib.Path(runtime_dir)
     check_runtime_dir(runtime_dir)
@@ -51,7 +51,7 @@ def daemon_sockets(runtime_dir: pathlib.Path, stale: list | None = None) -> list
     for path in sorted(runtime_dir.glob("daemon-*.sock")):
         kind, _, index = path.stem.removeprefix("daemon-").partition("-")
         device = f"{kind}:{index}"
-        if daemon_running(runtime_dir, device):
+        if not socket_abandoned(path):
             found.append((device, path))
         elif stale is not None:
             stale.append((device, path))
@@ -65,7 +65,7 @@ def holders(name: str, runtime_dir: pathlib.Path) -> dict[str, pb.Stats]:
         with DaemonClient(path, timeout=5.0) as client:
             try:
                 stats = client.stats()
-            except DaemonUnavailableError as e:  # it runs (holds its lock): whether it holds `name` is unknown
+            except DaemonUnavailableError as e:  # it listens: whether it holds `name` is unknown
                 raise DaemonUnavailableError(f"daemon {device} does not answer, so whether it holds {name!r} is "
                                              f"unknown: {e}") from None
         if any(s.name == name for s in stats.summaries):
@@ -195,7 +195,8 @@ def _on_all(targets: list[Target], runtime_dir: pathlib.Path, run: Callable, wha
         except PreloadError as e:
             results[i] = e
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(targets))]
+    # Daemon threads: a command interrupted meanwhile exits (the daemons finish their loads on their own).
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(targets))]
     for t in threads:
         t.start()
     for t in threads:

@@ -186,25 +186,27 @@ class Engine:
                 arrived.append(request)
                 slots -= 1 + len(request.siblings)
             # Prompts of one length prefill together: one forward reads the weights once for all.
-            # Echoed ones (every position's logits: [T, V] floats) go one at a time.
+            # Echoed ones (every position's logits: [T, V] floats) go one at a time. Long ones go in
+            # parts if others were decoding before they arrived (not if those arrived with them).
+            busy = bool(self._running or self._filling)
             for (_, echo), group in itertools.groupby(sorted(arrived, key=_prefill_key), _prefill_key):
                 for part in ([r] for r in group) if echo else [list(group)]:
-                    self._prefill(part)
+                    self._prefill(part, busy)
             if self._filling:
                 self._fill()
             if self._running:
                 self._decode()
 
-    def _prefill(self, requests: list[Request]) -> None:
+    def _prefill(self, requests: list[Request], busy: bool = False) -> None:
         """Gives the requests' choices their slots, then prefills them now, or in parts (_fill) if
-        their prompts are long and others decode meanwhile. Echoed ones (every position's logits)
-        go whole."""
+        their prompts are long and others are `busy` decoding. Echoed ones (every position's
+        logits) go whole."""
         for request in requests:
             for r in (request, *request.siblings):
                 r.slot = heapq.heappop(self._free)
                 self.stats["requests"] += 1
             self.stats["prompt_tokens"] += len(request.prompt)
-        if (0 < self.prefill_chunk < len(requests[0].prompt) and (self._running or self._filling)
+        if (busy and 0 < self.prefill_chunk < len(requests[0].prompt)
                 and all(r.params.prompt_logprobs is None for r in requests)):
             self._filling.extend(requests)
         else:
@@ -235,10 +237,10 @@ class Engine:
             ids = torch.tensor([r.prompt[start:end] for r in requests])
             positions = torch.arange(start, end).expand(len(requests), -1)
             slots = torch.tensor([r.slot for r in requests])
-            # echo: every position's logits (the prompt's log-probabilities); a draft: the states
-            out = self.model.forward(ids, positions, self.cache, slots, all_logits=echo,
-                                     hidden=self.speculator is not None)
-            logits, states = out if self.speculator is not None else (out, None)
+            # echo: every position's logits (the prompt's log-probabilities); an MTP draft: the states
+            mtp = self.speculator is not None and self.speculator.kind == "mtp"
+            out = self.model.forward(ids, positions, self.cache, slots, all_logits=echo, hidden=mtp)
+            logits, states = out if mtp else (out, None)
             for row, request in enumerate(requests):
                 request.filled = end
                 if states is not None:
@@ -251,9 +253,9 @@ class Engine:
                         r.prompt_picks = prompt_logprobs(logits[row], r.prompt, r.params.prompt_logprobs)
                 logits = logits[:, -1]
             for request in requests:
-                if states is not None:
+                if self.draft is not None:
                     parts, request.states = request.states, []
-                    joined = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    joined = None if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
                     self.draft.prefilled(request.slot, request.prompt, joined)
                 if request.siblings:  # n > 1: one prefill, its keys and values copied
                     self.model.copy_cache(self.cache, request.slot, [s.slot for s in request.siblings], length)

@@ -3,6 +3,7 @@
 rank's weights, tell the group how it went, build the model on them, start the engine."""
 
 import dataclasses
+import errno
 import gc
 import hashlib
 import json
@@ -148,7 +149,11 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
                     "%d positions", config.max_model_len, positions, positions)
     engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len,
                     speculator=built.speculator, prefill_chunk=config.prefill_chunk).start()
-    engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: first request pays nothing extra
+    try:
+        engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: the first request pays nothing
+    except BaseException:  # Ctrl-C meanwhile: the scheduler ends its step before the interpreter exits
+        engine.stop()
+        raise
     return engine
 
 
@@ -303,15 +308,20 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
 
 def listen_tcp(host: str, port: int) -> socket.socket:
     """The engine's listening socket, bound here so that a port in use or a host that is not this
-    one's is one line naming the flag (uvicorn logged its own text and exited with code 3)."""
+    one's is one line naming the flag (uvicorn logged its own text and exited with code 3). Bound as
+    uvicorn binds it: IPv6 for a host with a colon, IPv4 otherwise ("localhost": 127.0.0.1)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        socket.getaddrinfo(host or None, port, family, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
         return socket.create_server((host, port), family=family, backlog=2048)
     except socket.gaierror as e:
         raise InvalidRequestError(f"--host {host}: {e.strerror}; give an address of this host, such as 127.0.0.1 "
                                   "or 0.0.0.0") from None
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise InvalidRequestError(f"--host {host}: cannot listen there ({why}): it is not an address of this "
+                                      "host; give one that is, such as 127.0.0.1 or 0.0.0.0") from None
         raise InvalidRequestError(f"--port {port}: cannot listen on {host}:{port} ({why}); pick a free port, or 0 "
                                   "for any") from None
 

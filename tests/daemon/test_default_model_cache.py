@@ -56,7 +56,8 @@ def test_a_lock_that_is_a_link_is_not_followed(tmp_path, env, victim):
 def test_a_missing_home_is_not_made(tmp_path, env):
     home = tmp_path / "nonexistent"
     env.setenv("HOME", str(home))
-    with pytest.raises(CheckpointError, match=rf"{home / '.cache' / 'preload'}: {home} does not exist.*PRELOAD_CACHE_DIR"):
+    with pytest.raises(CheckpointError, match=rf"cannot make the cache directory {home / '.cache' / 'preload'}: {home} "
+                                              "does not exist.*PRELOAD_CACHE_DIR"):
         default_model.default_model_path()
     assert not home.exists()
 
@@ -88,3 +89,31 @@ def test_benchmarks_keep_their_checkpoints_in_a_directory_of_ours(tmp_path, env)
         bench_dir()
     env.setenv("PRELOAD_BENCH_DIR", str(tmp_path / "mine"))
     assert bench_dir() == tmp_path / "mine" and stat.S_IMODE(os.lstat(tmp_path / "mine").st_mode) == 0o700
+
+
+def test_a_cache_dir_named_by_the_user_is_made_with_its_parents(tmp_path, env):
+    env.setenv("PRELOAD_CACHE_DIR", str(tmp_path / "a" / "b" / "cache"))
+    assert default_model.cache_subdir("bench") == tmp_path / "a" / "b" / "cache" / "bench"
+    assert stat.S_IMODE(os.lstat(tmp_path / "a").st_mode) == 0o700
+
+
+def test_a_group_writable_cache_dir_of_the_users_own_group_is_trusted(tmp_path, env):
+    """umask 002 systems (RHEL, Fedora) give each user a group of their own and directories 0775."""
+    import grp
+    import pwd
+    from preload_daemon.config import check_trusted_dir
+    from preload_daemon.errors import InvalidRequestError
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    os.chmod(mine, 0o775)
+    user = pwd.getpwuid(os.geteuid())
+    own = grp.getgrgid(user.pw_gid)
+    if own.gr_name != user.pw_name or set(own.gr_mem) - {user.pw_name}:
+        pytest.skip("this user has no group of its own")
+    check_trusted_dir(mine, "plant", "fix")  # root's group, root alone in it
+    shared = grp.getgrnam("nogroup").gr_gid if "nogroup" in {g.gr_name for g in grp.getgrall()} else None
+    if shared is None:
+        pytest.skip("no shared group to try")
+    os.chown(mine, -1, shared)
+    with pytest.raises(InvalidRequestError, match="mode 0775"):
+        check_trusted_dir(mine, "plant", "fix")
