@@ -55,11 +55,30 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
 
 
 def _reap_loop(server: DaemonServer, stop: threading.Event, interval: float) -> None:
+    """Ends the leases of processes that are gone, and says (once) if this daemon's socket goes:
+    its runtime dir removed (a cleanup of /tmp), the daemon goes on serving the engines attached but
+    no new client finds it."""
+    path = server.config.socket_path
+    socket_id, missing = _file_id(path), False
     while not stop.wait(interval):
         try:
             server.store.leases.reap()
         except Exception:
             log.exception("lease reaper failed; retrying")
+        if (_file_id(path) != socket_id) != missing:
+            missing = not missing
+            if missing:
+                log.error("this daemon's socket %s was removed or replaced (its runtime directory cleaned up?): "
+                          "engines attached keep their weights, but no new client can reach this daemon; restart "
+                          "it (SIGTERM, then `preload serve`) to serve new ones", path)
+
+
+def _file_id(path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
 
 
 class _Probes(http.server.BaseHTTPRequestHandler):

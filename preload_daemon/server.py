@@ -222,7 +222,10 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                               slab=v.slab.id, expected=v.slab.digest, actual=actual, ok=actual == v.slab.digest)
                  for v, actual in checks]
         for check in slabs:
-            if not check.ok:
+            if check.actual.startswith("gone:"):
+                log.error("the file of slab %s of %s v%d is %s", check.slab, check.model, check.version,
+                          check.actual.removeprefix("gone: file "))
+            elif not check.ok:
                 log.error("slab %s of %s v%d was changed after it was sealed: digest %s, sealed as %s", check.slab,
                           check.model, check.version, check.actual, check.expected)
         return pb.VerifyResponse(slabs=slabs, seconds=time.monotonic() - started)

@@ -95,6 +95,15 @@ class HostSlab:
         self._use = threading.Lock()
         self._hashing, self._close_when_hashed = 0, False
         self.data = bytes_tensor(mapping)
+        self._inode = os.stat(path).st_ino
+
+    def gone(self) -> str:
+        """Why the file at the slab's path is no longer the one the daemon mapped ("" while it is):
+        deleted or replaced behind the daemon's back (by this uid or root: the directory is ours)."""
+        try:
+            return "" if os.stat(self.path).st_ino == self._inode else "replaced by another file"
+        except FileNotFoundError:
+            return "deleted"
 
     @classmethod
     def create(cls, directory: pathlib.Path, label: str, size: int) -> "HostSlab":

@@ -220,6 +220,7 @@ class ModelStore:
             if target.model.versions.get(target.number) is not target:
                 raise NotFoundError(f"{name} v{target.number} was freed on {self.device} while attaching; attach again")
             variant = pick_variant(target, layout, self.device)
+            check_slab_files(variant, self.device)
             lease = self.leases.grant(variant, session)
         log.info("lease %s: pid %d attached %s v%d (%s) on %s", lease.id, session.pid, name, target.number,
                  variant.layout, self.device)
@@ -233,7 +234,8 @@ class ModelStore:
             models = [self._model(name)] if name else list(self._models.values())
             variants = [var for m in models for v in ([find_version(m, number, self.device)] if number else m.versions.values())
                         for var in v.variants.values()]
-        checks = [(variant, variant.slab.hash()) for variant in variants]
+        checks = [(variant, f"gone: file {gone}" if (gone := slab_gone(variant.slab)) else variant.slab.hash())
+                  for variant in variants]
         return [(variant, actual) for variant, actual in checks if actual]  # "": freed meanwhile, not changed
 
     # -- versions -----------------------------------------------------------------------------------
@@ -361,3 +363,22 @@ class ModelStore:
             self._models.clear()
             self.leases.clear()
             adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)
+
+
+def slab_gone(slab) -> str:
+    """Why a slab's file is not the one its daemon mapped ("" if it is, or if it has no file)."""
+    gone = getattr(slab, "gone", None)
+    return gone() if gone is not None else ""
+
+
+def check_slab_files(variant: Variant, device: str) -> None:
+    """Refuses to hand out a variant whose slab files were deleted or replaced behind the daemon's
+    back (an `rm` in /dev/shm, logind's RemoveIPC at logout): engines attached keep their mapping,
+    a new one could not map the file."""
+    version = variant.version
+    for slab in {id(s): s for s in (variant.slab, getattr(variant.base, "slab", None)) if s is not None}.values():
+        if gone := slab_gone(slab):
+            raise NotFoundError(f"the slab file of {variant.name} v{version.number} on {device} ({slab.path}) was "
+                                f"{gone} behind the daemon's back; engines attached keep their mapping, new ones "
+                                f"cannot attach: `preload evict {variant.name}@{version.number} --force`, then load "
+                                "it again")

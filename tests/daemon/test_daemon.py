@@ -232,6 +232,43 @@ def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llam
     assert "was changed after it was sealed" in daemon.output()
 
 
+def test_a_slab_file_deleted_behind_the_daemons_back_is_said_by_attach_and_verify(daemon, tiny_llama):
+    """`rm` in /dev/shm (or logind's RemoveIPC at logout): status said ready, verify said ok (it
+    hashes its own mapping), and attach told the engine the slab was evicted, to attach again."""
+    from preload_daemon.errors import NotFoundError
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    attached = daemon.client.attach("tiny-llama")
+    [slab] = daemon.config.shm_dir.glob("*.slab")
+    slab.unlink()
+    try:
+        assert attached[next(iter(attached))].view(-1)[0].item() is not None  # still mapped: still served
+        with pytest.raises(NotFoundError, match=r"the slab file of tiny-llama v1 on cpu:0 \(.*\.slab\) was deleted "
+                                                r"behind the daemon's back; .*`preload evict tiny-llama@1 --force`"):
+            daemon.client.attach("tiny-llama")
+        [check] = daemon.client.verify("tiny-llama", 1).slabs
+        assert not check.ok and check.actual == "gone: file deleted"
+        out = run_preload("verify", runtime_dir=daemon.config.runtime_dir)
+        assert out.returncode == 1 and "GONE: FILE DELETED" in out.stdout and "deleted or replaced" in out.stderr
+    finally:
+        attached.release()
+    daemon.client.evict("tiny-llama", 1, True)  # and a load makes it anew
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    daemon.client.attach("tiny-llama").release()
+
+
+def test_a_daemon_whose_socket_is_removed_says_so(daemon):
+    """Its runtime dir cleaned up under it: `preload status` found no daemon, and the daemon, alive
+    with its slabs, said nothing."""
+    from tests.conftest import wait_until
+    moved = daemon.config.socket_path.with_name("moved.sock")
+    daemon.config.socket_path.rename(moved)
+    try:
+        wait_until(lambda: "was removed or replaced (its runtime directory cleaned up?)" in daemon.output(), 10,
+                   "the daemon to say its socket is gone")
+    finally:
+        moved.rename(daemon.config.socket_path)
+
+
 def test_oversized_and_malformed_requests(daemon, tiny_llama):
     from protos import preload_pb2 as pb
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
