@@ -46,7 +46,11 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     log.info("daemon for %s serving on %s (pid %d%s)", config.device, config.socket_path, os.getpid(),
              f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
     on_started(server, http_port)
-    stop.wait()
+    # With a timeout: a signal the kernel hands to another thread (the main one just continued from
+    # SIGSTOP, say) runs its Python handler only when this thread next runs Python; a wait without
+    # one would sleep through SIGTERM for good.
+    while not stop.wait(1.0):
+        pass
     log.info("daemon for %s shutting down: freeing %d slab(s)", config.device, len(server.store.variants()))
     if probes:
         probes.shutdown()

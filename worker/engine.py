@@ -145,7 +145,8 @@ class Engine:
         """Blocking convenience: all tokens of one request."""
         tokens, reason, done, start = [], [], threading.Event(), time.perf_counter()
         request = self.submit(prompt, params, tokens.append, lambda r: (reason.append(r), done.set()))
-        done.wait()
+        while not done.wait(0.5):  # a timeout, so that a Ctrl-C the kernel gave another thread is seen
+            pass
         if reason[0].startswith("error"):
             raise RuntimeError(reason[0])
         return Result(tokens, reason[0], time.perf_counter() - start, request.picks)
