@@ -148,8 +148,6 @@ def cmd_verify(args) -> int:
         print(f"preload verify: no slabs{' of ' + name if name else ''} on the {where} in {args.runtime_dir}",
               file=sys.stderr)
         return 1
-    if silent:
-        return 1
     gone = [r for r in bad if r["actual"].startswith("gone:")]
     if gone:
         print(f"preload verify: {len(gone)} slab file(s) deleted or replaced in /dev/shm behind the daemon's back "
@@ -160,9 +158,7 @@ def cmd_verify(args) -> int:
         print(f"preload verify: {len(bad) - len(gone)} slab(s) changed after they were sealed; evict and load them "
               "again (`preload evict MODEL@V --force`, then `preload serve`), and find who writes to /dev/shm",
               file=sys.stderr)
-    if bad:
-        return 1
-    return 0
+    return 1 if bad or silent else 0
 
 
 # `preload wait-ready` exit codes (argparse uses 2 for bad usage).

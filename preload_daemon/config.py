@@ -208,8 +208,6 @@ MAX_SOCKET_PATH = 107
 SOCKET_TAIL = 40
 """The longest name preload puts below a runtime dir for a socket: a DP replica's
 engine-<pid>-<8 hex>/replica-<n>.sock, a snapshot's control socket, the daemons' own."""
-
-
 DAEMON_SOCKET_TAIL = 24
 """The longest name of a daemon's own sockets below the runtime dir (/session-cuda-NNNN.sock)."""
 

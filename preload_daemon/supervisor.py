@@ -124,7 +124,8 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
                for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []
     stop, loading = threading.Event(), []
-    for sig in (signal.SIGTERM, signal.SIGINT):  # while loading: end the command (watch() sets `stop` instead)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:  # while loading: end the command (watch() sets `stop` instead)
         signal.signal(sig, _interrupt)
     try:
         for device in device_list:
@@ -163,6 +164,8 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     finally:
         for daemon in started:
             daemon.stop()
+        for sig, handler in previous.items():  # serve may run inside a longer-lived process
+            signal.signal(sig, handler)
 
 
 class Interrupted(Exception):

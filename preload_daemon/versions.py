@@ -200,7 +200,8 @@ def _on_all(targets: list[Target], runtime_dir: pathlib.Path, run: Callable, wha
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        while t.is_alive():  # with a timeout: a Ctrl-C the kernel gave another thread is seen here too
+            t.join(0.5)
     for bar in bars:
         bar.close()
     return results
