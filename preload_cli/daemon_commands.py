@@ -120,7 +120,12 @@ def cmd_verify(args) -> int:
         return 2
     rows = [["MODEL", "VERSION", "DEVICE", "LAYOUT", "SLAB", "DIGEST", "OK"]]
     results, silent = [], []
-    for dev, stats in collect_stats(args.runtime_dir, device):
+    try:
+        rows_ = collect_stats(args.runtime_dir, device)
+    except (InvalidRequestError, AccessDeniedError) as e:  # bad set-up
+        print(f"preload verify: {e}", file=sys.stderr)
+        return 2
+    for dev, stats in rows_:
         if isinstance(stats, Exception):
             silent.append(f"daemon {dev} does not answer, so its slabs are not verified: {stats}")
             continue
@@ -181,8 +186,8 @@ def cmd_wait_ready(args) -> int:
     while True:
         try:
             code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
-        except InvalidRequestError as e:  # the runtime dir cannot be trusted: bad set-up, not a timeout
-            print(f"preload wait-ready: {e}", file=sys.stderr)
+        except (InvalidRequestError, AccessDeniedError) as e:  # bad set-up (a runtime dir we may not use), not a
+            print(f"preload wait-ready: {e}", file=sys.stderr)  # timeout
             return 2
         if code == READY:
             print(reason)
@@ -253,7 +258,11 @@ def cmd_evict(args) -> int:
     except PreloadError as e:  # a usage error
         print(f"preload evict: {e}", file=sys.stderr)
         return 2
-    rows = collect_stats(args.runtime_dir, device)
+    try:
+        rows = collect_stats(args.runtime_dir, device)
+    except (InvalidRequestError, AccessDeniedError) as e:  # bad set-up
+        print(f"preload evict: {e}", file=sys.stderr)
+        return 2
     silent = [(d, s) for d, s in rows if isinstance(s, Exception)]
     if silent:  # it runs (holds its lock) but does not answer: it may hold a rank of `name`
         print(f"preload evict: daemon {silent[0][0]} does not answer, so whether it holds {name!r} is unknown: "

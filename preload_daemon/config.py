@@ -71,6 +71,7 @@ def ensure_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathli
     shared places (/tmp, /dev/shm) where a stranger may have planted a symlink or a directory of
     their own at the name first, so nothing here follows a symlink at `path`, and a mode is fixed
     through a file descriptor, never by path. `fix` is what the error tells the user to do."""
+    check_ancestors(pathlib.Path(path), fix)  # first: nothing is made below a directory a stranger controls
     _make_dirs(pathlib.Path(path))
     return check_private_dir(pathlib.Path(path), fix)
 
@@ -101,7 +102,8 @@ def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib
     if not stat.S_ISDIR(info.st_mode):
         raise InvalidRequestError(f"{path} exists but is not a directory; {fix}")
     if info.st_uid != os.getuid():
-        raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); {fix}")
+        raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); remove it if it "
+                                  f"is empty (`rmdir {path}`, as its owner), or {fix}")
     check_ancestors(path, fix)
     if info.st_mode & 0o077:
         _make_private(path, info, fix)
@@ -112,11 +114,15 @@ def check_ancestors(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> None:
     """Refuses `path` if a directory above it lets a stranger rename it away and put one of theirs
     in its place (as sshd's StrictModes does): each must be ours or root's, and writable by no one
     else unless sticky (/tmp, /dev/shm). Checked along the path as given (each directory that holds
-    a link on the way, so no stranger can re-aim one) and along the real path it resolves to."""
+    a link on the way, so no stranger can re-aim one) and along the real path it resolves to; those
+    that do not exist yet are skipped (whoever makes them owns them)."""
     given = pathlib.Path(os.path.abspath(path)).parent
     real = pathlib.Path(os.path.realpath(given))
     for directory in dict.fromkeys((given, *given.parents, real, *real.parents)):
-        info = os.stat(directory)
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            continue
         if info.st_uid not in (os.geteuid(), 0):
             raise InvalidRequestError(f"{directory}, above {path}, belongs to uid {info.st_uid}, not to us "
                                       f"({os.geteuid()}) or root: its owner can swap {path} for a directory of "

@@ -11,7 +11,7 @@ import pathlib
 import shutil
 import tempfile
 
-from preload_daemon.config import check_trusted_dir
+from preload_daemon.config import check_ancestors, check_trusted_dir
 from preload_daemon.errors import CheckpointError, InvalidRequestError
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,10 @@ def cache_subdir(name: str) -> pathlib.Path:
     have); refused unless ours (or root's) and only its owner's to write, as are those above it."""
     dirs = _cache_dirs()
     models = dirs[-1] / name
+    try:  # first: nothing is made below a directory a stranger controls (root with a user's HOME)
+        check_ancestors(models, CACHE_FIX)
+    except InvalidRequestError as e:
+        raise CheckpointError(str(e)) from None
     if not os.path.isdir(models):
         if os.environ.get("PRELOAD_CACHE_DIR"):  # named by the user: made with its parents, as mkdir -p
             dirs = [d for d in reversed(dirs[0].parents) if not os.path.isdir(d)] + dirs

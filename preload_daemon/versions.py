@@ -13,9 +13,9 @@ import sys
 import threading
 from collections.abc import Callable
 
-from preload_daemon.client import DaemonClient, access_denied
+from preload_daemon.client import DaemonClient
 from preload_daemon.config import check_runtime_dir, default_runtime_dir, socket_abandoned
-from preload_daemon.errors import DaemonUnavailableError, NotFoundError, PreloadError
+from preload_daemon.errors import AccessDeniedError, DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
 from protos import preload_pb2 as pb
 
@@ -46,7 +46,10 @@ def daemon_sockets(runtime_dir: pathlib.Path, stale: list | None = None) -> list
     runtime_dir = pathlib.Path(runtime_dir)
     check_runtime_dir(runtime_dir)
     if runtime_dir.is_dir() and not os.access(runtime_dir, os.R_OK | os.X_OK):
-        raise access_denied(runtime_dir / "daemon.sock")
+        owner = runtime_dir.stat().st_uid
+        raise AccessDeniedError(f"permission denied: {runtime_dir} is private to uid {owner} (its daemons serve that "
+                                f"user), and you are uid {os.getuid()}; run your own daemon with `preload daemon`, or "
+                                "set PRELOAD_RUNTIME_DIR to a directory of your own")
     found = []
     for path in sorted(runtime_dir.glob("daemon-*.sock")):
         kind, _, index = path.stem.removeprefix("daemon-").partition("-")

@@ -206,7 +206,6 @@ class Engine:
             for r in (request, *request.siblings):
                 r.slot = heapq.heappop(self._free)
                 self.stats["requests"] += 1
-            self.stats["prompt_tokens"] += len(request.prompt)
         if (busy and 0 < self.prefill_chunk < len(requests[0].prompt)
                 and all(r.params.prompt_logprobs is None for r in requests)):
             self._filling.extend(requests)
@@ -242,6 +241,7 @@ class Engine:
             mtp = self.speculator is not None and self.speculator.kind == "mtp"
             out = self.model.forward(ids, positions, self.cache, slots, all_logits=echo, hidden=mtp)
             logits, states = out if mtp else (out, None)
+            self.stats["prompt_tokens"] += (end - start) * len(requests)
             for row, request in enumerate(requests):
                 request.filled = end
                 if states is not None:

@@ -144,6 +144,9 @@ def check_draft_vocabulary(model: pathlib.Path, draft: pathlib.Path) -> None:
 
 
 def start_engine(config: EngineConfig, built: Built) -> Engine:
+    if 0 < config.prefill_chunk < 64:
+        log.warning("--prefill-chunk %d: each part of a long prompt reads every weight once, so parts this small "
+                    "make its prefill several times slower (1: 10x); the default is 256", config.prefill_chunk)
     if config.max_model_len > (positions := built.model.spec.max_position_embeddings):
         log.warning("--max-model-len %d is past the model's max_position_embeddings (%d): a request gets at most "
                     "%d positions", config.max_model_len, positions, positions)

@@ -117,3 +117,15 @@ def test_a_group_writable_cache_dir_of_the_users_own_group_is_trusted(tmp_path, 
     os.chown(mine, -1, shared)
     with pytest.raises(InvalidRequestError, match="mode 0775"):
         check_trusted_dir(mine, "plant", "fix")
+
+
+def test_root_given_another_users_home_makes_nothing_there(tmp_path, env):
+    """`sudo -E preload default-model`: root made a root-owned 0700 ~/.cache in the user's home,
+    refused, and left it, locking the user (and pip) out of their own cache directory."""
+    home = tmp_path / "home"
+    home.mkdir()
+    os.chown(home, NOBODY, NOBODY)
+    env.setenv("HOME", str(home))
+    with pytest.raises(CheckpointError, match=rf"{home}, above .*, belongs to uid {NOBODY}"):
+        default_model.default_model_path()
+    assert not list(home.iterdir())

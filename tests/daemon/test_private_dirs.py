@@ -266,5 +266,6 @@ def test_a_runtime_dir_under_a_directory_others_control_is_refused(tmp_path, par
     if refused is None:
         assert mode(ensure_private_dir(parent / "run")) == 0o700
         return
-    with pytest.raises(InvalidRequestError, match=rf"{parent}, above {parent / 'run'}, {refused}"):
-        ensure_private_dir(parent / "run")
+    with pytest.raises(InvalidRequestError, match=rf"{parent}, above {parent / 'run' / 'deeper'}, {refused}"):
+        ensure_private_dir(parent / "run" / "deeper")
+    assert not (parent / "run").exists()  # refused before anything was made there (it would lock its owner out)

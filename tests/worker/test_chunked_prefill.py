@@ -157,9 +157,10 @@ def test_a_cancelled_prompt_stops_being_prefilled_and_gives_back_its_slot(model)
         engine._filling[0].cancelled = True
 
     recorder = Recorder(model, hook=cancel, at=4)
-    out, reasons, _, _ = together(model, recorder, SamplingParams(max_tokens=30, ignore_eos=True))
+    out, reasons, _, engine = together(model, recorder, SamplingParams(max_tokens=30, ignore_eos=True))
     assert reasons == {"short": "length", "long0": "stop"} and out["long"] == [[]]
     assert recorder.parts() == [(0, 8), (8, 16)]  # the part under way when it was cancelled, no more
+    assert engine.stats["prompt_tokens"] == len(SHORT) + 16  # what was prefilled, not the whole prompt
 
 
 def test_a_part_that_fails_ends_its_request_and_the_others_go_on(model):
