@@ -75,21 +75,20 @@ def bench_dir() -> pathlib.Path:
     """Where the benchmarks keep the synthetic checkpoints they build once and reuse: $PRELOAD_BENCH_DIR
     (made 0700 if missing), else the cache directory's bench/; either must be ours and only ours to
     write (a checkpoint a stranger planted at a fixed /tmp path was benchmarked as ours)."""
-    from preload_daemon.config import check_trusted_dir
+    from preload_daemon.config import check_ancestors, check_trusted_dir
     from preload_daemon.default_model import cache_subdir
     from preload_daemon.errors import PreloadError
     if not os.environ.get("PRELOAD_BENCH_DIR"):
         return cache_subdir("bench")
-    path = pathlib.Path(os.environ["PRELOAD_BENCH_DIR"])
+    path, fix = pathlib.Path(os.environ["PRELOAD_BENCH_DIR"]), "set PRELOAD_BENCH_DIR to a directory of your own"
     try:
+        check_ancestors(path, fix)  # before anything is made there
         path.mkdir(mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise SystemExit(f"PRELOAD_BENCH_DIR={path}: cannot make it ({e.strerror}); name a directory of your own")
-    try:
-        check_trusted_dir(path, "plant a checkpoint we would benchmark",
-                          "set PRELOAD_BENCH_DIR to a directory of your own")
+        check_trusted_dir(path, "plant a checkpoint we would benchmark", fix)
     except PreloadError as e:
         raise SystemExit(str(e)) from None
+    except OSError as e:
+        raise SystemExit(f"PRELOAD_BENCH_DIR={path}: cannot make it ({e.strerror}); {fix}") from None
     return path
 
 
