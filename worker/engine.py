@@ -15,8 +15,8 @@ import torch
 from preload_daemon.errors import InvalidRequestError
 from worker.model import CausalLM
 from worker.requests import Request, Result, SamplingParams, check_request
-from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, pick, prompt_logprobs, seeded
-from worker.speculative import Speculator, accept, greedy, probabilities
+from worker.sampling import Pick, all_finite, check_finite, describe, needs_work, prompt_logprobs, seeded
+from worker.speculative import Speculator, accept, greedy
 
 log = logging.getLogger(__name__)
 _WAKE = object()
@@ -272,7 +272,7 @@ class Engine:
             for r in (request, *request.siblings):
                 r.prompt_picks = request.prompt_picks
                 self._running.append(r)
-                if (picked := self._guarded(r, lambda: self._pick(r, logits[row]))) is not None:
+                if (picked := self._guarded(r, lambda: r.pick_next(logits[row]))) is not None:
                     self._emit(r, picked)
 
     def _decode(self) -> None:
@@ -295,25 +295,15 @@ class Engine:
         for row, request in enumerate(batch):
             if finite[row] and not needs_work(request.params):
                 self._emit(request, Pick(best[row]))
-            elif (picked := self._guarded(request, lambda: self._pick(request, logits[row]))) is not None:
+            elif (picked := self._guarded(request, lambda: request.pick_next(logits[row]))) is not None:
                 self._emit(request, picked)
 
     def _speculate(self) -> None:
         """One speculative step for every running request: propose, verify in one forward, keep the
         accepted prefix and the main model's next token."""
         batch, draft, k = sorted(self._running, key=lambda r: r.slot), self.draft, self.speculator.k
-        mtp = self.speculator.kind == "mtp"
         try:
-            proposals, lengths = [], []
-            for r in batch:
-                tokens = r.prompt + r.output
-                lengths.append(len(tokens))
-                proposals.append(draft.propose(r.slot, tokens, k, lambda logits, r=r: self._draft_pick(logits, r)))
-            ids = torch.tensor([[r.output[-1], *p.tokens] for r, p in zip(batch, proposals)])
-            positions = torch.tensor([[n - 1 + i for i in range(k + 1)] for n in lengths])
-            slots = torch.tensor([r.slot for r in batch])
-            out = self.model.forward(ids, positions, self.cache, slots, all_logits=True, hidden=mtp)
-            logits, states = out if mtp else (out, None)
+            proposals, lengths, logits, states = self.speculator.verify(draft, self.model, self.cache, batch)
         except Exception as e:
             log.exception("speculative decode failed")
             for r in batch:
@@ -337,14 +327,6 @@ class Engine:
                 if request not in self._running:
                     break
 
-    @staticmethod
-    def _draft_pick(logits: torch.Tensor, request: Request) -> tuple[int, torch.Tensor | None]:
-        params = request.params
-        if params.temperature == 0:
-            return greedy(logits), None
-        probs = probabilities(logits, params.temperature, params.top_p)
-        return int(torch.multinomial(probs, 1, generator=request.generator)), probs
-
     def _emit(self, request: Request, picked: Pick) -> None:
         token = picked.token
         request.output.append(token)
@@ -354,7 +336,7 @@ class Engine:
         if token in request.stop_ids or request.cancelled:
             self._finish(request, "stop")
             return
-        self._call(request, request.on_token, token)
+        request.notify(request.on_token, token)
         if len(request.output) >= request.params.max_tokens:
             self._finish(request, "length")
 
@@ -364,7 +346,7 @@ class Engine:
         if not all(r.cancelled for r in (request, *request.siblings)):
             return False
         for r in (request, *request.siblings):
-            self._call(r, r.on_done, "stop")
+            r.notify(r.on_done, "stop")
         return True
 
     def _orphans(self) -> bool:
@@ -395,23 +377,13 @@ class Engine:
             ended.update((id(s), s) for s in (request, *request.siblings))
         self._filling.clear()
         for request in ended.values():
-            self._call(request, request.on_done, reason)
+            request.notify(request.on_done, reason)
 
     def _finish(self, request: Request, reason: str) -> None:
         if request in self._running:
             self._running.remove(request)
         heapq.heappush(self._free, request.slot)
-        self._call(request, request.on_done, reason)
-
-    @staticmethod
-    def _call(request: Request, callback: Callable, value) -> None:
-        """A caller's callback. One that raises (its event loop is gone) cancels its own request,
-        never the scheduler that runs everyone else's."""
-        try:
-            callback(value)
-        except Exception as e:
-            request.cancelled = True
-            log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
+        request.notify(request.on_done, reason)
 
     def _guarded(self, request: Request, choose: Callable):
         """choose(), the request's next token; None if that fails (NaN logits): the request then
@@ -422,7 +394,3 @@ class Engine:
             log.warning("cannot choose the next token of a request (%s: %s); ending it", type(e).__name__, e)
             self._finish(request, f"error: cannot choose the next token: {e}")
             return None
-
-    @staticmethod
-    def _pick(request: Request, logits: torch.Tensor) -> Pick:
-        return pick(logits, request.params, request.prompt, request.output, request.generator)

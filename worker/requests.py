@@ -2,13 +2,16 @@
 as they are made), the request as the scheduler tracks it, and the result of a blocking generate."""
 
 import dataclasses
+import logging
 import math
 from collections.abc import Callable
 
 import torch
 
 from preload_daemon.errors import InvalidRequestError
-from worker.sampling import MAX_TOP_LOGPROBS, Pick
+from worker.sampling import MAX_TOP_LOGPROBS, Pick, pick
+
+log = logging.getLogger(__name__)
 
 
 GREEDY_BELOW = 1e-5
@@ -87,6 +90,19 @@ class Request:
     prefilled in parts (Engine.prefill_chunk)."""
     states: list = dataclasses.field(default_factory=list)
     """With an MTP draft, the main model's states of the parts prefilled so far."""
+
+    def notify(self, callback: Callable, value) -> None:
+        """One of its caller's callbacks. One that raises (its event loop is gone) cancels this
+        request, never the scheduler that runs everyone else's."""
+        try:
+            callback(value)
+        except Exception as e:
+            self.cancelled = True
+            log.warning("a request's caller failed (%s: %s); cancelling that request", type(e).__name__, e)
+
+    def pick_next(self, logits: torch.Tensor) -> Pick:
+        """Its next token from the model's logits, as its sampling parameters say."""
+        return pick(logits, self.params, self.prompt, self.output, self.generator)
 
 
 @dataclasses.dataclass(slots=True)

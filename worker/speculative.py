@@ -141,6 +141,27 @@ class Speculator:
         """The draft's per-slot state and cache, for an engine of `num_slots` slots."""
         return (MTPDraftRunner if self.kind == "mtp" else ModelDraft)(self.model, num_slots, max_len)
 
+    def verify(self, draft, model, cache, batch: list) -> tuple[list[Proposal], list[int], torch.Tensor,
+                                                               torch.Tensor | None]:
+        """One step's proposals and their verification: the draft (`runner`'s) proposes K tokens
+        after each request of `batch` (worker.requests.Request, in slot order), and the main model
+        scores every row's last token and proposals in one forward over K+1 positions. Returns (the
+        proposals, each request's length before the step, the logits [B, K+1, V], and for an MTP
+        draft the main model's states [B, K+1, H], else None)."""
+        k, mtp = self.k, self.kind == "mtp"
+        proposals, lengths = [], []
+        for r in batch:
+            tokens = r.prompt + r.output
+            lengths.append(len(tokens))
+            proposals.append(draft.propose(r.slot, tokens, k, lambda logits, r=r: draft_pick(logits, r.params,
+                                                                                              r.generator)))
+        ids = torch.tensor([[r.output[-1], *p.tokens] for r, p in zip(batch, proposals)])
+        positions = torch.tensor([[n - 1 + i for i in range(k + 1)] for n in lengths])
+        slots = torch.tensor([r.slot for r in batch])
+        out = model.forward(ids, positions, cache, slots, all_logits=True, hidden=mtp)
+        logits, states = out if mtp else (out, None)
+        return proposals, lengths, logits, states
+
     def figures(self, stats: dict) -> dict:
         """Acceptance rate, mean accepted length and tokens per main forward, per sequence (a step
         verifies every running sequence in one forward), from an engine's counters so far."""
@@ -150,6 +171,15 @@ class Speculator:
                 "acceptance_rate": stats["spec_accepted"] / max(stats["spec_proposed"], 1),
                 "mean_accepted_length": stats["spec_accepted"] / verified,
                 "tokens_per_main_forward": stats["spec_emitted"] / verified}
+
+
+def draft_pick(logits: torch.Tensor, params, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """The draft's token for a request sampled with `params` (worker.requests.SamplingParams), and
+    the distribution it was drawn from (None when greedy), which acceptance weighs it by."""
+    if params.temperature == 0:
+        return greedy(logits), None
+    probs = probabilities(logits, params.temperature, params.top_p)
+    return int(torch.multinomial(probs, 1, generator=generator)), probs
 
 
 def accept(logits: torch.Tensor, proposal: Proposal, temperature: float, top_p: float,
