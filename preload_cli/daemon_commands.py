@@ -34,12 +34,13 @@ def cmd_default_model(args) -> int:
     return 0
 
 
-def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str, object]]:
-    """(device, Stats or the error that stopped us reading them) per daemon."""
+def collect_stats(runtime_dir: pathlib.Path, device: str = "", stale: list | None = None) -> list[tuple[str, object]]:
+    """(device, Stats or the error that stopped us reading them) per daemon; the sockets dead
+    daemons left go to `stale` if given (versions.daemon_sockets)."""
     from preload_daemon.client import DaemonClient  # grpc and torch, paid only when a daemon is asked
     from preload_daemon.versions import daemon_sockets
     rows = []
-    for dev, path in daemon_sockets(runtime_dir):
+    for dev, path in daemon_sockets(runtime_dir, stale):
         if device and dev != device:
             continue
         with DaemonClient(path, timeout=3.0) as client:
@@ -51,11 +52,9 @@ def collect_stats(runtime_dir: pathlib.Path, device: str = "") -> list[tuple[str
 
 
 def cmd_status(args) -> int:
-    from preload_daemon.versions import daemon_sockets
+    stale: list = []
     try:
-        rows = collect_stats(args.runtime_dir)
-        stale: list = []
-        daemon_sockets(args.runtime_dir, stale)
+        rows = collect_stats(args.runtime_dir, stale=stale)
     except AccessDeniedError as e:
         print(f"preload status: {e}", file=sys.stderr)
         return 1

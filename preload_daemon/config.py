@@ -73,7 +73,7 @@ def ensure_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathli
     through a file descriptor, never by path. `fix` is what the error tells the user to do."""
     check_ancestors(pathlib.Path(path), fix)  # first: nothing is made below a directory a stranger controls
     _make_dirs(pathlib.Path(path))
-    return check_private_dir(pathlib.Path(path), fix)
+    return _check_own_dir(pathlib.Path(path), fix)
 
 
 def _make_dirs(path: pathlib.Path) -> None:
@@ -93,8 +93,15 @@ def _make_dirs(path: pathlib.Path) -> None:
 
 
 def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib.Path:
-    """Refuses `path` unless it is a real directory (not a symlink) owned by us; drops group and
-    other permissions if it has any. Raises FileNotFoundError if it does not exist."""
+    """Refuses `path` unless it is a real directory (not a symlink) owned by us, below directories
+    no stranger controls (check_ancestors); drops group and other permissions if it has any.
+    Raises FileNotFoundError if it does not exist."""
+    check_ancestors(path, fix)
+    return _check_own_dir(path, fix)
+
+
+def _check_own_dir(path: pathlib.Path, fix: str) -> pathlib.Path:
+    """check_private_dir of `path` itself, the directories above it already checked."""
     info = os.lstat(path)
     if stat.S_ISLNK(info.st_mode):
         raise InvalidRequestError(f"{path} is a symbolic link (to {os.readlink(path)}), not a directory; "
@@ -104,7 +111,6 @@ def check_private_dir(path: pathlib.Path, fix: str = RUNTIME_DIR_FIX) -> pathlib
     if info.st_uid != os.getuid():
         raise InvalidRequestError(f"{path} belongs to uid {info.st_uid}, not to us ({os.getuid()}); remove it if it "
                                   f"is empty (`rmdir {path}`, as its owner), or {fix}")
-    check_ancestors(path, fix)
     if info.st_mode & 0o077:
         _make_private(path, info, fix)
     return path
