@@ -31,9 +31,10 @@ UNITS = {
     "avx2": ("qgemv_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"]),
     "avx512": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
     "avx512bf16": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                         "-mfma", "-mf16c", "-mavx512bf16"]),
+                                         "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"]),
     "amx": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-DPRELOAD_AMX", "-mavx512f", "-mavx512bw",
-                                  "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
+                                  "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
+                                  "-mamx-bf16"]),
 }
 
 

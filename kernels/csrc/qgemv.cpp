@@ -56,7 +56,7 @@ Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::T
 // already is all that.
 const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weight& w, std::vector<float>& buffer) {
   const uint8_t* order = preload::x_order(kernels, w);
-  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order && !kernels->pack)
+  if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order)  // pack: bf16 x only
     return x.data_ptr<float>();
   int64_t m_rows = x.size(0), width = x.size(1), s0 = x.stride(0), s1 = x.stride(1), k = w.k;
   buffer.resize(preload::x_floats(kernels, m_rows, k));

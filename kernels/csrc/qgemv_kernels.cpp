@@ -1,10 +1,12 @@
 // SIMD kernels for quantized linear layers: y[m, n] = sum_k x[m, k] * scale(n, k) * element(W[n, k]).
 // One source, compiled four times by scripts/build_kernels.py: with -DPRELOAD_AVX512 and AVX-512
-// flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, with AVX512-BF16 as well and
-// -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of bfloat16 rows on its dot product), and with AMX
-// as well and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV on the matrix units); the last two run
-// this file's AVX-512 code for what they do not take. AVX2 and AVX-512 differ only in the vector
+// flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, with AVX512-BF16 and
+// AVX512-VNNI as well and -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of bfloat16
+// rows on its dot product), and with AMX as well and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV
+// on the matrix units); the last two run this file's AVX-512 code for what they do not take. AVX2 and AVX-512 differ only in the vector
 // layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
+// Every compilation runs int8 weights times a few rows of bfloat16 x on integer multiply-adds
+// (qgemv_int16.h, with AVX512-VNNI in the last two).
 //
 // The weight is decoded 32 elements at a time straight into registers and never written back, so
 // a GEMV reads it once: e4m3 through F16C (its bits placed where a float16 keeps exponent and
@@ -313,6 +315,8 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 
 #include "decode_kernels.h"  // in this namespace, compiled for this instruction set
 
+#include "qgemv_int16.h"  // in this namespace: it calls the kernels above for what it does not take
+
 #ifdef PRELOAD_BF16DOT
 #include "qgemv_bf16dot.h"  // in this namespace: it calls the kernels above for what it does not take
 #endif
@@ -330,9 +334,11 @@ extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pa
 extern const Kernels kAvx512Bf16 = {&gemv_bf16dot, &dequantize, kE2M1Order, kBF16Order, &pack_bf16dot, 4, &attend,
                                     &prefill, &silu_mul};
 #elif defined(PRELOAD_AVX512)
-extern const Kernels kAvx512 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, nullptr, &silu_mul};
+extern const Kernels kAvx512 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
+                                &silu_mul};
 #else
-extern const Kernels kAvx2 = {&gemv, &dequantize, kE2M1Order, kBF16Order, nullptr, 4, &attend, nullptr, &silu_mul};
+extern const Kernels kAvx2 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
+                              &silu_mul};
 #endif
 
 }  // namespace preload

@@ -168,6 +168,43 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
                                atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("m", [2, 8, 9, 16])
+def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m):
+    """From 2 bfloat16 rows on, int8 runs on integer multiply-adds (kernels/csrc/qgemv_int16.h) on
+    the avx2 and avx512 variants: x scaled by a power of two into int16. Rows of 16400 elements of
+    127 times x near the top of its range sum past what int32 holds (2^31 / (127 * 2^15) is 516
+    products a lane; AVX2's 8 lanes take 2050 each, AVX-512's 16 take 1025), so the sums go to
+    float32 every 2048 elements, and a 16-element tail follows. Every x here is an integer times
+    2^-8, so the expected sums are exact."""
+    k = 16400
+    q = quantize(torch.ones(3, k), "int8")
+    assert bool((q.weight == 127).all())
+    x = torch.full((m, k), 255 / 256).bfloat16()
+    x[1, ::2] = -3.5  # a row whose largest magnitude sets another power of two
+    expected = x.double() @ (q.weight.double() * q.scale.double()[:, None]).T
+    got = quantized_linear(x, q)
+    torch.testing.assert_close(got.double(), expected.bfloat16().double(), rtol=0, atol=0)
+
+
+def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(variant):
+    """A row whose values span 2^16 (the small ones round to 2^-16 of its largest there), a row of
+    zeros, a row of tiny values, and rows with a NaN or an infinity: those run the float32 kernels
+    and reach the output as they do there, without touching their neighbours."""
+    q = quantize(torch.randn(300, 1040), "int8")
+    x = torch.randn(6, 1040).bfloat16()
+    x[0, :8] = 3000.0
+    x[0, 8:] *= 0.05
+    x[1] = 0
+    x[2] *= 1e-30
+    x[3, 5], x[4, 7] = float("nan"), float("inf")
+    got = quantized_linear(x, q).float()
+    expected = reference_linear(x, q).float()
+    for row in (0, 1, 2, 5):
+        torch.testing.assert_close(got[row], expected[row], rtol=2e-2, atol=2e-2 * expected[row].abs().max().item())
+    assert bool(got[3].isnan().all())
+    assert bool((got[4].isinf() | got[4].isnan()).all())
+
+
 def test_native_kernels_are_built_where_the_cpu_runs_them():
     """scripts/setup.sh builds them; a missing build here would silently test only the torch path."""
     flags = set(open("/proc/cpuinfo").read().split())

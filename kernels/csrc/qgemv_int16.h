@@ -1,0 +1,210 @@
+// The GEMV of int8 weights times 2 or more rows of bfloat16 activations on integer multiply-adds,
+// for every compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on
+// AVX2 and AVX-512 from 2 rows of x on; with AVX512-BF16 (and AMX, below its tiles' 3 rows) for 2
+// to 4 rows, where the bfloat16 dot product (qgemv_bf16dot.h) takes more.
+//
+// At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
+// or 16 products per instruction, one instruction per row of x and register of weight. VPMADDWD
+// multiplies 16 (32) pairs of int16 and sums them in pairs into int32 lanes: twice the products per
+// instruction, and a sum whose add has a latency of one cycle (AVX512-VNNI's VPDPWSSD adds in the
+// same instruction). On a 2-core Zen 4, independent 256-bit VPMADDWD and VPADDD ran 93 G products/s
+// on one core, FMA 52-55 G. The default model's int8 projections (two threads, in cache, libraries
+// alternated) took 0.3-0.6x their float32 time at 8 rows of x and 0.4-0.7x at 2-4 on the AVX2
+// kernels, and with AVX512-BF16 0.5-0.75x the dot product's at 2-4 rows (even at 5; the dot product
+// wins from 6 on). The weight widens to int16 in one instruction a register (to float32 two a
+// register of 8 or 16, to bfloat16 five for 32).
+//
+// x is packed once per product (pack_int16): each row times a power of two, 2^s, that brings its
+// largest magnitude into [2^14, 2^15), rounded to int16. Every bfloat16 value of a row within 2^7 of
+// its largest is an integer then, exactly; smaller ones are rounded by at most 2^-16 of the largest
+// (bfloat16 itself keeps 2^-9 of each value). The products and their sums are exact integers; each
+// 2048 elements of a row (at most 2^30 in any lane: |int8| <= 128, |x| < 2^15) go into float32, and
+// the sums are multiplied by 2^-s and the weight row's scale. A row of x with a NaN or an infinity
+// (no power of two brings it into range) runs the float32 kernels, so that it reaches y as there.
+
+#ifdef PRELOAD_AVX512
+using IVec = __m512i;
+constexpr int kIntLanes = 32;         // int16 elements a register holds
+constexpr int kIntAccumulators = 16;  // of 32 registers
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec iwiden(const uint8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline IVec iload(const int16_t* p) { return _mm512_loadu_si512(p); }
+#ifdef PRELOAD_BF16DOT
+// AVX512-VNNI (on every CPU with AVX512-BF16): the multiply-add and the sum in one instruction.
+inline IVec imadd(IVec acc, IVec a, IVec b) { return _mm512_dpwssd_epi32(acc, a, b); }
+#else
+inline IVec imadd(IVec acc, IVec a, IVec b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#endif
+inline Vec itof(IVec v) { return _mm512_cvtepi32_ps(v); }
+// The last 16 elements of a row: masked loads, which read nothing past them.
+inline IVec imadd_tail(IVec acc, const uint8_t* w, const int16_t* x) {
+  const IVec wv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(0xFFFF, w));
+  return imadd(acc, wv, _mm512_maskz_loadu_epi16(0xFFFF, x));
+}
+#else
+using IVec = __m256i;
+constexpr int kIntLanes = 16;
+constexpr int kIntAccumulators = 8;   // of 16 registers
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec iwiden(const uint8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline IVec iload(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec imadd(IVec acc, IVec a, IVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline Vec itof(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline IVec imadd_tail(IVec acc, const uint8_t* w, const int16_t* x) { return imadd(acc, iwiden(w), iload(x)); }
+#endif
+
+constexpr int kIntMinM = 2;           // rows of x from which int8 weights take this GEMV
+#ifdef PRELOAD_BF16DOT
+constexpr int64_t kIntMaxRows = 4;    // and up to which (the bfloat16 dot product takes more)
+#else
+constexpr int64_t kIntMaxRows = INT64_MAX;
+#endif
+constexpr int kIntMaxM = 8;           // rows of x per pass: more take more passes
+constexpr int64_t kIntSegment = 64;   // chunks (2048 elements) summed in int32 before float32
+constexpr int kIntVecs = kChunk / kIntLanes;
+
+// Where a product's packed x lies in its buffer (pack_floats): the int16 rows after x's float32
+// ones, then each row's 2^-s (0 for a row the float32 kernels take), this many floats on.
+inline int64_t int16_scales_at(int64_t m_rows, int64_t k) { return m_rows * k + m_rows * k / 2; }
+
+// The int16 rows come interleaved, as a pass reads them: each pass's kIntMaxM rows (fewer in the
+// last) register by register, the first kIntLanes elements of each of its rows, then the next
+// kIntLanes of each, and so on (a last 16 of a row on AVX-512 likewise), so that one pointer with
+// fixed offsets reaches every row (8 row pointers had left the loop short of registers). Element e
+// of row m is at this index.
+inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
+  const int64_t pass = m / kIntMaxM, rows = lesser(kIntMaxM, m_rows - pass * kIntMaxM), j = m % kIntMaxM;
+  const int64_t full = k / kIntLanes, group = e / kIntLanes, base = pass * kIntMaxM * k;
+  if (group < full) return base + (group * rows + j) * kIntLanes + e % kIntLanes;
+  return base + full * rows * kIntLanes + j * (k - full * kIntLanes) + (e - full * kIntLanes);
+}
+
+// Whether int8 weights times these rows of bfloat16 x run here (then x gets its packed copy).
+inline bool int16_takes(const Weight& w, int64_t m_rows) {
+  return w.element == kInt8 && m_rows >= kIntMinM && m_rows <= kIntMaxRows;
+}
+
+// Rows [begin, end) of x packed (the float32 rows stay, for the float32 kernels). 256-bit on both
+// compilations: a few microseconds a product.
+void pack_int16(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
+  if (!int16_takes(w, m_rows)) return;
+  int16_t* words = reinterpret_cast<int16_t*>(x + m_rows * w.k);
+  float* scales = x + int16_scales_at(m_rows, w.k);
+  const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(INFINITY);
+  for (int64_t m = begin; m < end; ++m) {
+    const float* row = x + m * w.k;
+    __m256 largest = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t i = 0; i < w.k; i += 8) {
+      const __m256 magnitude = _mm256_andnot_ps(sign, _mm256_loadu_ps(row + i));
+      largest = _mm256_max_ps(largest, magnitude);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));  // an infinity or a NaN
+    }
+    if (!_mm256_testz_ps(bad, bad)) {
+      scales[m] = 0.0f;
+      continue;
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, largest);
+    const float top = *std::max_element(lanes, lanes + 8);
+    int exponent = 0;
+    if (top > 0.0f) std::frexp(top, &exponent);  // top < 2^exponent
+    const int shift = std::min(15 - exponent, 127);  // top * 2^shift < 2^15, 2^shift a float
+    const __m256 factor = _mm256_set1_ps(std::ldexp(1.0f, shift));
+    scales[m] = std::ldexp(1.0f, -shift);
+    for (int64_t i = 0; i < w.k; i += 16) {
+      // Rounded to nearest even and saturated (float32 x, not packed here, could round up to 2^15).
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), factor));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8), factor));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + int16_index(m_rows, w.k, m, i)),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+    }
+  }
+}
+
+// Rows [n, n + R) times the M packed rows of a pass of x: sums[r * M + m], before 2^-s and the row
+// scale.
+template <int M, int R>
+inline void int16_rows_dot(const Weight& w, const int16_t* xq, int64_t n, float* sums) {
+  const uint8_t* row[R];
+  for (int r = 0; r < R; ++r) row[r] = w.data + (n + r) * w.row_bytes;
+  const int64_t chunks = w.k / kChunk, ahead = std::max<int64_t>(prefetch_distance(w), R * w.row_bytes);
+  Vec total[R * M];
+  for (int i = 0; i < R * M; ++i) total[i] = vzero();
+  IVec acc[R * M];
+  for (int64_t c0 = 0; c0 <= chunks; c0 += kIntSegment) {
+    for (int i = 0; i < R * M; ++i) acc[i] = izero();
+    const int64_t c1 = lesser(c0 + kIntSegment, chunks);
+#pragma GCC unroll 2
+    for (int64_t c = c0; c < c1; ++c) {
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = row[r] + c * kChunk;
+        prefetch_weight(p, c * kChunk, ahead);
+        for (int h = 0; h < kIntVecs; ++h) {
+          const IVec v = iwiden(p + h * kIntLanes);
+          const int16_t* xs = xq + (c * kIntVecs + h) * M * kIntLanes;
+          for (int m = 0; m < M; ++m) acc[r * M + m] = imadd(acc[r * M + m], v, iload(xs + m * kIntLanes));
+          // Each register's products into the sums before the next's: g++ otherwise adds the two
+          // registers' products first, which takes M registers more and spills sums at 8 rows.
+          for (int i = 0; i < R * M; ++i) __asm__("" : "+v"(acc[i]));
+        }
+      }
+    }
+    if (c1 == chunks && w.k % kChunk)  // the last 16 elements
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < M; ++m)
+          acc[r * M + m] = imadd_tail(acc[r * M + m], row[r] + chunks * kChunk, xq + chunks * kChunk * M + m * 16);
+    for (int i = 0; i < R * M; ++i) total[i] = vadd(total[i], itof(acc[i]));
+    if (c1 == chunks) break;
+  }
+  vsums<R * M>(total, sums);
+}
+
+template <int M>
+void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_t begin, int64_t end, uint16_t* y,
+                int64_t y_stride) {
+  // Weight rows side by side, each load of x shared by them, up to 4 rows of x; from 5 on, one at a
+  // time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core Zen 4).
+  constexpr int R = M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
+  float sums[R * M];
+  auto store = [&](int64_t n, int rows) {
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * inverse[m] * row_scale(w, n + r));
+  };
+  int64_t n = begin;
+  for (; n + R <= end; n += R) {
+    int16_rows_dot<M, R>(w, xq, n, sums);
+    store(n, R);
+  }
+  for (; n < end; ++n) {
+    int16_rows_dot<M, 1>(w, xq, n, sums);
+    store(n, 1);
+  }
+}
+
+using Int16Fn = void (*)(const Weight&, const int16_t*, const float*, int64_t, int64_t, uint16_t*, int64_t);
+
+template <int... Ms>
+Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
+  static constexpr Int16Fn passes[] = {&int16_pass<Ms + 1>...};
+  return passes[m - 1];
+}
+
+// gemv, with int8 weights times 2 or more rows of bfloat16 x on the integer multiply-adds. Passes of
+// rows that include one the packing left out (a NaN, an infinity) run gemv.
+void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
+                int64_t y_stride, bool bf16) {
+  if (!bf16 || !int16_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  const int16_t* xq = reinterpret_cast<const int16_t*>(x + m_rows * w.k);
+  const float* inverse = x + int16_scales_at(m_rows, w.k);
+  in_passes<kIntMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
+    uint16_t* out = static_cast<uint16_t*>(y) + m0 * y_stride;
+    if (std::find(inverse + m0, inverse + m0 + m, 0.0f) != inverse + m0 + m)
+      return gemv(w, x + m0 * w.k, m, start, stop, out, y_stride, true);
+    int16_for(m, std::make_integer_sequence<int, kIntMaxM>{})(w, xq + m0 * w.k, inverse + m0, start, stop, out,
+                                                             y_stride);
+  });
+}
