@@ -3,12 +3,15 @@
 One activation row (a decode step) runs the native fused GEMV of kernels/csrc with its bfloat16
 element format where those kernels are built: it prefetches each weight row ahead of its reads and
 streams the weight from memory about 1.5-2x faster than torch's bfloat16 GEMV (a 2-core AVX2 Zen 1
-VM: 11-15 GB/s against 6-9). A few bfloat16 rows (up to `native_rows()`) take the same kernel on
-CPUs without bfloat16 matrix instructions (no AVX512-BF16 or AMX): it streams the weight once for
-all the rows, with float32 sums in registers (2.5-4x faster than the widened tiles below at 8
-rows there); and on the avx512bf16 variant, whose GEMV runs on the bfloat16 dot product and beats
-torch's oneDNN GEMM up to 8 rows, one pass (a 2-core Zen 5, 49152x576 from memory: 0.4x its time at
-1 to 8 rows, 0.6-0.7x at 12 and 16, which take two passes).
+VM: 11-15 GB/s against 6-9). Up to `native_rows()` rows take the same kernel wherever torch's
+bfloat16 GEMM does not run on AMX tiles: it streams the weight once for all the rows. On AVX2 CPUs
+it is 2.5-4x faster than the widened tiles below at 8 rows; on the avx512bf16 variant, on the
+bfloat16 dot product, 0.4x oneDNN's time at 1 to 8 rows (a 2-core Zen 5, 49152x576 from memory;
+0.6-0.7x at 12 and 16, which take two passes); and with the avx2 or avx512 kernels forced on a CPU
+whose oneDNN has AVX512-BF16 but no AMX, faster too (a 2-core Zen 4, the default model's 49152x576
+lm_head at 8 rows: 2.7-3.0 ms against oneDNN's 3.8-4.0 and the widened tiles' 12.0; at 4 rows
+1.4-1.9 against 3.4 and 8.4). Where torch's GEMM runs on AMX tiles it wins from 2 rows on (a 2-core
+Xeon).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
@@ -28,17 +31,22 @@ from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-# variant -> most rows for the native GEMV (where torch's bfloat16 GEMM is slow, where it is not):
-# where that GEMM is slow, one pass of qgemv_kernels.cpp's kMaxM rows; where it is not, one row, but
-# on avx512bf16, whose GEMV beats it up to 8 rows, one pass (measured).
-_NATIVE_ROWS = {"avx2": (8, 1), "avx512": (4, 1), "avx512bf16": (8, 8), "amx": (4, 1)}
+NATIVE_ROWS = 8  # most rows the native GEMV takes where torch's bfloat16 GEMM has no AMX tiles (measured)
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 
 def native_rows() -> int:
     """Most activation rows the native bfloat16 GEMV takes (0: not built, or not chosen here)."""
-    slow, fast = _NATIVE_ROWS.get(native.VARIANT, (0, 0))
-    return slow if reduced_gemm_is_slow(torch.device("cpu")) else fast
+    if native.VARIANT == "torch":
+        return 0
+    return 1 if native.VARIANT != "avx512bf16" and torch_gemm_on_tiles() else NATIVE_ROWS
+
+
+@functools.cache
+def torch_gemm_on_tiles() -> bool:
+    """Whether torch's bfloat16 GEMM runs on AMX tiles here (oneDNN uses them where the CPU has them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe()) and not reduced_gemm_is_slow(torch.device("cpu"))
 
 
 @functools.cache  # asked at every decode step (kernels/decode_layer.max_rows); the answer never changes

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kernels.attention import (PREFILL_VARIANTS, attention_reference, cached_attention, decode_attention,
                                has_decode_attention, prefill_attention)
 from kernels import native
-from kernels.dense import Dense, native_rows, widened_linear
+from kernels.dense import Dense, native_rows, torch_gemm_on_tiles, widened_linear
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin, inv_freq, rope_table, rotate
 
@@ -76,7 +76,7 @@ def test_dense_keeps_torch_s_kernel_without_native_kernels_and_when_asked():
 @pytest.mark.parametrize("variant", native.available())
 def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, monkeypatch):
     """One row (a decode step: the kernel prefetches what torch's GEMV waits for), and 2 to
-    native_rows() rows where torch's reduced-precision GEMM is slow or the kernel runs on bfloat16
+    native_rows() rows where torch's bfloat16 GEMM has no AMX tiles or the kernel runs on bfloat16
     units (avx512bf16), take the fused kernel where it is chosen; more rows do not."""
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(12, 96).bfloat16()
     with native.using(variant), monkeypatch.context() as patch:  # undone before `using` restores
@@ -89,7 +89,7 @@ def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, monkeypatc
                                        rtol=1e-2, atol=3e-2)
     rows = native_rows_of(variant)
     expected = ([1] if rows else []) + list(range(2, rows + 1))
-    assert rows <= 1 or dense.widen or variant == "avx512bf16"
+    assert rows == (0 if variant == "torch" else 1 if torch_gemm_on_tiles() and variant != "avx512bf16" else 8)
     assert calls == expected
 
 
