@@ -5,12 +5,14 @@ element format where those kernels are built: it prefetches each weight row ahea
 streams the weight from memory about 1.5-2x faster than torch's bfloat16 GEMV (a 2-core AVX2 Zen 1
 VM: 11-15 GB/s against 6-9). A few rows (up to `native_rows()`, measured per variant and CPU) take
 the same kernel, which streams the weight once for all the rows: where torch's bfloat16 GEMM is
-slow (no AVX512-BF16), 8, far faster than the widened tiles below (2.5-4x on AVX2 CPUs; the avx512
-kernels in two passes of 4 rows 4-7x at 6 and 8 rows, a 2-core Zen 4); on the avx512bf16 variant,
-on the bfloat16 dot product, 8 (a 2-core Zen 5, 49152x576 from memory: 0.4x oneDNN's time at 1 to 8
-rows, 0.6-0.7x at 12 and 16, which take two passes); with the avx2 or avx512 kernels on a CPU whose
-oneDNN has AVX512-BF16 but no AMX, 2 and 4 (a 2-core Zen 4: 0.35-0.8x oneDNN's time there; the avx2
-kernels at 8 rows took up to 1.85x it); where torch's GEMM runs on AMX tiles, one (a 2-core Xeon).
+slow (torch's reference GEMM: no oneDNN bfloat16 on CPUs without AVX-512), 8, far faster than the
+widened tiles below (2.5-4x on AVX2 CPUs; the avx512 kernels in two passes of 4 rows 4-7x at 6 and 8
+rows, a 2-core Zen 4); on the avx512bf16 variant, on the bfloat16 dot product, 8 (a 2-core Zen 5,
+49152x576 from memory: 0.4x oneDNN's time at 1 to 8 rows, 0.6-0.7x at 12 and 16, which take two
+passes); with the avx2 or avx512 kernels where oneDNN runs that GEMM without AMX tiles, 2 and 4 (a
+2-core Zen 4, whose oneDNN has AVX512-BF16: 0.35-0.8x its time there; the avx2 kernels at 8 rows took
+up to 1.85x it; not measured on AVX-512 CPUs without AVX512-BF16, where oneDNN converts to float32);
+where oneDNN runs it on AMX tiles, one (a 2-core Xeon).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
@@ -30,8 +32,8 @@ from kernels.formats import BF16_ELEMENTS, PER_TENSOR
 
 TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is multiplied (measured best)
 REDUCED = (torch.bfloat16, torch.float16)
-# variant -> most rows for the native GEMV where torch's bfloat16 GEMM is slow, where it runs on
-# AVX512-BF16's dot product, where it runs on AMX tiles (measured; see above).
+# variant -> most rows for the native GEMV where torch's bfloat16 GEMM is slow, where oneDNN runs it
+# without AMX tiles, where it runs on them (measured; see above).
 _NATIVE_ROWS = {"avx2": (8, 2, 1), "avx512": (8, 4, 1), "avx512bf16": (8, 8, 8), "amx": (1, 1, 1)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 

@@ -16,11 +16,12 @@
 //
 // x is packed once per product (pack_int16): each row times a power of two, 2^s, that brings its
 // largest magnitude into [2^14, 2^15), rounded to int16. Every bfloat16 value of a row within 2^7 of
-// its largest is an integer then, exactly; smaller ones are rounded by at most 2^-16 of the largest
+// its largest is an integer then, exactly; smaller ones are rounded by at most 2^-15 of the largest
 // (bfloat16 itself keeps 2^-9 of each value). The products and their sums are exact integers; each
-// 2048 elements of a row (at most 2^30 in any lane: |int8| <= 128, |x| < 2^15) go into float32, and
+// 2048 elements of a row (under 2^31 in any lane: |int8| <= 128, |x| < 2^15) go into float32, and
 // the sums are multiplied by 2^-s and the weight row's scale. A row of x with a NaN or an infinity
-// (no power of two brings it into range) runs the float32 kernels, so that it reaches y as there.
+// (no power of two brings it into range), or whose largest magnitude is below 2^-112, runs the
+// float32 kernels alone, so that it reaches y as there.
 
 #ifdef PRELOAD_AVX512
 using IVec = __m512i;
@@ -103,24 +104,24 @@ void pack_int16(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_
       largest = _mm256_max_ps(largest, magnitude);
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));  // an infinity or a NaN
     }
-    if (!_mm256_testz_ps(bad, bad)) {
-      scales[m] = 0.0f;
-      continue;
-    }
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, largest);
     const float top = *std::max_element(lanes, lanes + 8);
     int exponent = 0;
     if (top > 0.0f) std::frexp(top, &exponent);  // top < 2^exponent
-    const int shift = std::min(15 - exponent, 127);  // top * 2^shift < 2^15, 2^shift a float
-    const __m256 factor = _mm256_set1_ps(std::ldexp(1.0f, shift));
-    scales[m] = std::ldexp(1.0f, -shift);
+    const int shift = 15 - exponent;             // top * 2^shift < 2^15
+    // A NaN or an infinity, or a row so small that 2^-shift would not be a normal float: zeros here,
+    // and the float32 kernels take the row (scale 0).
+    const bool packs = _mm256_testz_ps(bad, bad) && shift <= 126;
+    scales[m] = packs ? std::ldexp(1.0f, -shift) : 0.0f;
+    const __m256 factor = _mm256_set1_ps(packs ? std::ldexp(1.0f, shift) : 0.0f);
     for (int64_t i = 0; i < w.k; i += 16) {
       // Rounded to nearest even and saturated (float32 x, not packed here, could round up to 2^15).
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), factor));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8), factor));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + int16_index(m_rows, w.k, m, i)),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+      const __m256i packed =
+          packs ? _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8) : _mm256_setzero_si256();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + int16_index(m_rows, w.k, m, i)), packed);
     }
   }
 }
@@ -193,8 +194,9 @@ Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// gemv, with int8 weights times 2 or more rows of bfloat16 x on the integer multiply-adds. Passes of
-// rows that include one the packing left out (a NaN, an infinity) run gemv.
+// gemv, with int8 weights times 2 or more rows of bfloat16 x on the integer multiply-adds. A row the
+// packing left out (scale 0: its words are zeros) then runs gemv alone, as it would in a product
+// of one row: the other rows' bits do not depend on it.
 void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                 int64_t y_stride, bool bf16) {
   if (!bf16 || !int16_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
@@ -202,9 +204,9 @@ void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, 
   const float* inverse = x + int16_scales_at(m_rows, w.k);
   in_passes<kIntMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     uint16_t* out = static_cast<uint16_t*>(y) + m0 * y_stride;
-    if (std::find(inverse + m0, inverse + m0 + m, 0.0f) != inverse + m0 + m)
-      return gemv(w, x + m0 * w.k, m, start, stop, out, y_stride, true);
     int16_for(m, std::make_integer_sequence<int, kIntMaxM>{})(w, xq + m0 * w.k, inverse + m0, start, stop, out,
                                                              y_stride);
+    for (int j = 0; j < m; ++j)
+      if (inverse[m0 + j] == 0.0f) gemv(w, x + (m0 + j) * w.k, 1, start, stop, out + j * y_stride, y_stride, true);
   });
 }

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from kernels.attention import (PREFILL_VARIANTS, attention_reference, cached_attention, decode_attention,
                                has_decode_attention, prefill_attention)
+from kernels import dense as dense_module
 from kernels import native
-from kernels.dense import Dense, native_rows, torch_gemm_on_tiles, widened_linear
+from kernels.dense import Dense, native_rows, widened_linear
 from kernels.norm import rms_norm
 from kernels.rope import apply_rope, cos_sin, inv_freq, rope_table, rotate
 
@@ -73,29 +74,34 @@ def test_dense_keeps_torch_s_kernel_without_native_kernels_and_when_asked():
     assert torch.equal(dense(x.float(), w.float()), F.linear(x.float(), w.float()))  # float32: torch's GEMM
 
 
+# Rows of x the native bfloat16 GEMV takes, per variant, where torch's bfloat16 GEMM is slow, where
+# oneDNN runs it without AMX tiles, and where it runs on them (kernels/dense.py, as measured).
+NATIVE_ROWS = {"slow": {"avx2": 8, "avx512": 8, "avx512bf16": 8, "amx": 1, "torch": 0},
+               "dot": {"avx2": 2, "avx512": 4, "avx512bf16": 8, "amx": 1, "torch": 0},
+               "tiles": {"avx2": 1, "avx512": 1, "avx512bf16": 8, "amx": 1, "torch": 0}}
+
+
+@pytest.mark.parametrize("gemm", ["slow", "dot", "tiles"])
 @pytest.mark.parametrize("variant", native.available())
-def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, monkeypatch):
-    """One row (a decode step: the kernel prefetches what torch's GEMV waits for), and 2 to
-    native_rows() rows where torch's bfloat16 GEMM has no AMX tiles or the kernel runs on bfloat16
-    units (avx512bf16), take the fused kernel where it is chosen; more rows do not."""
+def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, gemm, monkeypatch):
+    """One row (a decode step: the kernel prefetches what torch's GEMV waits for), and up to as many
+    rows as beat torch's bfloat16 GEMM of this kind (or the widened tiles where it is slow) take the
+    fused kernel where it is chosen; more rows do not. Every kind of GEMM, whatever this CPU has."""
+    monkeypatch.setattr(dense_module, "reduced_gemm_is_slow", lambda device: gemm == "slow")
+    monkeypatch.setattr(dense_module, "torch_gemm_on_tiles", lambda: gemm == "tiles")
     w, x = torch.randn(300, 96).bfloat16(), torch.randn(12, 96).bfloat16()
     with native.using(variant), monkeypatch.context() as patch:  # undone before `using` restores
         dense, calls = Dense(), []
+        assert dense.widen == (gemm == "slow")
         op = native.qgemv
         if op is not None:
             patch.setattr(native, "qgemv", lambda *a: calls.append(a[0].shape[0]) or op(*a))
         for rows in range(1, 13):
             torch.testing.assert_close(dense(x[:rows], w).float(), (x[:rows].float() @ w.float().T),
                                        rtol=1e-2, atol=3e-2)
-    rows = native_rows_of(variant)
-    expected = ([1] if rows else []) + list(range(2, rows + 1))
-    assert rows <= 1 or not torch_gemm_on_tiles() or variant == "avx512bf16"
-    assert calls == expected
-
-
-def native_rows_of(variant: str) -> int:
-    with native.using(variant):
-        return native_rows()
+        rows = native_rows()
+    assert rows == NATIVE_ROWS[gemm][variant]
+    assert calls == ([1] if rows else []) + list(range(2, rows + 1))
 
 
 @pytest.mark.parametrize("variant", native.available())
