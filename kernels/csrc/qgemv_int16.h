@@ -10,8 +10,8 @@
 // same instruction). On a 2-core Zen 4, independent 256-bit VPMADDWD and VPADDD ran 93 G products/s
 // on one core, FMA 52-55 G. The default model's int8 projections (two threads, in cache, libraries
 // alternated) took 0.3-0.6x their float32 time at 8 rows of x and 0.4-0.7x at 2-4 on the AVX2
-// kernels, and with AVX512-BF16 0.5-0.75x the dot product's at 2-4 rows (even at 5; the dot product
-// wins from 6 on). The weight widens to int16 in one instruction a register (to float32 two a
+// kernels, and with AVX512-BF16 0.4-0.7x the dot product's at 2-3 rows, 0.6-1.1x at 4 (even at 5;
+// the dot product wins from 6 on). The weight widens to int16 in one instruction a register (to float32 two a
 // register of 8 or 16, to bfloat16 five for 32).
 //
 // x is packed once per product (pack_int16): each row times a power of two, 2^s, that brings its
