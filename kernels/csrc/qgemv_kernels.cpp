@@ -3,8 +3,9 @@
 // flags into the `kAvx512` entry points, with AVX2 flags into `kAvx2`, with AVX512-BF16 and
 // AVX512-VNNI as well and -DPRELOAD_BF16DOT into `kAvx512Bf16` (qgemv_bf16dot.h's GEMV of bfloat16
 // rows on its dot product), and with AMX as well and -DPRELOAD_AMX into `kAmx` (qgemv_amx.h's GEMV
-// on the matrix units); the last two run this file's AVX-512 code for what they do not take. AVX2 and AVX-512 differ only in the vector
-// layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32 registers); the rest is shared.
+// on the matrix units); the last two run this file's AVX-512 code for what they do not take. AVX2
+// and AVX-512 differ only in the vector layer of qgemv_simd.h (8 or 16 floats per register, 16 or 32
+// registers); the rest is shared.
 // Every compilation runs int8 weights times a few rows of bfloat16 x on integer multiply-adds
 // (qgemv_int16.h, with AVX512-VNNI in the last two).
 //
