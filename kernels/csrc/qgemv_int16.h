@@ -195,8 +195,8 @@ Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
 }
 
 // gemv, with int8 weights times 2 or more rows of bfloat16 x on the integer multiply-adds. A row the
-// packing left out (scale 0: its words are zeros) then runs gemv alone, as it would in a product
-// of one row: the other rows' bits do not depend on it.
+// packing left out (scale 0: its words are zeros) then runs the float32 kernels alone, so that the
+// other rows' bits do not depend on it.
 void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                 int64_t y_stride, bool bf16) {
   if (!bf16 || !int16_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);

@@ -189,9 +189,8 @@ def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m):
 def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(variant):
     """A row whose values span 2^16 (the small ones round to 2^-15 of its largest there), a row of
     zeros, a row of tiny values; rows with a NaN or an infinity, and one below 2^-112 (no power of two
-    brings it into int16 with a normal float scale): those run the float32 kernels alone and reach
-    the output as a product of that one row does, and the other rows' bits are what they are beside
-    rows of zeros."""
+    brings it into int16 with a normal float scale): those run the float32 kernels alone, and the
+    other rows' bits are what they are beside rows of zeros."""
     q = quantize(torch.randn(300, 1040), "int8")
     x = torch.randn(7, 1040).bfloat16()
     x[0, :8] = 3000.0
@@ -208,9 +207,6 @@ def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(va
     clean = x.clone()
     clean[[3, 4, 6]] = 0
     assert torch.equal(got[[0, 1, 2, 5]], quantized_linear(clean, q)[[0, 1, 2, 5]])
-    for row in (3, 4, 6):
-        torch.testing.assert_close(got[row:row + 1], quantized_linear(x[row:row + 1], q), rtol=0, atol=0,
-                                   equal_nan=True)
     assert bool(got[3].isnan().all())
     assert bool((got[4].isinf() | got[4].isnan()).all())
 
