@@ -412,8 +412,8 @@ Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
 // More than kDotMaxM activation rows take several passes, as gemv's.
 void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                   int64_t y_stride, bool bf16) {
-  if (!bf16 || int16_takes(w, m_rows)) return gemv_int16(w, x, m_rows, begin, end, y, y_stride, bf16);
-  if (!bf16dot_takes(w)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (bf16 && int16_takes(w, m_rows)) return gemv_int16(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (!bf16 || !bf16dot_takes(w)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() {

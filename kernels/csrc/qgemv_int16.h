@@ -173,7 +173,8 @@ void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_
   float sums[R * M];
   auto store = [&](int64_t n, int rows) {
     for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * inverse[m] * row_scale(w, n + r));
+      for (int m = 0; m < M; ++m)
+        put_output(y, y_stride, m, n + r, sums[r * M + m] * inverse[m] * row_scale(w, n + r), true);
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {
