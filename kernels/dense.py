@@ -12,7 +12,9 @@ rows, a 2-core Zen 4); on the avx512bf16 variant, on the bfloat16 dot product, 8
 passes); with the avx2 or avx512 kernels where oneDNN runs that GEMM without AMX tiles, 2 and 4 (a
 2-core Zen 4, whose oneDNN has AVX512-BF16: 0.35-0.8x its time there; the avx2 kernels at 8 rows took
 up to 1.85x it; not measured on AVX-512 CPUs without AVX512-BF16, where oneDNN converts to float32);
-where oneDNN runs it on AMX tiles, one (a 2-core Xeon).
+where oneDNN runs it on AMX tiles, one on those kernels, and on the amx kernels 16, the most their
+tiles take (a 2-core Emerald Rapids, 49152x576 from memory at 1 to 8 rows: 0.58-0.64x oneDNN's time;
+at 16 0.74x, in cache even).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
@@ -34,7 +36,7 @@ TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is mult
 REDUCED = (torch.bfloat16, torch.float16)
 # variant -> most rows for the native GEMV where torch's bfloat16 GEMM is slow, where oneDNN runs it
 # without AMX tiles, where it runs on them (measured; see above).
-_NATIVE_ROWS = {"avx2": (8, 2, 1), "avx512": (8, 4, 1), "avx512bf16": (8, 8, 8), "amx": (1, 1, 1)}
+_NATIVE_ROWS = {"avx2": (8, 2, 1), "avx512": (8, 4, 1), "avx512bf16": (8, 8, 8), "amx": (16, 16, 16)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 

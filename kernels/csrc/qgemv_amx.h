@@ -23,7 +23,10 @@ constexpr int64_t kAmxRows = 64;  // Kernels::block_unit: whole tiles, and few t
 // Rows of x below which the AVX-512 kernels run: they stream one row's weight faster than the tiles
 // do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
 // spend no more on decoding int8 or e4m3 than the tiles' bfloat16 conversion does. From 4 rows on
-// the tiles win, 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9).
+// the tiles win, 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 up to
+// 4 rows runs the integer multiply-adds instead (qgemv_int16.h: a 2-core Emerald Rapids, 4096x4096
+// at 3 and 4 rows, 0.54-0.85 ms against the tiles' 0.67-1.54, runs alternated; at 8 rows the tiles
+// take 0.9-1.4 ms, the integers 1.9-2.4).
 constexpr int64_t kAmxMinM = 3;
 
 inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM && k % 32 == 0; }
@@ -47,7 +50,7 @@ inline float tile_scale(const Weight& w, int64_t n, int64_t b) {
 // bfloat16 values where the GEMV takes it: rounding is then exact). Fewer rows than the tiles take
 // get the dot product's layout (qgemv_bf16dot.h) instead.
 void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (m_rows < kAmxMinM) return pack_bf16dot(x, m_rows, w, begin, end);
+  if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, begin, end);
   const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
   uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
@@ -139,7 +142,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
 
 void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
               bool bf16) {
-  if (m_rows < kAmxMinM) return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (!amx_takes(w, m_rows, bf16)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (w.element == kBF16) amx_gemv<kBF16>(w, x, m_rows, begin, end, y, y_stride, bf16);
   else if (w.element == kInt8) amx_gemv<kInt8>(w, x, m_rows, begin, end, y, y_stride, bf16);

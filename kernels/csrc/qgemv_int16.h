@@ -1,7 +1,7 @@
-// The GEMV of int8 weights times 2 or more rows of bfloat16 activations on integer multiply-adds,
-// for every compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on
-// AVX2 and AVX-512 from 2 rows of x on; with AVX512-BF16 (and AMX, below its tiles' 3 rows) for 2
-// to 4 rows, where the bfloat16 dot product (qgemv_bf16dot.h) takes more.
+// The GEMV of int8 weights times rows of bfloat16 activations on integer multiply-adds, for every
+// compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on AVX2 and
+// AVX-512 from 2 rows of x on; with AVX512-BF16 for 2 to 4 rows, where the bfloat16 dot product
+// (qgemv_bf16dot.h) takes more; with AMX for 1 to 4 rows, where its tiles take more.
 //
 // At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
 // or 16 products per instruction, one instruction per row of x and register of weight. VPMADDWD
@@ -58,7 +58,17 @@ inline Vec itof(IVec v) { return _mm256_cvtepi32_ps(v); }
 inline IVec imadd_tail(IVec acc, const uint8_t* w, const int16_t* x) { return imadd(acc, iwiden(w), iload(x)); }
 #endif
 
+#ifdef PRELOAD_AMX
+// Intel's cores (the amx compilation): from one row of x on, a weight row at a time. A 2-core Xeon
+// (Emerald Rapids), int8 4096x4096 at one row: 1.46 ms in cache on the dot product, 1.03 here with
+// 4 weight rows side by side, 0.42-0.47 one at a time (0.65-0.79 from memory, where bf16 takes
+// 1.32-1.46); at 2 rows from memory 0.92 -> 0.70-0.82 ms one at a time.
+constexpr int kIntMinM = 1;
+constexpr bool kIntRowAtATime = true;
+#else
 constexpr int kIntMinM = 2;           // rows of x from which int8 weights take this GEMV
+constexpr bool kIntRowAtATime = false;
+#endif
 #ifdef PRELOAD_BF16DOT
 constexpr int64_t kIntMaxRows = 4;    // and up to which (the bfloat16 dot product takes more)
 #else
@@ -168,8 +178,9 @@ template <int M>
 void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_t begin, int64_t end, uint16_t* y,
                 int64_t y_stride) {
   // Weight rows side by side, each load of x shared by them, up to 4 rows of x; from 5 on, one at a
-  // time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core Zen 4).
-  constexpr int R = M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
+  // time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core Zen 4). On Intel's
+  // cores one at a time (above).
+  constexpr int R = kIntRowAtATime ? 1 : M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
   float sums[R * M];
   auto store = [&](int64_t n, int rows) {
     for (int r = 0; r < rows; ++r)

@@ -76,9 +76,9 @@ def test_dense_keeps_torch_s_kernel_without_native_kernels_and_when_asked():
 
 # Rows of x the native bfloat16 GEMV takes, per variant, where torch's bfloat16 GEMM is slow, where
 # oneDNN runs it without AMX tiles, and where it runs on them (kernels/dense.py, as measured).
-NATIVE_ROWS = {"slow": {"avx2": 8, "avx512": 8, "avx512bf16": 8, "amx": 1, "torch": 0},
-               "dot": {"avx2": 2, "avx512": 4, "avx512bf16": 8, "amx": 1, "torch": 0},
-               "tiles": {"avx2": 1, "avx512": 1, "avx512bf16": 8, "amx": 1, "torch": 0}}
+NATIVE_ROWS = {"slow": {"avx2": 8, "avx512": 8, "avx512bf16": 8, "amx": 16, "torch": 0},
+               "dot": {"avx2": 2, "avx512": 4, "avx512bf16": 8, "amx": 16, "torch": 0},
+               "tiles": {"avx2": 1, "avx512": 1, "avx512bf16": 8, "amx": 16, "torch": 0}}
 
 
 @pytest.mark.parametrize("gemm", ["slow", "dot", "tiles"])
@@ -89,14 +89,14 @@ def test_dense_runs_a_few_bfloat16_rows_on_the_native_kernel(variant, gemm, monk
     fused kernel where it is chosen; more rows do not. Every kind of GEMM, whatever this CPU has."""
     monkeypatch.setattr(dense_module, "reduced_gemm_is_slow", lambda device: gemm == "slow")
     monkeypatch.setattr(dense_module, "torch_gemm_on_tiles", lambda: gemm == "tiles")
-    w, x = torch.randn(300, 96).bfloat16(), torch.randn(12, 96).bfloat16()
+    w, x = torch.randn(300, 96).bfloat16(), torch.randn(20, 96).bfloat16()
     with native.using(variant), monkeypatch.context() as patch:  # undone before `using` restores
         dense, calls = Dense(), []
         assert dense.widen == (gemm == "slow")
         op = native.qgemv
         if op is not None:
             patch.setattr(native, "qgemv", lambda *a: calls.append(a[0].shape[0]) or op(*a))
-        for rows in range(1, 13):
+        for rows in range(1, 21):
             torch.testing.assert_close(dense(x[:rows], w).float(), (x[:rows].float() @ w.float().T),
                                        rtol=1e-2, atol=3e-2)
         rows = native_rows()

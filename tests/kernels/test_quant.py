@@ -168,19 +168,19 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
                                atol=tol * expected.abs().max().item())
 
 
-@pytest.mark.parametrize("m", [2, 8, 9, 16])
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m):
     """From 2 bfloat16 rows on, int8 runs on integer multiply-adds (kernels/csrc/qgemv_int16.h) on
-    the avx2 and avx512 variants: x scaled by a power of two into int16. Rows of 16400 elements of
-    127 times x near the top of its range sum past what int32 holds (2^31 / (127 * 2^15) is 516
-    products a lane; AVX2's 8 lanes take 2050 each, AVX-512's 16 take 1025), so the sums go to
-    float32 every 2048 elements, and a 16-element tail follows. Every x here is an integer times
-    2^-8, so the expected sums are exact."""
+    the avx2 and avx512 variants (2 to 4 rows on avx512bf16, 1 to 4 on amx): x scaled by a power of
+    two into int16. Rows of 16400 elements of 127 times x near the top of its range sum past what
+    int32 holds (2^31 / (127 * 2^15) is 516 products a lane; AVX2's 8 lanes take 2050 each,
+    AVX-512's 16 take 1025), so the sums go to float32 every 2048 elements, and a 16-element tail
+    follows. Every x here is an integer times 2^-8, so the expected sums are exact."""
     k = 16400
     q = quantize(torch.ones(3, k), "int8")
     assert bool((q.weight == 127).all())
     x = torch.full((m, k), 255 / 256).bfloat16()
-    x[1, ::2] = -3.5  # a row whose largest magnitude sets another power of two
+    x[m // 2, ::2] = -3.5  # a row whose largest magnitude sets another power of two (the only one at m=1)
     expected = x.double() @ (q.weight.double() * q.scale.double()[:, None]).T
     got = quantized_linear(x, q)
     torch.testing.assert_close(got.double(), expected.bfloat16().double(), rtol=0, atol=0)
@@ -209,6 +209,15 @@ def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(va
     assert torch.equal(got[[0, 1, 2, 5]], quantized_linear(clean, q)[[0, 1, 2, 5]])
     assert bool(got[3].isnan().all())
     assert bool((got[4].isinf() | got[4].isnan()).all())
+    for row in range(7):  # each row alone, as a decode step of one sequence multiplies it (amx: integers)
+        alone = quantized_linear(x[row:row + 1], q)[0].float()
+        if row == 3:
+            assert bool(alone.isnan().all())
+        elif row == 4:
+            assert bool((alone.isinf() | alone.isnan()).all())
+        else:
+            torch.testing.assert_close(alone, expected[row], rtol=2e-2,
+                                       atol=2e-2 * expected[row].abs().max().item() + 1e-45)
 
 
 def test_native_kernels_are_built_where_the_cpu_runs_them():
