@@ -34,7 +34,7 @@ UNITS = {
                                          "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"]),
     "amx": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-DPRELOAD_AMX", "-mavx512f", "-mavx512bw",
                                   "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
-                                  "-mamx-bf16"]),
+                                  "-mamx-bf16", "-mamx-int8"]),
 }
 
 

@@ -99,38 +99,43 @@ inline bool int16_takes(const Weight& w, int64_t m_rows) {
   return w.element == kInt8 && m_rows >= kIntMinM && m_rows <= kIntMaxRows;
 }
 
+// 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0
+// where the float32 kernels take the row instead: a NaN or an infinity (no power of two brings it
+// into range), or a row so small that 2^-s would not be a normal float.
+inline float int16_factor(const float* row, int64_t k) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(INFINITY);
+  __m256 largest = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 magnitude = _mm256_andnot_ps(sign, _mm256_loadu_ps(row + i));
+    largest = _mm256_max_ps(largest, magnitude);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));  // an infinity or a NaN
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, largest);
+  const float top = *std::max_element(lanes, lanes + 8);
+  int exponent = 0;
+  if (top > 0.0f) std::frexp(top, &exponent);  // top < 2^exponent
+  const int shift = 15 - exponent;             // top * 2^shift < 2^15
+  return _mm256_testz_ps(bad, bad) && shift <= 126 ? std::ldexp(1.0f, shift) : 0.0f;
+}
+
 // Rows [begin, end) of x packed (the float32 rows stay, for the float32 kernels). 256-bit on both
 // compilations: a few microseconds a product.
 void pack_int16(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
   if (!int16_takes(w, m_rows)) return;
   int16_t* words = reinterpret_cast<int16_t*>(x + m_rows * w.k);
   float* scales = x + int16_scales_at(m_rows, w.k);
-  const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(INFINITY);
   for (int64_t m = begin; m < end; ++m) {
     const float* row = x + m * w.k;
-    __m256 largest = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-    for (int64_t i = 0; i < w.k; i += 8) {
-      const __m256 magnitude = _mm256_andnot_ps(sign, _mm256_loadu_ps(row + i));
-      largest = _mm256_max_ps(largest, magnitude);
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(magnitude, infinity, _CMP_NLT_UQ));  // an infinity or a NaN
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, largest);
-    const float top = *std::max_element(lanes, lanes + 8);
-    int exponent = 0;
-    if (top > 0.0f) std::frexp(top, &exponent);  // top < 2^exponent
-    const int shift = 15 - exponent;             // top * 2^shift < 2^15
-    // A NaN or an infinity, or a row so small that 2^-shift would not be a normal float: zeros here,
-    // and the float32 kernels take the row (scale 0).
-    const bool packs = _mm256_testz_ps(bad, bad) && shift <= 126;
-    scales[m] = packs ? std::ldexp(1.0f, -shift) : 0.0f;
-    const __m256 factor = _mm256_set1_ps(packs ? std::ldexp(1.0f, shift) : 0.0f);
+    const float shift = int16_factor(row, w.k);
+    scales[m] = shift != 0.0f ? 1.0f / shift : 0.0f;  // exact: a power of two
+    const __m256 factor = _mm256_set1_ps(shift);
     for (int64_t i = 0; i < w.k; i += 16) {
       // Rounded to nearest even and saturated (float32 x, not packed here, could round up to 2^15).
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), factor));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8), factor));
       const __m256i packed =
-          packs ? _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8) : _mm256_setzero_si256();
+          shift != 0.0f ? _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8) : _mm256_setzero_si256();
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + int16_index(m_rows, w.k, m, i)), packed);
     }
   }

@@ -168,16 +168,18 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
                                atol=tol * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [16400, 16448])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
-def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m):
+def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
     """From 2 bfloat16 rows on, int8 runs on integer multiply-adds (kernels/csrc/qgemv_int16.h) on
     the avx2 and avx512 variants (2 to 4 rows on avx512bf16, 1 to 4 on amx): x scaled by a power of
     two into int16. Rows of 16400 elements of 127 times x near the top of its range sum past what
     int32 holds (2^31 / (127 * 2^15) is 516 products a lane; AVX2's 8 lanes take 2050 each,
     AVX-512's 16 take 1025), so the sums go to float32 every 2048 elements, and a 16-element tail
-    follows. Every x here is an integer times 2^-8, so the expected sums are exact."""
-    k = 16400
-    q = quantize(torch.ones(3, k), "int8")
+    follows. On amx, 5 to 16 rows of 16448 (a multiple of 64) run on its int8 tiles (qgemv_amx.h),
+    whose int32 sums go into exact ones every 16384 elements. Every x here is an integer times
+    2^-8, so the expected sums are exact."""
+    q = quantize(torch.ones(35, k), "int8")  # amx's tiles take 16 weight rows; the last 3 run without them
     assert bool((q.weight == 127).all())
     x = torch.full((m, k), 255 / 256).bfloat16()
     x[m // 2, ::2] = -3.5  # a row whose largest magnitude sets another power of two (the only one at m=1)
@@ -225,7 +227,7 @@ def test_native_kernels_are_built_where_the_cpu_runs_them():
     flags = set(open("/proc/cpuinfo").read().split())
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
     expected = [variant for variant, needs in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", avx512),
-                                               ("amx", avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}))
+                                               ("amx", avx512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}))
                 if needs <= flags]
     if not expected:
         pytest.skip("no AVX2 on this CPU")
