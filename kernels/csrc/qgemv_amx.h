@@ -131,6 +131,11 @@ inline void configure_tiles(int count, int weight, int64_t m_rows) {
 // 16 rows of chunk c of a quantized weight as bfloat16 [16][32] (e4m3 times 2^-8, as decode32 leaves it).
 template <int kElem>
 inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
+  if (kElem == kE4M3 && w.kind <= kPerRow) {  // straight to bfloat16 (qgemv_bf16dot.h), not through float32
+    for (int r = 0; r < kTileRows; ++r)
+      _mm512_store_si512(tile + r * 32, (__m512i)e4m3_bf16(w.data + (n + r) * w.row_bytes + c * 32));
+    return;
+  }
   for (int r = 0; r < kTileRows; ++r) {
     Vec v[2];
     decode32<kElem>(w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>, v);

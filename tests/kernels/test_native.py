@@ -260,8 +260,9 @@ def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(name):
 def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
     """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
     element, then the zeros and subnormals alone, at 1, 2 and 4 rows of bfloat16 x: each variant's
-    GEMV (avx512bf16 and amx look e4m3 up in a table of bfloat16 words) matches the float32 product
-    of the dequantized weight up to the output's bfloat16 rounding; subnormals are not flushed."""
+    GEMV (avx512bf16 looks e4m3 up in a table of bfloat16 words; amx moves a normal code's bits into
+    place and looks up only exponent 0's, on its tiles too) matches the float32 product of the
+    dequantized weight up to the output's bfloat16 rounding; subnormals are not flushed."""
     torch.manual_seed(7)
     n, k = 96, 512
     q = quantize(torch.randn(n, k), name)
