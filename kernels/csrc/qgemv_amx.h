@@ -1,7 +1,8 @@
 // The GEMV on AMX tiles (Intel's matrix units, Sapphire Rapids on), for the compilation of
 // qgemv_kernels.cpp with -DPRELOAD_AMX (and the AVX-512 and AVX512-BF16 flags), which includes this
-// inside its unnamed namespace: fewer rows than kAmxMinM run qgemv_bf16dot.h's GEMV, and what neither
-// takes that compilation's AVX-512 `gemv`.
+// inside its unnamed namespace: fewer rows than kAmxMinM, and int8 at 1 to 4 rows, run
+// qgemv_bf16dot.h's GEMV (int8 there on qgemv_int16.h's integers), int8 at 5 to 16 rows the byte
+// tiles below where K is a multiple of 64, and what none takes that compilation's AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
 // from the weight, or decoded into a scratch tile for int8 and e4m3), x^T is a tile of 16 pairs x M
@@ -208,7 +209,7 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
       _tile_stored(1, lo, 64);
       const __m512d by = _mm512_set1_pd(256.0);
       for (int r = 0; r < kTileRows; ++r)
-        for (int h = 0; h < 2; ++h) {  // 8 rows of x a register: exact (integers below 2^53)
+        for (int h = 0; h < (m_rows + 7) / 8; ++h) {  // 8 rows of x a register: exact (integers below 2^53)
           const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi[r] + 8 * h));
           const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo[r] + 8 * h));
           const __m512d part = _mm512_fmadd_pd(_mm512_cvtepi32_pd(a), by, _mm512_cvtepi32_pd(b));
@@ -222,7 +223,8 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
     }
   }
   _tile_release();
-  if (n < end) gemv(w, x, m_rows, n, end, y, y_stride, true);  // fewer than 16 rows left
+  // Fewer than 16 weight rows left: the float32 kernels, on x itself (not rounded to int16).
+  if (n < end) gemv(w, x, m_rows, n, end, y, y_stride, true);
   for (int64_t m = 0; m < m_rows; ++m)  // a row the packing left out (scale 0) runs alone, as gemv_int16's
     if (inverse[m] == 0.0f) gemv(w, x + m * k, 1, begin, end, static_cast<uint16_t*>(y) + m * y_stride, y_stride, true);
 }

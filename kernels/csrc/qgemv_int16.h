@@ -211,7 +211,7 @@ Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// gemv, with int8 weights times 2 or more rows of bfloat16 x on the integer multiply-adds. A row the
+// gemv, with int8 weights times the rows of bfloat16 x int16_takes on the integer multiply-adds. A row the
 // packing left out (scale 0: its words are zeros) then runs the float32 kernels alone, so that the
 // other rows' bits do not depend on it.
 void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,

@@ -158,16 +158,19 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
 
 
 @pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
+@pytest.mark.parametrize("k", [320, 352])
 @pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
-def test_batched_products_on_the_matrix_units_match_the_reference(rows):
+def test_batched_products_on_the_matrix_units_match_the_reference(rows, k):
     """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
-    int8, FP8, MX and NVFP4 weights: N off the 16-row tiles (the tail runs the AVX-512 kernels), x
-    strided, and the same rows one at a time (AVX-512) agree up to the output's bfloat16 rounding.
-    Float32 activations, more rows, and FP8's float32 block scales from 3 rows on take the AVX-512
-    kernels, as exactly as there; fewer rows run on the bfloat16 dot product."""
+    FP8, MX and NVFP4 weights, and int8 from 5 rows on (on the byte tiles where K is a multiple of
+    64, else on the bfloat16 tiles; fewer rows run on the integer multiply-adds): N off the 16-row
+    tiles (the tail runs the AVX-512 kernels), x strided, and the same rows one at a time (AVX-512)
+    agree up to the output's bfloat16 rounding. Float32 activations, more rows, and FP8's float32
+    block scales from 3 rows on take the AVX-512 kernels, as exactly as there; fewer rows run on the
+    bfloat16 dot product."""
     torch.manual_seed(rows)
-    w = torch.randn(203, 320)
-    x = torch.randn(rows, 2 * 320)[:, ::2].bfloat16()
+    w = torch.randn(203, k)
+    x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
     cases = [(w.bfloat16(), (torch.ones(()), None, 0, 0, 3), x.float() @ w.bfloat16().float().T)]
     for name in ("int8", "fp8_per_channel", "fp8_block", "mxfp8", "mxfp4", "nvfp4"):
         q = quantize(w, name)
