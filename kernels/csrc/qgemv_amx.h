@@ -74,12 +74,12 @@ void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int64_t begin, int
   float* scales = x + int16_scales_at(m_rows, k);
   for (int64_t m = begin; m < end; ++m) {
     const float* row = x + m * k;
-    const float shift = int16_factor(row, k);
-    scales[m] = shift != 0.0f ? 1.0f / shift : 0.0f;  // exact: a power of two
-    const __m512 factor = _mm512_set1_ps(shift);
+    const float power = int16_factor(row, k);  // 2^s, or 0
+    scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
+    const __m512 factor = _mm512_set1_ps(power);
     for (int64_t e = 0; e < k; e += 16) {
       __m512i v = _mm512_setzero_si512();
-      if (shift != 0.0f) {  // rounded to nearest even and saturated to int16, as pack_int16 does
+      if (power != 0.0f) {  // rounded to nearest even and saturated to int16, as pack_int16 does
         v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + e), factor));
         v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32768));
       }

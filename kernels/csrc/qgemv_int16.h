@@ -127,15 +127,15 @@ void pack_int16(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_
   float* scales = x + int16_scales_at(m_rows, w.k);
   for (int64_t m = begin; m < end; ++m) {
     const float* row = x + m * w.k;
-    const float shift = int16_factor(row, w.k);
-    scales[m] = shift != 0.0f ? 1.0f / shift : 0.0f;  // exact: a power of two
-    const __m256 factor = _mm256_set1_ps(shift);
+    const float power = int16_factor(row, w.k);  // 2^s, or 0
+    scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
+    const __m256 factor = _mm256_set1_ps(power);
     for (int64_t i = 0; i < w.k; i += 16) {
       // Rounded to nearest even and saturated (float32 x, not packed here, could round up to 2^15).
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), factor));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8), factor));
       const __m256i packed =
-          shift != 0.0f ? _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8) : _mm256_setzero_si256();
+          power != 0.0f ? _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8) : _mm256_setzero_si256();
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + int16_index(m_rows, w.k, m, i)), packed);
     }
   }
