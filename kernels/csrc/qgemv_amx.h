@@ -151,20 +151,33 @@ inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
   }
 }
 
-// Weight rows [n, n + 16) times x: sums[r][m] (float32, before the row scale and kFactor). The 16
-// rows are one contiguous run of the weight, which the tiles read across (64 bytes of each row a
-// step): each step also prefetches its share of the next run, front to back, so that memory is read
-// in order (prefetching the same bytes of the next 16 rows instead streamed at ~17 GB/s, not ~20).
-// One accumulator tile: a step's product (~14 cycles) is not what bounds it.
+// The 16 weight rows after [n, n + 16), one contiguous run of the weight, prefetched a share at each
+// of a product's `steps`, front to back, so that memory is read in order while the tiles read across
+// the current rows (64 bytes of each a step): prefetching the same bytes of the next 16 rows instead
+// streamed at ~17 GB/s, not ~20.
+struct NextRun {
+  const char* next;
+  int64_t run, share;
+  NextRun(const Weight& w, int64_t n, int64_t steps)
+      : next(reinterpret_cast<const char*>(w.data + (n + kTileRows) * w.row_bytes)), run(kTileRows * w.row_bytes),
+        share((run / steps + 63) / 64 * 64) {}
+  void fetch(int64_t step) const {
+    for (int64_t at = step * share; at < std::min(run, (step + 1) * share); at += 64)
+      _mm_prefetch(next + at, _MM_HINT_T0);
+  }
+};
+
+// Weight rows [n, n + 16) times x: sums[r][m] (float32, before the row scale and kFactor), the next
+// 16 rows prefetched as they go. One accumulator tile: a step's product (~14 cycles) is not what
+// bounds it.
 template <int kElem>
 inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, float (*sums)[16]) {
   alignas(64) uint16_t decoded[kTileRows * 32];
   const int64_t chunks = w.k / 32, stride = w.row_bytes, bytes = kChunkBytes<kElem>;
-  const int64_t run = kTileRows * stride, share = (run / chunks + 63) / 64 * 64;
-  const char* next = reinterpret_cast<const char*>(w.data + (n + kTileRows) * stride);
+  const NextRun ahead(w, n, chunks);
   _tile_zero(0);
   for (int64_t c = 0; c < chunks; ++c) {
-    for (int64_t at = c * share; at < std::min(run, (c + 1) * share); at += 64) _mm_prefetch(next + at, _MM_HINT_T0);
+    ahead.fetch(c);
     _tile_loadd(2, xt + c * 16 * m_rows, 4 * m_rows);
     if constexpr (kElem == kBF16) {
       _tile_loadd(1, w.data + n * stride + c * bytes, stride);
@@ -183,22 +196,20 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
   const uint8_t* high = reinterpret_cast<const uint8_t*>(x + m_rows * k);
   const uint8_t* low = high + m_rows * k;
   const float* inverse = x + int16_scales_at(m_rows, k);
-  const int64_t run = kTileRows * stride, share = (run / chunks + 63) / 64 * 64;
   alignas(64) int32_t hi[kTileRows][16], lo[kTileRows][16];
   alignas(64) double sums[kTileRows][16];
   configure_tiles(5, 2, m_rows);  // 0 and 1: W hi and W lo (int32), 2: 16 weight rows, 3 and 4: x's high and low bytes
   int64_t n = begin;
   for (; n + kTileRows <= end; n += kTileRows) {
     const uint8_t* rows = w.data + n * stride;
-    const char* next = reinterpret_cast<const char*>(rows + run);
+    const NextRun ahead(w, n, chunks);
     for (int r = 0; r < kTileRows; ++r)
       for (int h = 0; h < 2; ++h) _mm512_store_pd(sums[r] + 8 * h, _mm512_setzero_pd());
     for (int64_t c0 = 0; c0 < chunks; c0 += kAmxIntSegment) {
       _tile_zero(0);
       _tile_zero(1);
       for (int64_t c = c0; c < std::min(chunks, c0 + kAmxIntSegment); ++c) {
-        for (int64_t at = c * share; at < std::min(run, (c + 1) * share); at += 64)  // as amx_rows prefetches
-          _mm_prefetch(next + at, _MM_HINT_T0);
+        ahead.fetch(c);
         _tile_loadd(2, rows + c * 64, stride);
         _tile_loadd(3, high + c * 16 * tile_row, tile_row);
         _tile_loadd(4, low + c * 16 * tile_row, tile_row);
@@ -225,8 +236,7 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
   _tile_release();
   // Fewer than 16 weight rows left: the float32 kernels, on x itself (not rounded to int16).
   if (n < end) gemv(w, x, m_rows, n, end, y, y_stride, true);
-  for (int64_t m = 0; m < m_rows; ++m)  // a row the packing left out (scale 0) runs alone, as gemv_int16's
-    if (inverse[m] == 0.0f) gemv(w, x + m * k, 1, begin, end, static_cast<uint16_t*>(y) + m * y_stride, y_stride, true);
+  rerun_left_out(w, x, m_rows, inverse, begin, end, static_cast<uint16_t*>(y), y_stride);
 }
 
 template <int kElem>

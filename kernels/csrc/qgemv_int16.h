@@ -211,9 +211,15 @@ Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// gemv, with int8 weights times the rows of bfloat16 x int16_takes on the integer multiply-adds. A row the
-// packing left out (scale 0: its words are zeros) then runs the float32 kernels alone, so that the
-// other rows' bits do not depend on it.
+// Rows of x the packing left out (2^-s of 0: their packed values are zeros) run the float32 kernels
+// alone, after the pass, so that the other rows' bits do not depend on them. `inverse`: the rows' 2^-s.
+inline void rerun_left_out(const Weight& w, const float* x, int64_t m_rows, const float* inverse, int64_t begin,
+                           int64_t end, uint16_t* y, int64_t y_stride) {
+  for (int64_t m = 0; m < m_rows; ++m)
+    if (inverse[m] == 0.0f) gemv(w, x + m * w.k, 1, begin, end, y + m * y_stride, y_stride, true);
+}
+
+// gemv, with int8 weights times the rows of bfloat16 x int16_takes on the integer multiply-adds.
 void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                 int64_t y_stride, bool bf16) {
   if (!bf16 || !int16_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
@@ -223,7 +229,6 @@ void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, 
     uint16_t* out = static_cast<uint16_t*>(y) + m0 * y_stride;
     int16_for(m, std::make_integer_sequence<int, kIntMaxM>{})(w, xq + m0 * w.k, inverse + m0, start, stop, out,
                                                              y_stride);
-    for (int j = 0; j < m; ++j)
-      if (inverse[m0 + j] == 0.0f) gemv(w, x + (m0 + j) * w.k, 1, start, stop, out + j * y_stride, y_stride, true);
+    rerun_left_out(w, x + m0 * w.k, m, inverse + m0, start, stop, out, y_stride);
   });
 }
