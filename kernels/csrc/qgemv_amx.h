@@ -126,6 +126,9 @@ inline void configure_tiles(int count, int weight, int64_t m_rows) {
     config.rows[t] = kTileRows;
     config.colsb[t] = t == weight ? 64 : static_cast<uint16_t>(4 * m_rows);
   }
+  // g++ 12 does not count LDTILECFG as a read of the 64 bytes: it dropped the stores of colsb as dead
+  // in one instantiation (zeros: a #GP, SIGSEGV). Handing the address to an empty asm keeps them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
