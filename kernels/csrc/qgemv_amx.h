@@ -5,17 +5,18 @@
 // tiles below where K is a multiple of 64, and what none takes that compilation's AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
-// from the weight, or decoded into a scratch tile for int8 and e4m3), x^T is a tile of 16 pairs x M
+// from the weight, or decoded into a scratch tile for the other formats), x^T is a tile of 16 pairs x M
 // rows (the pairs of x along K side by side, as the instruction takes them: `pack_amx` lays x out so
 // once per product), and one TDPBF16PS adds their product to a 16 x M float32 tile. A step of 32
 // elements of 16 weight rows costs about the same for 3 rows of x as for 16: where the AVX-512
 // kernels' multiply-adds grow with the rows, the tiles keep a batched GEMV at memory speed.
 //
 // Exactness: the unit multiplies bfloat16 exactly and sums in float32, as the AVX-512 kernels do (in
-// another order), so it takes weights whose elements are bfloat16 values before their row scale
-// (amx_takes), and activations that are bfloat16 (when the output is). Float32 activations, K not
-// a multiple of 32 and more than 16 rows run the AVX-512 kernels. The unit reads bfloat16
-// subnormals (below ~1e-38) as zero.
+// another order), so it takes weights whose elements are bfloat16 values before their row or 128x128
+// block scale, or after their MX or NVFP4 block scale (amx_takes), and activations that are bfloat16
+// (when the output is). Float32 activations, K not a multiple of 32 and more than 16 rows run the
+// AVX-512 kernels. The unit reads bfloat16 subnormals (below ~1e-38) as zero, and flushes float32
+// ones in its sums.
 
 constexpr int kTileRows = 16;  // weight rows per tile
 constexpr int64_t kAmxMaxM = 16;
@@ -32,20 +33,48 @@ constexpr int64_t kAmxMinM = 3;
 
 inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM && k % 32 == 0; }
 
-// The scale kinds whose weights decode to bfloat16 exactly: per-row and per-tensor ones (applied to
-// the sums), and MX's and NVFP4's blocks of 32 and 16 (a power of two, or an e4m3 scale times an
-// e2m1 value: 6 significant bits at most), applied as the tile is decoded, NVFP4's float32 global
-// scale to the sums. FP8's float32 block scales are not: those stay on the AVX-512 kernels.
+// The weights the tiles take: bfloat16, int8 and e4m3 with one scale per row or tensor (applied to
+// the sums), FP8's 128x128 blocks (the 16 rows of a tile share each block's scale: applied to the
+// sums of every 4 chunks), and MX's and NVFP4's blocks of 32 and 16, whose scales fold into the
+// decoded bfloat16 exactly (a power of two, or an e4m3 scale times an e2m1 value: 6 significant bits
+// at most), NVFP4's float32 global scale applied to the sums. MX rows whose scales would leave
+// bfloat16's normal range run the AVX-512 kernels (amx_folds).
 inline bool amx_takes(const Weight& w, int64_t m_rows, bool bf16) {
-  if (!bf16 || !amx_layout(m_rows, w.k) || m_rows < kAmxMinM || w.kind == kBlock128) return false;
+  if (!bf16 || !amx_layout(m_rows, w.k) || m_rows < kAmxMinM) return false;
   return w.kind <= kPerRow ? w.element != kE2M1 : w.element != kInt8 && w.element != kBF16;
 }
 
-// Block b's scale as decode_tile applies it (NVFP4's without its global scale).
-inline float tile_scale(const Weight& w, int64_t n, int64_t b) {
-  if (w.kind == kE4M3Per16) return e4m3_value(static_cast<const uint8_t*>(w.scale)[n * w.scale_cols + b]) * 256.0f;
-  return block_scale(w, n, b);
+// The MX codes whose blocks the tiles fold: each nonzero value times its 2^(code - 127) lies within
+// [2^-100, 2^128), normal bfloat16, and far enough above float32's subnormals, which the tiles flush,
+// that partial sums cancelling below 2^-126 cost no more than float32's rounding. e4m3 (times 2^-8:
+// 2^-17 to 1.75) from 44 to 254, e2m1 (0.5 to 6) from 28 to 252.
+constexpr uint8_t kAmxFold[2][2] = {{44, 254}, {28, 252}};  // [kE4M3, kE2M1]
+
+// Whether the 16 rows from n fold their MX scales into the decoded bfloat16 (e8m0_within).
+inline bool amx_folds(const Weight& w, int64_t n) {
+  const uint8_t* range = kAmxFold[w.element == kE2M1];
+  for (int r = 0; r < kTileRows; ++r)
+    if (!e8m0_within(w, n + r, range[0], range[1])) return false;
+  return true;
 }
+
+// e2m1 on the tiles: the 16 bytes of a row's chunk (32 elements: one MX block, two of NVFP4) are read
+// into every 128-bit lane, and lane q shifts both 8-byte halves (h, one NVFP4 block each) right by
+// 4q, so that word j of half h holds nibble 4j + q of it, element 16h + 4j + q, in its low 4 bits:
+// what VPERMW looks up in a table of 32 words (bit 4 picks half h of it). No widening shuffle, and
+// x's elements come in that order (pack_amx).
+constexpr int e2m1_tile_element(int t) { return 16 * (t / 4 % 2) + 4 * (t % 4) + t / 8; }
+
+// Where x (in kE2M1Order: qgemv.cpp reorders each 16) holds the element of the chunk's word t.
+struct E2M1TileFrom {
+  alignas(64) int32_t at[32] = {};
+  constexpr E2M1TileFrom() {
+    for (int t = 0; t < 32; ++t)
+      for (int p = 0; p < 32; ++p)
+        if (p / 16 * 16 + kE2M1Order[p % 16] == e2m1_tile_element(t)) at[t] = p;
+  }
+};
+constexpr E2M1TileFrom kE2M1TileFrom;
 
 // int8 weights times 5 to 16 rows of bfloat16 x on AMX-INT8, whose tiles multiply bytes: nothing
 // to decode. Each row of x is scaled into int16 as qgemv_int16.h does (the same values, and the same
@@ -95,19 +124,26 @@ void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int64_t begin, int
 }
 
 // x^T as tile 2 takes it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
-// bfloat16 values where the GEMV takes it: rounding is then exact). Fewer rows than the tiles take
-// get the dot product's layout (qgemv_bf16dot.h) instead.
+// bfloat16 values where the GEMV takes it: rounding is then exact), e2m1's elements in their tile
+// order (e2m1_tile_element). Fewer rows than the tiles take get the dot product's layout
+// (qgemv_bf16dot.h) instead.
 void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
   if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, begin, end);
   if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, begin, end);
   const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
+  const __m512i from[2] = {_mm512_load_si512(kE2M1TileFrom.at), _mm512_load_si512(kE2M1TileFrom.at + 16)};
   uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
   for (int64_t m = begin; m < end; ++m)
     for (int64_t p = 0; p < k / 2; p += 16) {
       const float* src = x + m * k + 2 * p;
-      alignas(64) uint32_t pairs[16];  // 32 elements in order: the pairs of 16 words
-      _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + 16), _mm512_loadu_ps(src)));
+      __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+      if (w.element == kE2M1) {
+        const __m512 first = lo;
+        lo = _mm512_permutex2var_ps(first, from[0], hi), hi = _mm512_permutex2var_ps(first, from[1], hi);
+      }
+      alignas(64) uint32_t pairs[16];  // the chunk's 32 elements: the pairs of 16 words
+      _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
       for (int j = 0; j < 16; ++j) words[(p + j) * m_rows + m] = pairs[j];
     }
 }
@@ -132,25 +168,87 @@ inline void configure_tiles(int count, int weight, int64_t m_rows) {
   _tile_loadconfig(&config);
 }
 
-// 16 rows of chunk c of a quantized weight as bfloat16 [16][32] (e4m3 times 2^-8, as decode32 leaves it).
-template <int kElem>
-inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
-  if (kElem == kE4M3 && w.kind <= kPerRow) {  // straight to bfloat16 (qgemv_bf16dot.h), not through float32
-    for (int r = 0; r < kTileRows; ++r)
-      _mm512_store_si512(tile + r * 32, (__m512i)e4m3_bf16(w.data + (n + r) * w.row_bytes + c * 32));
-    return;
+// 32 e2m1 elements of a row in their tile order (e2m1_tile_element), looked up in `table`: bfloat16
+// words, those of the chunk's first 16 elements (NVFP4's first block) in its first 16 words. With
+// kHalves the index's bit 4 is set for the second 16; an MX table holds the same 16 words twice.
+template <bool kHalves>
+inline __m512bh e2m1_tile_row(const uint8_t* p, __m512i table) {
+  const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i shifted = _mm512_srlv_epi64(bytes, _mm512_setr_epi64(0, 0, 4, 4, 8, 8, 12, 12));
+  __m512i index = shifted;
+  if constexpr (kHalves)  // (shifted & 15) | 16 in the second half's words
+    index = _mm512_ternarylogic_epi64(shifted, _mm512_set1_epi16(15), _mm512_setr_epi64(0, 0x10001000100010, 0,
+                                      0x10001000100010, 0, 0x10001000100010, 0, 0x10001000100010), 0xEA);
+  return (__m512bh)_mm512_permutexvar_epi16(index, table);
+}
+
+// Every e2m1 value times every e4m3 scale (code s, sign included), as bfloat16: exact, 6 significant
+// bits at most, 2^-10 to 2688. NVFP4's tiles look a block's 16 values up in row s.
+constexpr float e4m3_true(int s) {
+  const int e = s >> 3 & 15, m = s & 7;
+  const float magnitude = (s & 0x7F) == 0x7F ? __builtin_nanf("")
+                          : e == 0           ? m / 512.0f  // subnormal: m x 2^-9
+                                             : (1.0f + m / 8.0f) * float(1 << e) / 128.0f;
+  return s & 0x80 ? -magnitude : magnitude;
+}
+struct E2M1TimesE4M3 {
+  alignas(64) uint16_t words[256][16] = {};
+  constexpr E2M1TimesE4M3() {
+    for (int s = 0; s < 256; ++s)
+      for (int c = 0; c < 16; ++c)
+        words[s][c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(kE2M1Values[c] * e4m3_true(s)) >> 16);
   }
+};
+constexpr E2M1TimesE4M3 kE2M1TimesE4M3;
+static_assert(kE2M1TimesE4M3.words[0x38][3] == 0x3FC0 && kE2M1TimesE4M3.words[0x01][1] == 0x3A80,
+              "1.5 x 1 and 0.5 x 2^-9 as bfloat16");
+
+// MX's e8m0 scales of rows [n, n + 16) as decode_tile reads them, row r's from out[r * scale_cols]: the
+// word (code - 127) << 7 twice, which adds 2^(code - 127) to a bfloat16's exponent, broadcast
+// straight from memory. 16 at a time.
+inline void mx_exponents(const Weight& w, int64_t n, uint32_t* out) {
+  const int64_t count = w.scale_cols;
   for (int r = 0; r < kTileRows; ++r) {
-    Vec v[2];
-    decode32<kElem>(w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>, v);
-    if (w.kind == kE8M0Per32) {
-      const Vec scale = vset(tile_scale(w, n + r, c));
-      v[0] = vmul(v[0], scale), v[1] = vmul(v[1], scale);
-    } else if (w.kind == kE4M3Per16) {  // the chunk's two blocks of 16, each in its register
-      v[0] = vmul(v[0], vset(tile_scale(w, n + r, 2 * c)));
-      v[1] = vmul(v[1], vset(tile_scale(w, n + r, 2 * c + 1)));
+    const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + (n + r) * count;
+    for (int64_t b = 0; b < count; b += 16) {
+      const __mmask16 live = count - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - b)) - 1);
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, codes + b));
+      const __m512i word = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(c, _mm512_set1_epi32(127)), 7),
+                                            _mm512_set1_epi32(0xFFFF));
+      _mm512_mask_storeu_epi32(out + r * count + b, live, _mm512_mullo_epi32(word, _mm512_set1_epi32(0x10001)));
     }
-    _mm512_store_si512(tile + r * 32, (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]));
+  }
+}
+
+// 16 rows of chunk c of a quantized weight as bfloat16 [16][32] (e4m3 times 2^-8, as decode32 leaves
+// it), straight to bfloat16, not through float32 (but int8's): plain e4m3 (qgemv_bf16dot.h), MX times
+// its scale as an exponent add (rows that amx_folds), NVFP4's e2m1 from a table of the 16 values
+// times each block's scale. `exponents`: MX's, mx_exponents' for the 16 rows.
+template <int kElem, int kMode>
+inline void decode_tile(const Weight& w, int64_t n, int64_t c, const uint32_t* exponents, uint16_t* tile) {
+  for (int r = 0; r < kTileRows; ++r) {
+    const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
+    __m512bh v;
+    __m512i exponent = _mm512_setzero_si512();  // MX's 2^(code - 127), to add to the exponents
+    if constexpr (kMode == kBlock32Scale) exponent = _mm512_set1_epi32(int(exponents[r * w.scale_cols + c]));
+    if constexpr (kElem == kE4M3 && kMode == kBlock32Scale) {
+      v = e4m3_bf16<true>(p, exponent);
+    } else if constexpr (kElem == kE4M3) {
+      v = e4m3_bf16(p);
+    } else if constexpr (kElem == kE2M1 && kMode == kBlock32Scale) {
+      const __m512i table = _mm512_load_si512(kE2M1Bf16x2.words);  // the zeros (codes 0 and 8) stay zeros
+      v = e2m1_tile_row<false>(p, _mm512_mask_add_epi16(table, 0xFEFEFEFE, table, exponent));
+    } else if constexpr (kElem == kE2M1) {  // the chunk's two blocks: their scales' rows of kE2M1TimesE4M3
+      const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols + 2 * c;
+      const __m256i first = _mm256_load_si256(reinterpret_cast<const __m256i*>(kE2M1TimesE4M3.words[codes[0]]));
+      const __m256i second = _mm256_load_si256(reinterpret_cast<const __m256i*>(kE2M1TimesE4M3.words[codes[1]]));
+      v = e2m1_tile_row<true>(p, _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1));
+    } else {
+      Vec f[2];
+      decode32<kElem>(p, f);
+      v = _mm512_cvtne2ps_pbh(f[1], f[0]);
+    }
+    _mm512_store_si512(tile + r * 32, (__m512i)v);
   }
 }
 
@@ -172,25 +270,43 @@ struct NextRun {
 
 // Weight rows [n, n + 16) times x: sums[r][m] (float32, before the row scale and kFactor), the next
 // 16 rows prefetched as they go. One accumulator tile: a step's product (~14 cycles) is not what
-// bounds it.
-template <int kElem>
-inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, float (*sums)[16]) {
-  alignas(64) uint16_t decoded[kTileRows * 32];
+// bounds it. FP8's 128x128 blocks: the sums of each 4 chunks times their block's scale. A quantized
+// weight's next chunk is decoded before the tile loads this one, decoded a step ago: a tile load
+// right after the 16 stores of its rows waited for them (a 2-core Emerald Rapids, 4096x4096 at 8
+// rows of x from memory, runs alternated: MXFP4 0.93-0.98 -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 ->
+// 0.91-0.97).
+template <int kElem, int kMode>
+inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, const uint32_t* exponents,
+                     float (*sums)[16]) {
+  alignas(64) uint16_t decoded[2][kTileRows * 32];
+  alignas(64) float block[kTileRows][16] = {};  // the tile stores m_rows columns: the rest stay 0, not any float
   const int64_t chunks = w.k / 32, stride = w.row_bytes, bytes = kChunkBytes<kElem>;
+  const int64_t segment = kMode == kBlock128Scale ? 128 / 32 : chunks;
   const NextRun ahead(w, n, chunks);
-  _tile_zero(0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    ahead.fetch(c);
-    _tile_loadd(2, xt + c * 16 * m_rows, 4 * m_rows);
-    if constexpr (kElem == kBF16) {
-      _tile_loadd(1, w.data + n * stride + c * bytes, stride);
-    } else {
-      decode_tile<kElem>(w, n, c, decoded);
-      _tile_loadd(1, decoded, 64);
+  if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, exponents, decoded[0]);
+  for (int64_t c0 = 0; c0 < chunks; c0 += segment) {
+    _tile_zero(0);
+    for (int64_t c = c0; c < std::min(chunks, c0 + segment); ++c) {
+      ahead.fetch(c);
+      _tile_loadd(2, xt + c * 16 * m_rows, 4 * m_rows);
+      if constexpr (kElem == kBF16) {
+        _tile_loadd(1, w.data + n * stride + c * bytes, stride);
+      } else {
+        if (c + 1 < chunks) decode_tile<kElem, kMode>(w, n, c + 1, exponents, decoded[(c + 1) % 2]);
+        _tile_loadd(1, decoded[c % 2], 64);
+      }
+      _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_dpbf16ps(0, 1, 2);
+    if constexpr (kMode != kBlock128Scale) {
+      _tile_stored(0, sums, 64);
+    } else {  // rows [n, n + 16) lie in one block of 128 (amx_gemv)
+      _tile_stored(0, block, 64);
+      const __m512 scale = _mm512_set1_ps(block_scale(w, n, c0 / segment));
+      for (int r = 0; r < kTileRows; ++r)
+        _mm512_store_ps(sums[r], _mm512_fmadd_ps(_mm512_load_ps(block[r]), scale,
+                                                 c0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums[r])));
+    }
   }
-  _tile_stored(0, sums, 64);
 }
 
 void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
@@ -242,17 +358,23 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
   rerun_left_out(w, x, m_rows, inverse, begin, end, static_cast<uint16_t*>(y), y_stride);
 }
 
-template <int kElem>
+template <int kElem, int kMode>
 void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
               bool bf16) {
   const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m_rows * w.k);
   alignas(64) float sums[kTileRows][16];
+  std::vector<uint32_t> exponents(kMode == kBlock32Scale ? kTileRows * w.scale_cols : 0);
   configure_tiles(3, 1, m_rows);  // 0: y^T (float32), 1: 16 weight rows (32 bfloat16 each), 2: x^T
   int64_t n = begin;
   for (; n + kTileRows <= end; n += kTileRows) {
-    amx_rows<kElem>(w, xt, m_rows, n, sums);
+    if (kMode == kBlock32Scale && !amx_folds(w, n)) {  // as the AVX-512 variant runs them: the same bits
+      gemv(w, x, m_rows, n, n + kTileRows, y, y_stride, bf16);
+      continue;
+    }
+    if constexpr (kMode == kBlock32Scale) mx_exponents(w, n, exponents.data());
+    amx_rows<kElem, kMode>(w, xt, m_rows, n, exponents.data(), sums);
     for (int r = 0; r < kTileRows; ++r) {
-      const float scale = row_scale(w, n + r) * kFactor<kElem> * (w.kind == kE4M3Per16 ? w.global : 1.0f);
+      const float scale = row_scale(w, n + r) * kFactor<kElem> * (kMode == kBlock16Scale ? w.global : 1.0f);
       for (int64_t m = 0; m < m_rows; ++m) put_output(y, y_stride, m, n + r, sums[r][m] * scale, bf16);
     }
   }
@@ -264,9 +386,8 @@ void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
               bool bf16) {
   if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (amx_int8_takes(w, m_rows, bf16)) return amx_int8_gemv(w, x, m_rows, begin, end, y, y_stride);
-  if (!amx_takes(w, m_rows, bf16)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
-  if (w.element == kBF16) amx_gemv<kBF16>(w, x, m_rows, begin, end, y, y_stride, bf16);
-  else if (w.element == kInt8) amx_gemv<kInt8>(w, x, m_rows, begin, end, y, y_stride, bf16);
-  else if (w.element == kE2M1) amx_gemv<kE2M1>(w, x, m_rows, begin, end, y, y_stride, bf16);
-  else amx_gemv<kE4M3>(w, x, m_rows, begin, end, y, y_stride, bf16);
+  // FP8 blocks: 16 rows a tile within one block of 128 rows (callers split N in multiples of kAmxRows).
+  if (!amx_takes(w, m_rows, bf16) || (w.kind == kBlock128 && begin % kTileRows != 0))
+    return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
+  with_format(w, [&]<int kElem, int kMode>() { amx_gemv<kElem, kMode>(w, x, m_rows, begin, end, y, y_stride, bf16); });
 }

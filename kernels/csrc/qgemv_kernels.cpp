@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "qgemv_simd.h"
 

@@ -162,12 +162,12 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
 @pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
 def test_batched_products_on_the_matrix_units_match_the_reference(rows, k):
     """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
-    FP8, MX and NVFP4 weights, and int8 from 5 rows on (on the byte tiles where K is a multiple of
-    64, else on the bfloat16 tiles; fewer rows run on the integer multiply-adds): N off the 16-row
-    tiles (the tail runs the AVX-512 kernels), x strided, and the same rows one at a time (AVX-512)
-    agree up to the output's bfloat16 rounding. Float32 activations, more rows, and FP8's float32
-    block scales from 3 rows on take the AVX-512 kernels, as exactly as there; fewer rows run on the
-    bfloat16 dot product."""
+    FP8 (per channel, and its 128x128 blocks: K 320 ends in a part block), MX and NVFP4 weights,
+    and int8 from 5 rows on (on the byte tiles where K is a multiple of 64, else on the bfloat16
+    tiles; fewer rows run on the integer multiply-adds): N off the 16-row tiles (the tail runs the
+    AVX-512 kernels), x strided, and the same rows one at a time (AVX-512) agree up to the output's
+    bfloat16 rounding. Float32 activations and more rows take the AVX-512 kernels, as exactly as
+    there; fewer rows run on the bfloat16 dot product."""
     torch.manual_seed(rows)
     w = torch.randn(203, k)
     x = torch.randn(rows, 2 * k)[:, ::2].bfloat16()
@@ -256,6 +256,71 @@ def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(name):
             torch.testing.assert_close(got[:, r].double(), expected[:, r], rtol=1e-2, atol=1e-2 * scale)
             if not folds[r] and rows > 1:
                 torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0)
+
+
+@pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
+def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
+    """amx's tiles add each MX block's power of two to the exponents of the decoded bfloat16 weights,
+    16 weight rows at a time: a group of 16 with a code outside the range where every value stays
+    within [2^-100, 2^128) (MXFP8 44-254, MXFP4 28-252) runs the AVX-512 kernels instead, bit for bit
+    as there (as do the rows after the last 16); the rest, codes at the range's ends included, match
+    the float64 product of the dequantized weight. (MXFP4 at code 2, its smallest value 2^-126, lost
+    3% of an output to the tiles' flushing of float32 subnormal partial sums.)"""
+    torch.manual_seed(12)
+    n, k = 53, 512
+    q = quantize(torch.randn(n, k), name)
+    codes, elements = q.scale.view(torch.uint8), q.weight.view(torch.uint8)
+    low, high = (44, 254) if name == "mxfp8" else (28, 252)
+    codes.copy_(torch.randint(100, 140, codes.shape, dtype=torch.uint8))
+    codes[0] = low
+    codes[1, 3] = high  # one block at the largest code, with one small element, that the sum stays finite
+    if name == "mxfp8":
+        elements[1, 96:128] = 0
+        elements[1, 100] = 0x08  # 2^-6 x 2^127
+    else:
+        elements[1, 48:64] = 0
+        elements[1, 48] = 0x01  # 0.5 x 2^125
+    codes[20, 5] = low - 1  # rows 16-31 run the AVX-512 kernels
+    codes[40] = 1  # rows 32-47 too: every value of row 40 folded would be subnormal, read as 0
+    if name == "mxfp4":  # and one block above the range, with one element, 0.5 x 2^126: finite sums
+        codes[36, 7] = high + 1
+        elements[36, 112:128] = 0
+        elements[36, 112] = 0x01
+    weight, *operands = scheme(name).native_operands(q)
+    reference = dequantize(q, torch.float64)
+    for rows in (3, 8, 16):
+        x = (torch.randn(rows, k).sign() * (1 + torch.rand(rows, k))).bfloat16()  # products stay normal
+        got = torch.ops.preload.qgemv_amx(x, weight, *operands)
+        avx512 = torch.ops.preload.qgemv_avx512(x, weight, *operands)
+        expected = x.double() @ reference.T
+        for r in range(n):
+            if 16 <= r:
+                torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0)
+                continue
+            scale = expected[:, r].abs().max().item()
+            assert 0 < scale < 2.0**127
+            torch.testing.assert_close(got[:, r].double(), expected[:, r], rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
+def test_nvfp4_tiles_read_every_e4m3_scale_code():
+    """amx's tiles look NVFP4's 16 values of a block up in a table of every e2m1 value times every
+    e4m3 scale: each code but NaN as a row's block scales (the subnormals, 448, and negative ones,
+    which no quantizer writes), against the float64 product of the dequantized weight."""
+    torch.manual_seed(13)
+    q = quantize(torch.randn(256, 64), "nvfp4")
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[codes & 0x7F == 0x7F] = 0x7E
+    q.scale.view(torch.uint8).copy_(codes[:, None].expand(256, 4))
+    weight, *operands = scheme("nvfp4").native_operands(q)
+    reference = dequantize(q, torch.float64)
+    for rows in (3, 8, 16):
+        x = torch.randn(rows, 64).bfloat16()
+        expected = (x.double() @ reference.T).bfloat16().double()
+        got = torch.ops.preload.qgemv_amx(x, weight, *operands).double()
+        bound = 1e-2 * (expected.abs() + expected.abs().amax(dim=0))  # relative, and to each weight row's largest
+        assert ((got - expected).abs() <= bound).all(), (got - expected).abs().amax(dim=0)
 
 
 @pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
