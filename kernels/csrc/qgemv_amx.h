@@ -154,13 +154,13 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
-// `count` tiles of 16 rows: tile `weight` holds 16 weight rows (64 bytes of each), every other one M
-// columns of 4 bytes (sums, or x's pairs of bfloat16 or quads of bytes).
-inline void configure_tiles(int count, int weight, int64_t m_rows) {
+// `count` tiles of 16 rows: the tiles in `weights` (bit t for tile t) hold 16 weight rows (64 bytes of
+// each), every other one M columns of 4 bytes (sums, or x's pairs of bfloat16 or quads of bytes).
+inline void configure_tiles(int count, unsigned weights, int64_t m_rows) {
   TileConfig config;
   for (int t = 0; t < count; ++t) {
     config.rows[t] = kTileRows;
-    config.colsb[t] = t == weight ? 64 : static_cast<uint16_t>(4 * m_rows);
+    config.colsb[t] = weights >> t & 1 ? 64 : static_cast<uint16_t>(4 * m_rows);
   }
   // g++ 12 does not count LDTILECFG as a read of the 64 bytes: it dropped the stores of colsb as dead
   // in one instantiation (zeros: a #GP, SIGSEGV). Handing the address to an empty asm keeps them.
@@ -275,36 +275,52 @@ struct NextRun {
 // right after the 16 stores of its rows waited for them (a 2-core Emerald Rapids, 4096x4096 at 8
 // rows of x from memory, runs alternated: MXFP4 0.93-0.98 -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 ->
 // 0.91-0.97).
+// Chunk c of rows [n, n + 16) times x^T into accumulator tile 0 (tiles 1 and 2 for the weight and
+// x^T) or, kOdd, tile 3 (4 and 5). g++'s tile intrinsics take their tile numbers as literals.
+template <int kElem, int kMode, bool kOdd>
+inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, int64_t c,
+                     const uint32_t* exponents, uint16_t (*decoded)[kTileRows * 32], const NextRun& ahead) {
+  ahead.fetch(c);
+  const void* weight = w.data + n * w.row_bytes + c * 64;
+  int64_t stride = w.row_bytes;
+  if constexpr (kElem != kBF16) {
+    if (c + 1 < w.k / 32) decode_tile<kElem, kMode>(w, n, c + 1, exponents, decoded[(c + 1) % 2]);
+    weight = decoded[c % 2], stride = 64;
+  }
+  if constexpr (kOdd) {
+    _tile_loadd(5, xt + c * 16 * m_rows, 4 * m_rows);
+    _tile_loadd(4, weight, stride);
+    _tile_dpbf16ps(3, 4, 5);
+  } else {
+    _tile_loadd(2, xt + c * 16 * m_rows, 4 * m_rows);
+    _tile_loadd(1, weight, stride);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+}
+
 template <int kElem, int kMode>
 inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, const uint32_t* exponents,
                      float (*sums)[16]) {
   alignas(64) uint16_t decoded[2][kTileRows * 32];
-  alignas(64) float block[kTileRows][16] = {};  // the tile stores m_rows columns: the rest stay 0, not any float
-  const int64_t chunks = w.k / 32, stride = w.row_bytes, bytes = kChunkBytes<kElem>;
+  alignas(64) float even[kTileRows][16] = {}, odd[kTileRows][16] = {};  // m_rows columns stored: the rest stay 0
+  const int64_t chunks = w.k / 32;
   const int64_t segment = kMode == kBlock128Scale ? 128 / 32 : chunks;
   const NextRun ahead(w, n, chunks);
   if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, exponents, decoded[0]);
   for (int64_t c0 = 0; c0 < chunks; c0 += segment) {
+    const int64_t stop = std::min(chunks, c0 + segment);
     _tile_zero(0);
-    for (int64_t c = c0; c < std::min(chunks, c0 + segment); ++c) {
-      ahead.fetch(c);
-      _tile_loadd(2, xt + c * 16 * m_rows, 4 * m_rows);
-      if constexpr (kElem == kBF16) {
-        _tile_loadd(1, w.data + n * stride + c * bytes, stride);
-      } else {
-        if (c + 1 < chunks) decode_tile<kElem, kMode>(w, n, c + 1, exponents, decoded[(c + 1) % 2]);
-        _tile_loadd(1, decoded[c % 2], 64);
-      }
-      _tile_dpbf16ps(0, 1, 2);
+    _tile_zero(3);
+    for (int64_t c = c0; c < stop; c += 2) {
+      amx_step<kElem, kMode, false>(w, xt, m_rows, n, c, exponents, decoded, ahead);
+      if (c + 1 < stop) amx_step<kElem, kMode, true>(w, xt, m_rows, n, c + 1, exponents, decoded, ahead);
     }
-    if constexpr (kMode != kBlock128Scale) {
-      _tile_stored(0, sums, 64);
-    } else {  // rows [n, n + 16) lie in one block of 128 (amx_gemv)
-      _tile_stored(0, block, 64);
-      const __m512 scale = _mm512_set1_ps(block_scale(w, n, c0 / segment));
-      for (int r = 0; r < kTileRows; ++r)
-        _mm512_store_ps(sums[r], _mm512_fmadd_ps(_mm512_load_ps(block[r]), scale,
-                                                 c0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums[r])));
+    _tile_stored(0, even, 64);
+    _tile_stored(3, odd, 64);
+    const __m512 scale = _mm512_set1_ps(kMode == kBlock128Scale ? block_scale(w, n, c0 / segment) : 1.0f);
+    for (int r = 0; r < kTileRows; ++r) {  // FP8 blocks: rows [n, n + 16) lie in one block of 128 (amx_gemv)
+      const __m512 both = _mm512_add_ps(_mm512_load_ps(even[r]), _mm512_load_ps(odd[r]));
+      _mm512_store_ps(sums[r], _mm512_fmadd_ps(both, scale, c0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(sums[r])));
     }
   }
 }
@@ -317,7 +333,7 @@ void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begi
   const float* inverse = x + int16_scales_at(m_rows, k);
   alignas(64) int32_t hi[kTileRows][16], lo[kTileRows][16];
   alignas(64) double sums[kTileRows][16];
-  configure_tiles(5, 2, m_rows);  // 0 and 1: W hi and W lo (int32), 2: 16 weight rows, 3 and 4: x's high and low bytes
+  configure_tiles(5, 1 << 2, m_rows);  // W hi, W lo (int32) in 0, 1; 16 weight rows in 2; x's high, low bytes in 3, 4
   int64_t n = begin;
   for (; n + kTileRows <= end; n += kTileRows) {
     const uint8_t* rows = w.data + n * stride;
@@ -364,7 +380,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
   const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m_rows * w.k);
   alignas(64) float sums[kTileRows][16];
   std::vector<uint32_t> exponents(kMode == kBlock32Scale ? kTileRows * w.scale_cols : 0);
-  configure_tiles(3, 1, m_rows);  // 0: y^T (float32), 1: 16 weight rows (32 bfloat16 each), 2: x^T
+  configure_tiles(6, 1 << 1 | 1 << 4, m_rows);  // y^T (float32) in 0 and 3, 16 weight rows in 1 and 4, x^T in 2 and 5
   int64_t n = begin;
   for (; n + kTileRows <= end; n += kTileRows) {
     if (kMode == kBlock32Scale && !amx_folds(w, n)) {  // as the AVX-512 variant runs them: the same bits
