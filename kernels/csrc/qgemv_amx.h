@@ -255,7 +255,9 @@ inline void decode_tile(const Weight& w, int64_t n, int64_t c, const uint32_t* e
 // The 16 weight rows after [n, n + 16), one contiguous run of the weight, prefetched a share at each
 // of a product's `steps`, front to back, so that memory is read in order while the tiles read across
 // the current rows (64 bytes of each a step): prefetching the same bytes of the next 16 rows instead
-// streamed at ~17 GB/s, not ~20.
+// streamed at ~17 GB/s, not ~20. Into L2, not L1: 16 rows of FP8 (64 KB at K 4096) or bfloat16 already
+// outgrow L1 (a 2-core Emerald Rapids, 4096x4096 at 8 rows of x from memory, 5 runs alternated,
+// medians: bfloat16 1.90 -> 1.72 ms, FP8 1.21 -> 0.97, int8 1.06 -> 0.92, MXFP4 0.85 -> 0.82).
 struct NextRun {
   const char* next;
   int64_t run, share;
@@ -264,7 +266,7 @@ struct NextRun {
         share((run / steps + 63) / 64 * 64) {}
   void fetch(int64_t step) const {
     for (int64_t at = step * share; at < std::min(run, (step + 1) * share); at += 64)
-      _mm_prefetch(next + at, _MM_HINT_T0);
+      _mm_prefetch(next + at, _MM_HINT_T1);
   }
 };
 
