@@ -46,8 +46,9 @@ inline bool amx_takes(const Weight& w, int64_t m_rows, bool bf16) {
 
 // The MX codes whose blocks the tiles fold: each nonzero value times its 2^(code - 127) lies within
 // [2^-100, 2^128), normal bfloat16, and far enough above float32's subnormals, which the tiles flush,
-// that partial sums cancelling below 2^-126 cost no more than float32's rounding. e4m3 (times 2^-8:
-// 2^-17 to 1.75) from 44 to 254, e2m1 (0.5 to 6) from 28 to 252.
+// that with activations of 2^-26 and more no product is flushed, and partial sums cancelling below
+// 2^-126 cost no more than float32's rounding (smaller activations lose products to the flushing on
+// any weight). e4m3 (times 2^-8: 2^-17 to 1.75) from 44 to 254, e2m1 (0.5 to 6) from 28 to 252.
 constexpr uint8_t kAmxFold[2][2] = {{44, 254}, {28, 252}};  // [kE4M3, kE2M1]
 
 // Whether the 16 rows from n fold their MX scales into the decoded bfloat16 (e8m0_within).
@@ -123,7 +124,7 @@ void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int64_t begin, int
   }
 }
 
-// x^T as tile 2 takes it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
+// x^T as tiles 2 and 5 take it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
 // bfloat16 values where the GEMV takes it: rounding is then exact), e2m1's elements in their tile
 // order (e2m1_tile_element). Fewer rows than the tiles take get the dot product's layout
 // (qgemv_bf16dot.h) instead.
@@ -148,6 +149,12 @@ void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t 
     }
 }
 
+// g++ 12's tile loads tell the compiler nothing of the memory they read (LDTILECFG only of its first
+// 8 bytes): stores into what a tile instruction reads next must be made before it. Without this the
+// compiler dropped a tile configuration's colsb stores as dead in one instantiation (zeros: a #GP,
+// SIGSEGV). An empty asm that may read anything through the address keeps them, and in order.
+inline void memory_read_by_tiles(const void* p) { asm volatile("" : : "r"(p) : "memory"); }
+
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -162,9 +169,7 @@ inline void configure_tiles(int count, unsigned weights, int64_t m_rows) {
     config.rows[t] = kTileRows;
     config.colsb[t] = weights >> t & 1 ? 64 : static_cast<uint16_t>(4 * m_rows);
   }
-  // g++ 12 does not count LDTILECFG as a read of the 64 bytes: it dropped the stores of colsb as dead
-  // in one instantiation (zeros: a #GP, SIGSEGV). Handing the address to an empty asm keeps them.
-  asm volatile("" : : "r"(&config) : "memory");
+  memory_read_by_tiles(&config);
   _tile_loadconfig(&config);
 }
 
@@ -203,34 +208,19 @@ constexpr E2M1TimesE4M3 kE2M1TimesE4M3;
 static_assert(kE2M1TimesE4M3.words[0x38][3] == 0x3FC0 && kE2M1TimesE4M3.words[0x01][1] == 0x3A80,
               "1.5 x 1 and 0.5 x 2^-9 as bfloat16");
 
-// MX's e8m0 scales of rows [n, n + 16) as decode_tile reads them, row r's from out[r * scale_cols]: the
-// word (code - 127) << 7 twice, which adds 2^(code - 127) to a bfloat16's exponent, broadcast
-// straight from memory. 16 at a time.
-inline void mx_exponents(const Weight& w, int64_t n, uint32_t* out) {
-  const int64_t count = w.scale_cols;
-  for (int r = 0; r < kTileRows; ++r) {
-    const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + (n + r) * count;
-    for (int64_t b = 0; b < count; b += 16) {
-      const __mmask16 live = count - b >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (count - b)) - 1);
-      const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(live, codes + b));
-      const __m512i word = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(c, _mm512_set1_epi32(127)), 7),
-                                            _mm512_set1_epi32(0xFFFF));
-      _mm512_mask_storeu_epi32(out + r * count + b, live, _mm512_mullo_epi32(word, _mm512_set1_epi32(0x10001)));
-    }
-  }
-}
-
 // 16 rows of chunk c of a quantized weight as bfloat16 [16][32] (e4m3 times 2^-8, as decode32 leaves
 // it), straight to bfloat16, not through float32 (but int8's): plain e4m3 (qgemv_bf16dot.h), MX times
 // its scale as an exponent add (rows that amx_folds), NVFP4's e2m1 from a table of the 16 values
-// times each block's scale. `exponents`: MX's, mx_exponents' for the 16 rows.
+// times each block's scale (an e4m3 scale of NaN, which no quantizer writes, gives NaNs: the AVX-512
+// kernels read it as 480).
 template <int kElem, int kMode>
-inline void decode_tile(const Weight& w, int64_t n, int64_t c, const uint32_t* exponents, uint16_t* tile) {
+inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
   for (int r = 0; r < kTileRows; ++r) {
     const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
     __m512bh v;
     __m512i exponent = _mm512_setzero_si512();  // MX's 2^(code - 127), to add to the exponents
-    if constexpr (kMode == kBlock32Scale) exponent = _mm512_set1_epi32(int(exponents[r * w.scale_cols + c]));
+    if constexpr (kMode == kBlock32Scale)
+      exponent = e8m0_exponent(static_cast<const uint8_t*>(w.scale)[(n + r) * w.scale_cols + c]);
     if constexpr (kElem == kE4M3 && kMode == kBlock32Scale) {
       v = e4m3_bf16<true>(p, exponent);
     } else if constexpr (kElem == kE4M3) {
@@ -270,24 +260,18 @@ struct NextRun {
   }
 };
 
-// Weight rows [n, n + 16) times x: sums[r][m] (float32, before the row scale and kFactor), the next
-// 16 rows prefetched as they go. One accumulator tile: a step's product (~14 cycles) is not what
-// bounds it. FP8's 128x128 blocks: the sums of each 4 chunks times their block's scale. A quantized
-// weight's next chunk is decoded before the tile loads this one, decoded a step ago: a tile load
-// right after the 16 stores of its rows waited for them (a 2-core Emerald Rapids, 4096x4096 at 8
-// rows of x from memory, runs alternated: MXFP4 0.93-0.98 -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 ->
-// 0.91-0.97).
 // Chunk c of rows [n, n + 16) times x^T into accumulator tile 0 (tiles 1 and 2 for the weight and
 // x^T) or, kOdd, tile 3 (4 and 5). g++'s tile intrinsics take their tile numbers as literals.
 template <int kElem, int kMode, bool kOdd>
 inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, int64_t c,
-                     const uint32_t* exponents, uint16_t (*decoded)[kTileRows * 32], const NextRun& ahead) {
+                     uint16_t (*decoded)[kTileRows * 32], const NextRun& ahead) {
   ahead.fetch(c);
   const void* weight = w.data + n * w.row_bytes + c * 64;
   int64_t stride = w.row_bytes;
   if constexpr (kElem != kBF16) {
-    if (c + 1 < w.k / 32) decode_tile<kElem, kMode>(w, n, c + 1, exponents, decoded[(c + 1) % 2]);
+    if (c + 1 < w.k / 32) decode_tile<kElem, kMode>(w, n, c + 1, decoded[(c + 1) % 2]);
     weight = decoded[c % 2], stride = 64;
+    memory_read_by_tiles(weight);
   }
   if constexpr (kOdd) {
     _tile_loadd(5, xt + c * 16 * m_rows, 4 * m_rows);
@@ -300,22 +284,28 @@ inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_
   }
 }
 
+// Weight rows [n, n + 16) times x: sums[r][m] (float32, before the row scale and kFactor), the next
+// 16 rows prefetched as they go. Even and odd chunks go to two accumulator tiles, summed at the end
+// (one took 0.80-0.92 ms for MXFP4 at 4-8 rows, two 0.64-0.76; 4096x4096 from memory, a 2-core Emerald
+// Rapids, runs alternated). FP8's 128x128 blocks: the sums of each 4 chunks times their block's
+// scale. A quantized weight's next chunk is decoded before the tile loads this one, decoded a step
+// ago: a tile load right after the 16 stores of its rows waited for them (MXFP4 at 8 rows 0.93-0.98
+// -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 -> 0.91-0.97).
 template <int kElem, int kMode>
-inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, const uint32_t* exponents,
-                     float (*sums)[16]) {
+inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, float (*sums)[16]) {
   alignas(64) uint16_t decoded[2][kTileRows * 32];
   alignas(64) float even[kTileRows][16] = {}, odd[kTileRows][16] = {};  // m_rows columns stored: the rest stay 0
   const int64_t chunks = w.k / 32;
   const int64_t segment = kMode == kBlock128Scale ? 128 / 32 : chunks;
   const NextRun ahead(w, n, chunks);
-  if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, exponents, decoded[0]);
+  if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, decoded[0]);
   for (int64_t c0 = 0; c0 < chunks; c0 += segment) {
     const int64_t stop = std::min(chunks, c0 + segment);
     _tile_zero(0);
     _tile_zero(3);
     for (int64_t c = c0; c < stop; c += 2) {
-      amx_step<kElem, kMode, false>(w, xt, m_rows, n, c, exponents, decoded, ahead);
-      if (c + 1 < stop) amx_step<kElem, kMode, true>(w, xt, m_rows, n, c + 1, exponents, decoded, ahead);
+      amx_step<kElem, kMode, false>(w, xt, m_rows, n, c, decoded, ahead);
+      if (c + 1 < stop) amx_step<kElem, kMode, true>(w, xt, m_rows, n, c + 1, decoded, ahead);
     }
     _tile_stored(0, even, 64);
     _tile_stored(3, odd, 64);
@@ -381,7 +371,6 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
               bool bf16) {
   const uint32_t* xt = reinterpret_cast<const uint32_t*>(x + m_rows * w.k);
   alignas(64) float sums[kTileRows][16];
-  std::vector<uint32_t> exponents(kMode == kBlock32Scale ? kTileRows * w.scale_cols : 0);
   configure_tiles(6, 1 << 1 | 1 << 4, m_rows);  // y^T (float32) in 0 and 3, 16 weight rows in 1 and 4, x^T in 2 and 5
   int64_t n = begin;
   for (; n + kTileRows <= end; n += kTileRows) {
@@ -389,8 +378,7 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
       gemv(w, x, m_rows, n, n + kTileRows, y, y_stride, bf16);
       continue;
     }
-    if constexpr (kMode == kBlock32Scale) mx_exponents(w, n, exponents.data());
-    amx_rows<kElem, kMode>(w, xt, m_rows, n, exponents.data(), sums);
+    amx_rows<kElem, kMode>(w, xt, m_rows, n, sums);
     for (int r = 0; r < kTileRows; ++r) {
       const float scale = row_scale(w, n + r) * kFactor<kElem> * (kMode == kBlock16Scale ? w.global : 1.0f);
       for (int64_t m = 0; m < m_rows; ++m) put_output(y, y_stride, m, n + r, sums[r][m] * scale, bf16);

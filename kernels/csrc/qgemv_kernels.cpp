@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstring>
 #include <utility>
-#include <vector>
 
 #include "qgemv_simd.h"
 

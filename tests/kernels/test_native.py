@@ -268,7 +268,7 @@ def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
     the float64 product of the dequantized weight. (MXFP4 at code 2, its smallest value 2^-126, lost
     3% of an output to the tiles' flushing of float32 subnormal partial sums.)"""
     torch.manual_seed(12)
-    n, k = 53, 512
+    n, k = 69, 512
     q = quantize(torch.randn(n, k), name)
     codes, elements = q.scale.view(torch.uint8), q.weight.view(torch.uint8)
     low, high = (44, 254) if name == "mxfp8" else (28, 252)
@@ -282,11 +282,11 @@ def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
         elements[1, 48:64] = 0
         elements[1, 48] = 0x01  # 0.5 x 2^125
     codes[20, 5] = low - 1  # rows 16-31 run the AVX-512 kernels
-    codes[40] = 1  # rows 32-47 too: every value of row 40 folded would be subnormal, read as 0
-    if name == "mxfp4":  # and one block above the range, with one element, 0.5 x 2^126: finite sums
-        codes[36, 7] = high + 1
+    codes[36, 7] = high + 1  # rows 32-47 too (MXFP8's 255 is NaN)
+    if name == "mxfp4":  # one element in that block, 0.5 x 2^126: finite sums
         elements[36, 112:128] = 0
         elements[36, 112] = 0x01
+    codes[56] = 1  # rows 48-63 too: every value of row 56 folded would be subnormal, read as 0
     weight, *operands = scheme(name).native_operands(q)
     reference = dequantize(q, torch.float64)
     for rows in (3, 8, 16):
@@ -296,7 +296,7 @@ def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
         expected = x.double() @ reference.T
         for r in range(n):
             if 16 <= r:
-                torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0)
+                torch.testing.assert_close(got[:, r], avx512[:, r], rtol=0, atol=0, equal_nan=True)
                 continue
             scale = expected[:, r].abs().max().item()
             assert 0 < scale < 2.0**127
@@ -306,13 +306,14 @@ def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
 @pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
 def test_nvfp4_tiles_read_every_e4m3_scale_code():
     """amx's tiles look NVFP4's 16 values of a block up in a table of every e2m1 value times every
-    e4m3 scale: each code but NaN as a row's block scales (the subnormals, 448, and negative ones,
-    which no quantizer writes), against the float64 product of the dequantized weight."""
+    e4m3 scale: each code but NaN as a block scale (the subnormals, 448, and negative ones, which no
+    quantizer writes; each row's 4 blocks different codes), against the float64 product of the
+    dequantized weight."""
     torch.manual_seed(13)
     q = quantize(torch.randn(256, 64), "nvfp4")
-    codes = torch.arange(256, dtype=torch.uint8)
+    codes = (torch.arange(256)[:, None] + 67 * torch.arange(4)) % 256  # every code in each block column
     codes[codes & 0x7F == 0x7F] = 0x7E
-    q.scale.view(torch.uint8).copy_(codes[:, None].expand(256, 4))
+    q.scale.view(torch.uint8).copy_(codes.to(torch.uint8))
     weight, *operands = scheme("nvfp4").native_operands(q)
     reference = dequantize(q, torch.float64)
     for rows in (3, 8, 16):
