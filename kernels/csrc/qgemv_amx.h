@@ -188,20 +188,17 @@ inline __m512bh e2m1_tile_row(const uint8_t* p, __m512i table) {
 }
 
 // Every e2m1 value times every e4m3 scale (code s, sign included), as bfloat16: exact, 6 significant
-// bits at most, 2^-10 to 2688. NVFP4's tiles look a block's 16 values up in row s.
-constexpr float e4m3_true(int s) {
-  const int e = s >> 3 & 15, m = s & 7;
-  const float magnitude = (s & 0x7F) == 0x7F ? __builtin_nanf("")
-                          : e == 0           ? m / 512.0f  // subnormal: m x 2^-9
-                                             : (1.0f + m / 8.0f) * float(1 << e) / 128.0f;
-  return s & 0x80 ? -magnitude : magnitude;
-}
+// bits at most, 2^-10 to 2688. NVFP4's tiles look a block's 16 values up in row s. The scale is
+// e4m3_bf16_bits' value (times 2^-8; NaN for the NaN codes) times 2^8.
 struct E2M1TimesE4M3 {
   alignas(64) uint16_t words[256][16] = {};
   constexpr E2M1TimesE4M3() {
-    for (int s = 0; s < 256; ++s)
+    for (int s = 0; s < 256; ++s) {
+      const float value = std::bit_cast<float>(uint32_t(e4m3_bf16_bits(s & 0x7F)) << 16);
+      const float scale = value * (s & 0x80 ? -256.0f : 256.0f);
       for (int c = 0; c < 16; ++c)
-        words[s][c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(kE2M1Values[c] * e4m3_true(s)) >> 16);
+        words[s][c] = static_cast<uint16_t>(std::bit_cast<uint32_t>(kE2M1Values[c] * scale) >> 16);
+    }
   }
 };
 constexpr E2M1TimesE4M3 kE2M1TimesE4M3;
