@@ -33,8 +33,8 @@ UNITS = {
     "avx512bf16": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                          "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni"]),
     "amx": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-DPRELOAD_AMX", "-mavx512f", "-mavx512bw",
-                                  "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mamx-tile",
-                                  "-mamx-bf16", "-mamx-int8"]),
+                                  "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi",
+                                  "-mamx-tile", "-mamx-bf16", "-mamx-int8"]),
 }
 
 

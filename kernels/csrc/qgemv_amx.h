@@ -1,8 +1,9 @@
 // The GEMV on AMX tiles (Intel's matrix units, Sapphire Rapids on), for the compilation of
 // qgemv_kernels.cpp with -DPRELOAD_AMX (and the AVX-512 and AVX512-BF16 flags), which includes this
-// inside its unnamed namespace: fewer rows than kAmxMinM, and int8 at 1 to 4 rows, run
+// inside its unnamed namespace: fewer rows than amx_min_rows, and int8 at 1 to 4 rows, run
 // qgemv_bf16dot.h's GEMV (int8 there on qgemv_int16.h's integers), int8 at 5 to 16 rows the byte
-// tiles below where K is a multiple of 64, and what none takes that compilation's AVX-512 `gemv`.
+// tiles of qgemv_amx_int8.h where K is a multiple of 64, and what none takes that compilation's
+// AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
 // from the weight, or decoded into a scratch tile for the other formats), x^T is a tile of 16 pairs x M
@@ -22,14 +23,20 @@ constexpr int kTileRows = 16;  // weight rows per tile
 constexpr int64_t kAmxMaxM = 16;
 constexpr int64_t kAmxRows = 64;  // Kernels::block_unit: whole tiles, and few tile configurations a product
 
-// Rows of x below which the AVX-512 kernels run: they stream one row's weight faster than the tiles
-// do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
-// spend no more on decoding int8 or e4m3 than the tiles' bfloat16 conversion does. From 4 rows on
-// the tiles win, 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 up to
-// 4 rows runs the integer multiply-adds instead (qgemv_int16.h: a 2-core Emerald Rapids, 4096x4096
-// at 3 and 4 rows, 0.54-0.85 ms against the tiles' 0.67-1.54, runs alternated; at 8 rows the tiles
-// take 0.9-1.4 ms, the integers 1.9-2.4).
+// Rows of x below which the dot product runs (amx_min_rows: e4m3 from 2): it streams one row's weight faster
+// than the tiles do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
+// spends no more on decoding int8 than the tiles' bfloat16 conversion does. From 4 rows on the tiles win,
+// 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 up to 4 rows runs the integer
+// multiply-adds instead (qgemv_int16.h: a 2-core Emerald Rapids, 4096x4096 at 3 and 4 rows, 0.54-0.85 ms
+// against the tiles' 0.67-1.54, runs alternated; at 8 rows the tiles take 0.9-1.4 ms, the integers 1.9-2.4).
 constexpr int64_t kAmxMinM = 3;
+
+// e4m3 weights take the tiles from 2 rows of x: two rows of dot products cost two VDPBF16PS a chunk,
+// about 2.3 cycles each there, where one tile product takes all the rows (a 2-core Emerald Rapids,
+// one thread, 256x4096 in L2, minima of 4 alternated runs: FP8 per channel 90 -> 57 us, FP8 blocks
+// 105 -> 75, MXFP8 118 -> 82; 4096x4096 on two threads from memory about even). At one row the dot
+// product stays faster from memory (FP8 per channel 0.90-1.06 against the tiles' 0.99-1.17 ms).
+inline int64_t amx_min_rows(const Weight& w) { return w.element == kE4M3 ? 2 : kAmxMinM; }
 
 inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM && k % 32 == 0; }
 
@@ -40,7 +47,7 @@ inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM &&
 // at most), NVFP4's float32 global scale applied to the sums. MX rows whose scales would leave
 // bfloat16's normal range run the AVX-512 kernels (amx_folds).
 inline bool amx_takes(const Weight& w, int64_t m_rows, bool bf16) {
-  if (!bf16 || !amx_layout(m_rows, w.k) || m_rows < kAmxMinM) return false;
+  if (!bf16 || !amx_layout(m_rows, w.k) || m_rows < amx_min_rows(w)) return false;
   return w.kind <= kPerRow ? w.element != kE2M1 : w.element != kInt8 && w.element != kBF16;
 }
 
@@ -76,78 +83,6 @@ struct E2M1TileFrom {
   }
 };
 constexpr E2M1TileFrom kE2M1TileFrom;
-
-// int8 weights times 5 to 16 rows of bfloat16 x on AMX-INT8, whose tiles multiply bytes: nothing
-// to decode. Each row of x is scaled into int16 as qgemv_int16.h does (the same values, and the same
-// rows left to the float32 kernels), and split into a signed high byte and an unsigned low one, v =
-// 256 hi + lo. For 16 weight rows and 64 elements, TDPBSSD adds W hi and TDPBSUD W lo into two int32
-// tiles, straight from the weight; every 16384 elements the two go into exact sums (doubles, as
-// 256 hi + lo), which the row's 2^-s and the weight row's scale multiply once at the end. The bfloat16
-// tiles (amx_gemv) decode 16 x 32 weights for each of their products, which bound int8 there: a
-// 2-core Emerald Rapids, 4096x4096 at 8 rows, 0.67-0.70 ms in cache against 0.91-1.09 (1.08-1.11
-// from memory against 1.20-1.40), the default model's 1536x576 33-40 us against 83-93 (runs alternated).
-constexpr int64_t kAmxIntSegment = 256;  // 64-element chunks summed in int32: |W lo| < 2^15 * 16384 = 2^29
-
-inline bool amx_int8_takes(const Weight& w, int64_t m_rows, bool bf16) {
-  return bf16 && w.element == kInt8 && w.kind <= kPerRow && m_rows > kIntMaxRows && m_rows <= kAmxMaxM &&
-         w.k % 64 == 0;
-}
-
-// Byte b of x's bytes (each region m_rows * k of them: the high bytes, then the low) for element e of
-// row m, as the tiles take them: 16 quads of elements a tile row, row m's quad at 4m of each.
-inline int64_t amx_int8_at(int64_t m_rows, int64_t m, int64_t e) { return (e >> 2) * 4 * m_rows + 4 * m + (e & 3); }
-
-void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  const int64_t k = w.k;
-  uint8_t* high = reinterpret_cast<uint8_t*>(x + m_rows * k);
-  uint8_t* low = high + m_rows * k;
-  float* scales = x + int16_scales_at(m_rows, k);
-  for (int64_t m = begin; m < end; ++m) {
-    const float* row = x + m * k;
-    const float power = int16_factor(row, k);  // 2^s, or 0
-    scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
-    const __m512 factor = _mm512_set1_ps(power);
-    for (int64_t e = 0; e < k; e += 16) {
-      __m512i v = _mm512_setzero_si512();
-      if (power != 0.0f) {  // rounded to nearest even and saturated to int16, as pack_int16 does
-        v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + e), factor));
-        v = _mm512_max_epi32(_mm512_min_epi32(v, _mm512_set1_epi32(32767)), _mm512_set1_epi32(-32768));
-      }
-      alignas(16) uint32_t hi[4], lo[4];  // four quads each
-      _mm_store_si128(reinterpret_cast<__m128i*>(hi), _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 8)));
-      _mm_store_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtepi32_epi8(v));
-      for (int q = 0; q < 4; ++q) {
-        std::memcpy(high + amx_int8_at(m_rows, m, e + 4 * q), &hi[q], 4);
-        std::memcpy(low + amx_int8_at(m_rows, m, e + 4 * q), &lo[q], 4);
-      }
-    }
-  }
-}
-
-// x^T as tiles 2 and 5 take it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
-// bfloat16 values where the GEMV takes it: rounding is then exact), e2m1's elements in their tile
-// order (e2m1_tile_element). Fewer rows than the tiles take get the dot product's layout
-// (qgemv_bf16dot.h) instead.
-void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, begin, end);
-  if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, begin, end);
-  const int64_t k = w.k;
-  if (!amx_layout(m_rows, k)) return;
-  const __m512i from[2] = {_mm512_load_si512(kE2M1TileFrom.at), _mm512_load_si512(kE2M1TileFrom.at + 16)};
-  uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
-  for (int64_t m = begin; m < end; ++m)
-    for (int64_t p = 0; p < k / 2; p += 16) {
-      const float* src = x + m * k + 2 * p;
-      __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
-      if (w.element == kE2M1) {
-        const __m512 first = lo;
-        lo = _mm512_permutex2var_ps(first, from[0], hi), hi = _mm512_permutex2var_ps(first, from[1], hi);
-      }
-      alignas(64) uint32_t pairs[16];  // the chunk's 32 elements: the pairs of 16 words
-      _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-      for (int j = 0; j < 16; ++j) words[(p + j) * m_rows + m] = pairs[j];
-    }
-}
 
 // g++ 12's tile loads tell the compiler nothing of the memory they read (LDTILECFG only of its first
 // 8 bytes): stores into what a tile instruction reads next must be made before it. Without this the
@@ -206,7 +141,8 @@ static_assert(kE2M1TimesE4M3.words[0x38][3] == 0x3FC0 && kE2M1TimesE4M3.words[0x
               "1.5 x 1 and 0.5 x 2^-9 as bfloat16");
 
 // 16 rows of chunk c of a quantized weight as bfloat16 [16][32] (e4m3 times 2^-8, as decode32 leaves
-// it), straight to bfloat16, not through float32 (but int8's): plain e4m3 (qgemv_bf16dot.h), MX times
+// it), straight to bfloat16, not through float32 (but int8's): plain e4m3 (qgemv_e4m3.h; the chunk
+// an odd count leaves after its pairs, decode_tile_pair for the others), MX times
 // its scale as an exponent add (rows that amx_folds), NVFP4's e2m1 from a table of the 16 values
 // times each block's scale (an e4m3 scale of NaN, which no quantizer writes, gives NaNs: the AVX-512
 // kernels read it as 480).
@@ -239,6 +175,40 @@ inline void decode_tile(const Weight& w, int64_t n, int64_t c, uint16_t* tile) {
   }
 }
 
+// Chunks c and c + 1 (a pair) of 16 rows of e4m3 as bfloat16, the pair's two tiles (e4m3_bf16_pair:
+// pack_amx lays x out to match), MX's scales added to the exponents as decode_tile adds them. A
+// 2-core Emerald Rapids, one thread, 256x4096 in L2, minima of 4 alternated runs at 8 rows of x:
+// FP8 per channel 84 -> 79 us, FP8 blocks 97 -> 91, MXFP8 104 -> 99; at 4 rows FP8 79 -> 66.
+template <int kMode>
+inline void decode_tile_pair(const Weight& w, int64_t n, int64_t c, uint16_t* first, uint16_t* second) {
+  for (int r = 0; r < kTileRows; ++r) {
+    const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunk;
+    __m512bh a, b;
+    if constexpr (kMode == kBlock32Scale)
+      e4m3_bf16_pair<true>(p, a, b, e8m0_exponents(static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols + c));
+    else
+      e4m3_bf16_pair(p, a, b);
+    _mm512_store_si512(first + r * 32, (__m512i)a);
+    _mm512_store_si512(second + r * 32, (__m512i)b);
+  }
+}
+
+// e4m3 chunks of rows [n, n + 16) decoded into decoded[chunk % 4] from `next` on until `until` is:
+// pairs two at a time (then up to 4 are in flight), the last chunk of an odd count alone.
+template <int kMode>
+inline void decode_e4m3_ahead(const Weight& w, int64_t n, int64_t until, int64_t& next,
+                              uint16_t (*decoded)[kTileRows * 32]) {
+  for (const int64_t stop = std::min(until, w.k / 32); next < stop;) {
+    if (next < e4m3_paired_chunks(w)) {
+      decode_tile_pair<kMode>(w, n, next, decoded[next % 4], decoded[(next + 1) % 4]);
+      next += 2;
+    } else {
+      decode_tile<kE4M3, kMode>(w, n, next, decoded[next % 4]);
+      ++next;
+    }
+  }
+}
+
 // The 16 weight rows after [n, n + 16), one contiguous run of the weight, prefetched a share at each
 // of a product's `steps`, front to back, so that memory is read in order while the tiles read across
 // the current rows (64 bytes of each a step): prefetching the same bytes of the next 16 rows instead
@@ -257,15 +227,57 @@ struct NextRun {
   }
 };
 
+#include "qgemv_amx_int8.h"  // in this namespace: int8 on the byte tiles
+
+// 8 floats from a, then 8 from b.
+inline __m512 eights(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_loadu_ps(a))),
+                                             _mm256_castps_pd(_mm256_loadu_ps(b)), 1));
+}
+
+// x^T as tiles 2 and 5 take it, after x: word [p][m] = x[m][2p] | x[m][2p + 1] << 16 in bfloat16 (x holds
+// bfloat16 values where the GEMV takes it: rounding is then exact), e2m1's elements in their tile
+// order (e2m1_tile_element), e4m3's paired chunks in e4m3_bf16_pair's (each chunk of a pair 8
+// elements from each quarter of its group of 64). Fewer rows than the tiles take get the dot
+// product's layout (qgemv_bf16dot.h) instead.
+void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
+  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, begin, end);
+  if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, begin, end);
+  const int64_t k = w.k;
+  if (!amx_layout(m_rows, k)) return;
+  const __m512i from[2] = {_mm512_load_si512(kE2M1TileFrom.at), _mm512_load_si512(kE2M1TileFrom.at + 16)};
+  uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
+  const int64_t paired = e4m3_paired_chunks(w);
+  for (int64_t m = begin; m < end; ++m)
+    for (int64_t p = 0; p < k / 2; p += 16) {
+      const float* src = x + m * k + 2 * p;
+      __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+      if (w.element == kE2M1) {
+        const __m512 first = lo;
+        lo = _mm512_permutex2var_ps(first, from[0], hi), hi = _mm512_permutex2var_ps(first, from[1], hi);
+      } else if (p / 16 < paired) {  // chunk p / 16 of a pair: e4m3_bf16_pair's elements of its group of 64
+        const float* group = x + m * k + 2 * p / 64 * 64 + p / 16 % 2 * 8;
+        lo = eights(group, group + 16), hi = eights(group + 32, group + 48);
+      }
+      alignas(64) uint32_t pairs[16];  // the chunk's 32 elements: the pairs of 16 words
+      _mm512_store_si512(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      for (int j = 0; j < 16; ++j) words[(p + j) * m_rows + m] = pairs[j];
+    }
+}
+
 // Chunk c of rows [n, n + 16) times x^T into accumulator tile 0 (tiles 1 and 2 for the weight and
 // x^T) or, kOdd, tile 3 (4 and 5). g++'s tile intrinsics take their tile numbers as literals.
 template <int kElem, int kMode, bool kOdd>
 inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, int64_t c,
-                     uint16_t (*decoded)[kTileRows * 32], const NextRun& ahead) {
+                     uint16_t (*decoded)[kTileRows * 32], int64_t& next, const NextRun& ahead) {
   ahead.fetch(c);
   const void* weight = w.data + n * w.row_bytes + c * 64;
   int64_t stride = w.row_bytes;
-  if constexpr (kElem != kBF16) {
+  if constexpr (kElem == kE4M3) {
+    decode_e4m3_ahead<kMode>(w, n, c + 2, next, decoded);
+    weight = decoded[c % 4], stride = 64;
+    memory_read_by_tiles(weight);
+  } else if constexpr (kElem != kBF16) {
     if (c + 1 < w.k / 32) decode_tile<kElem, kMode>(w, n, c + 1, decoded[(c + 1) % 2]);
     weight = decoded[c % 2], stride = 64;
     memory_read_by_tiles(weight);
@@ -287,22 +299,25 @@ inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_
 // Rapids, runs alternated). FP8's 128x128 blocks: the sums of each 4 chunks times their block's
 // scale. A quantized weight's next chunk is decoded before the tile loads this one, decoded a step
 // ago: a tile load right after the 16 stores of its rows waited for them (MXFP4 at 8 rows 0.93-0.98
-// -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 -> 0.91-0.97).
+// -> 0.71-0.81 ms, FP8 blocks 1.11-1.56 -> 0.91-0.97). e4m3 decodes a pair ahead (decode_e4m3_ahead);
+// the others keep two buffers (four slowed MXFP4 at 8 rows by 2-5%).
 template <int kElem, int kMode>
 inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_t n, float (*sums)[16]) {
-  alignas(64) uint16_t decoded[2][kTileRows * 32];
+  alignas(64) uint16_t decoded[kElem == kE4M3 ? 4 : 2][kTileRows * 32];  // chunks decoded ahead
   alignas(64) float even[kTileRows][16] = {}, odd[kTileRows][16] = {};  // m_rows columns stored: the rest stay 0
   const int64_t chunks = w.k / 32;
   const int64_t segment = kMode == kBlock128Scale ? 128 / 32 : chunks;
   const NextRun ahead(w, n, chunks);
-  if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, decoded[0]);
+  int64_t next = 0;  // the first chunk not decoded yet
+  if constexpr (kElem == kE4M3) decode_e4m3_ahead<kMode>(w, n, 1, next, decoded);
+  else if constexpr (kElem != kBF16) decode_tile<kElem, kMode>(w, n, 0, decoded[0]);
   for (int64_t c0 = 0; c0 < chunks; c0 += segment) {
     const int64_t stop = std::min(chunks, c0 + segment);
     _tile_zero(0);
     _tile_zero(3);
     for (int64_t c = c0; c < stop; c += 2) {
-      amx_step<kElem, kMode, false>(w, xt, m_rows, n, c, decoded, ahead);
-      if (c + 1 < stop) amx_step<kElem, kMode, true>(w, xt, m_rows, n, c + 1, decoded, ahead);
+      amx_step<kElem, kMode, false>(w, xt, m_rows, n, c, decoded, next, ahead);
+      if (c + 1 < stop) amx_step<kElem, kMode, true>(w, xt, m_rows, n, c + 1, decoded, next, ahead);
     }
     _tile_stored(0, even, 64);
     _tile_stored(3, odd, 64);
@@ -314,54 +329,6 @@ inline void amx_rows(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_
   }
 }
 
-void amx_int8_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
-                   int64_t y_stride) {
-  const int64_t k = w.k, chunks = k / 64, stride = w.row_bytes, tile_row = 4 * m_rows;
-  const uint8_t* high = reinterpret_cast<const uint8_t*>(x + m_rows * k);
-  const uint8_t* low = high + m_rows * k;
-  const float* inverse = x + int16_scales_at(m_rows, k);
-  alignas(64) int32_t hi[kTileRows][16], lo[kTileRows][16];
-  alignas(64) double sums[kTileRows][16];
-  configure_tiles(5, 1 << 2, m_rows);  // W hi, W lo (int32) in 0, 1; 16 weight rows in 2; x's high, low bytes in 3, 4
-  int64_t n = begin;
-  for (; n + kTileRows <= end; n += kTileRows) {
-    const uint8_t* rows = w.data + n * stride;
-    const NextRun ahead(w, n, chunks);
-    for (int r = 0; r < kTileRows; ++r)
-      for (int h = 0; h < 2; ++h) _mm512_store_pd(sums[r] + 8 * h, _mm512_setzero_pd());
-    for (int64_t c0 = 0; c0 < chunks; c0 += kAmxIntSegment) {
-      _tile_zero(0);
-      _tile_zero(1);
-      for (int64_t c = c0; c < std::min(chunks, c0 + kAmxIntSegment); ++c) {
-        ahead.fetch(c);
-        _tile_loadd(2, rows + c * 64, stride);
-        _tile_loadd(3, high + c * 16 * tile_row, tile_row);
-        _tile_loadd(4, low + c * 16 * tile_row, tile_row);
-        _tile_dpbssd(0, 2, 3);
-        _tile_dpbsud(1, 2, 4);
-      }
-      _tile_stored(0, hi, 64);
-      _tile_stored(1, lo, 64);
-      const __m512d by = _mm512_set1_pd(256.0);
-      for (int r = 0; r < kTileRows; ++r)
-        for (int h = 0; h < (m_rows + 7) / 8; ++h) {  // 8 rows of x a register: exact (integers below 2^53)
-          const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi[r] + 8 * h));
-          const __m256i b = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo[r] + 8 * h));
-          const __m512d part = _mm512_fmadd_pd(_mm512_cvtepi32_pd(a), by, _mm512_cvtepi32_pd(b));
-          _mm512_store_pd(sums[r] + 8 * h, _mm512_add_pd(_mm512_load_pd(sums[r] + 8 * h), part));
-        }
-    }
-    for (int r = 0; r < kTileRows; ++r) {
-      const float scale = row_scale(w, n + r);
-      for (int64_t m = 0; m < m_rows; ++m)
-        put_output(y, y_stride, m, n + r, static_cast<float>(sums[r][m]) * inverse[m] * scale, true);
-    }
-  }
-  _tile_release();
-  // Fewer than 16 weight rows left: the float32 kernels, on x itself (not rounded to int16).
-  if (n < end) gemv(w, x, m_rows, n, end, y, y_stride, true);
-  rerun_left_out(w, x, m_rows, inverse, begin, end, static_cast<uint16_t*>(y), y_stride);
-}
 
 template <int kElem, int kMode>
 void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
@@ -387,7 +354,8 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
 
 void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
               bool bf16) {
-  if (m_rows < kAmxMinM || int16_takes(w, m_rows)) return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
+  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows))
+    return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (amx_int8_takes(w, m_rows, bf16)) return amx_int8_gemv(w, x, m_rows, begin, end, y, y_stride);
   // FP8 blocks: 16 rows a tile within one block of 128 rows (callers split N in multiples of kAmxRows).
   if (!amx_takes(w, m_rows, bf16) || (w.kind == kBlock128 && begin % kTileRows != 0))

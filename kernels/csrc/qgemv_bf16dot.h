@@ -10,7 +10,8 @@
 // e2m1_vec) and multiply-add each. Here a bfloat16 weight is multiplied as it is loaded, one
 // instruction per 32 elements; int8 is widened as before and rounded into one register of
 // bfloat16, exactly (8 significant bits), and e4m3 looked up in a table of bfloat16 words
-// (VPERMI2W), exactly too (4 significant bits); and 64 e2m1 elements (32 bytes) become two
+// (VPERMI2W; on amx both bytes of each word, 64 elements at a time: qgemv_e4m3.h), exactly too (4
+// significant bits); and 64 e2m1 elements (32 bytes) become two
 // registers of bfloat16 in four instructions: the bytes widened to words, the low nibbles looked up
 // in a table of bfloat16 words (VPERMW, which reads 5 bits of each index: the table holds its 16
 // words twice, so the low nibbles need no mask), the high ones shifted down and looked up. x is
@@ -27,11 +28,11 @@
 // multiply each block's float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share
 // each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
 // time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
-// power-of-two scale per 32 elements multiplies each block's sums at one row of x (one multiply-add
-// a block); from 2 rows on it is added to the exponents of its block's bfloat16 weights (a
-// broadcast and two instructions a block, not a multiply-add a row of x). The scaled weights are
-// exact wherever they stay normal bfloat16; rows with a scale outside that range, and from 4 rows of
-// x the rows paired with one, run the AVX-512 kernels (e8m0_within). As everywhere on the dot
+// power-of-two scale per 32 elements multiplies each block's sums at one row of x (one multiply-add a block);
+// from 2 rows on (amx: on its tiles, qgemv_amx.h) it is added to the exponents of its block's bfloat16
+// weights (a broadcast and two instructions a block, not a multiply-add a row of x). The scaled weights are
+// exact wherever they stay normal bfloat16; rows with a scale outside that range, and from 4 rows of x the
+// rows paired with one, run the AVX-512 kernels (e8m0_within). As everywhere on the dot
 // product, products and sums below 2^-126 are flushed to zero, which with a scale below 1 comes
 // sooner for folded weights than for sums scaled afterwards (the AVX-512 kernels flush nothing). A
 // 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's time
@@ -48,6 +49,8 @@ inline bool bf16dot_takes(const Weight& w) {
   return w.k % (w.element == kE2M1 ? kDotGroup : kChunk) == 0;
 }
 
+#include "qgemv_e4m3.h"  // in this namespace: e4m3 straight to bfloat16
+
 // The permutation of 16 words in kE2M1Order that leaves the 8 even-indexed elements first, then the
 // 8 odd ones (a VPERMW index).
 struct EvenOdd {
@@ -59,7 +62,8 @@ struct EvenOdd {
 constexpr EvenOdd kEvenOdd;
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
-// even-indexed elements, then its 32 odd ones. x comes in the kernels' order (qgemv_kernels.h): for
+// even-indexed elements, then its 32 odd ones, and for e4m3's paired chunks (amx) as
+// e4m3_bf16_pair decodes them. x comes in the kernels' order (qgemv_kernels.h): for
 // e2m1 each group of 16 in kE2M1Order, so each quarter of a group is one conversion, one
 // permutation and two stores; the others in order.
 void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
@@ -70,6 +74,17 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int6
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
   for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
     __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+    if (w.element == kE4M3) {
+      const int64_t e = i % w.k;  // within its row: the groups of 64 it has whole decode as pairs
+      if (e >= e4m3_paired_chunks(w) * kChunk) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
+      } else {
+        uint16_t* group = words + i - e % 64 + e % 64 / 16 * 8;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + 32), _mm256_extracti128_si256(both, 1));
+      }
+      continue;
+    }
     if (w.element != kE2M1) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
       continue;
@@ -219,63 +234,6 @@ void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums)
   reduce_banks(acc, sums);
 }
 
-// The bfloat16 bits of e4m3 magnitude code c (eeee.mmm) times 2^-8, as decode32 scales e4m3: exact,
-// subnormals included (4 significant bits fit in bfloat16's 8; the smallest, 2^-17, is a normal
-// bfloat16, which the dot product does not flush). Code 0x7F is NaN.
-constexpr uint16_t e4m3_bf16_bits(int c) {
-  const int e = c >> 3, m = c & 7;
-  if (c == 0x7F) return 0x7FC0;
-  if (e == 0) {  // m x 2^-17: the leading one of m at bit p
-    if (m == 0) return 0;
-    const int p = m >= 4 ? 2 : m >= 2 ? 1 : 0;
-    return static_cast<uint16_t>(((p - 17 + 127) << 7) | ((m << (7 - p)) & 0x7F));
-  }
-  return static_cast<uint16_t>(((e - 15 + 127) << 7) | (m << 4));  // 2^(e - 7) (1 + m / 8) x 2^-8
-}
-
-struct E4M3Bf16Table {
-  alignas(64) uint16_t words[128];
-  constexpr E4M3Bf16Table() : words() {
-    for (int c = 0; c < 128; ++c) words[c] = e4m3_bf16_bits(c);
-  }
-};
-constexpr E4M3Bf16Table kE4M3Bf16;
-
-// 32 e4m3 elements as bfloat16 (times 2^-8) in 6 instructions, where widening them through float16
-// and float32 and rounding back takes 9: the bytes sign-extended to words (bit 15 the sign), the
-// magnitude looked up in two halves of a 128-word table (VPERMI2W reads the low 6 bits; bit 6
-// picks the half), the sign put back. (A 2-core Zen 5, 4096x4096 at one row of x in cache, builds
-// alternated twice: FP8 per channel 328 -> 205-260 us, FP8 blocks 379-382 -> 247-335; outputs bitwise
-// equal for every code but NaN.)
-// With kScaled, times an MX block's scale 2^e (e8m0_exponent: e << 7 in every word), added to the
-// exponent of every nonzero magnitude in two more instructions: exact where the scaled values stay
-// normal bfloat16 (e8m0_within). A NaN code (0x7F) then reads as some other value (the AVX-512
-// kernels read it as 480): no quantizer writes one.
-template <bool kScaled = false>
-inline __m512bh e4m3_bf16(const uint8_t* p, __m512i exponent = __m512i()) {
-  const __m512i codes = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i* table = reinterpret_cast<const __m512i*>(kE4M3Bf16.words);
-#ifdef PRELOAD_AMX
-  // Intel's cores, where VPERMI2W is 3 micro-ops on the one port that also widens: a normal code's
-  // exponent and mantissa bits moved into place and its exponent rebiased (+112: 2^-8 and bfloat16's
-  // 127 against e4m3's 7), and only the codes of exponent 0 (zeros and subnormals) looked up, in the
-  // table's first 8 words (VPERMW reads the low 5 bits: the mantissa there). The NaN code reads as 480
-  // then, as on the AVX-512 kernels. (A 2-core Emerald Rapids, FP8 per channel 4096x4096 at one row of
-  // x in cache: 0.91-1.04 -> 0.67-0.76 ms, runs alternated; at 8 rows, on the tiles, 1.26-2.12 -> 0.92-1.01.)
-  __m512i magnitude = _mm512_add_epi16(_mm512_and_si512(_mm512_slli_epi16(codes, 4), _mm512_set1_epi16(0x07F0)),
-                                       _mm512_set1_epi16(112 << 7));
-  magnitude = _mm512_mask_permutexvar_epi16(magnitude, _mm512_testn_epi16_mask(codes, _mm512_set1_epi16(0x78)), codes,
-                                            _mm512_load_si512(table));
-#else
-  const __m512i low = _mm512_permutex2var_epi16(_mm512_load_si512(table), codes, _mm512_load_si512(table + 1));
-  const __m512i high = _mm512_permutex2var_epi16(_mm512_load_si512(table + 2), codes, _mm512_load_si512(table + 3));
-  __m512i magnitude = _mm512_mask_mov_epi16(low, _mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), high);
-#endif
-  if constexpr (kScaled)
-    magnitude = _mm512_mask_add_epi16(magnitude, _mm512_test_epi16_mask(magnitude, magnitude), magnitude, exponent);
-  return (__m512bh)_mm512_ternarylogic_epi32(magnitude, codes, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
-}
-
 // MXFP8 codes within which e4m3 (times 2^-8: 2^-17 to 1.75) times 2^(code - 127) is normal bfloat16.
 constexpr uint8_t kMxfp8Fold[2] = {18, 254};
 
@@ -329,6 +287,22 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
     }
   };
   int64_t c = 0;
+#ifdef PRELOAD_AMX
+  if constexpr (kElem == kE4M3) {  // pairs of chunks, pair b of a round into banks b and b + kBanks / 2
+    constexpr bool kScaleSums = kMode == kBlock32Scale && M == 1;
+    constexpr bool kScaled = kMode == kBlock32Scale && !kScaleSums;
+    auto pair = [&](int64_t c, __m512(&a0)[R * M], __m512(&a1)[R * M]) __attribute__((always_inline)) {
+      if (kScaleSums && c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
+      e4m3_pair_dots<kScaled, kScaleSums, M, R>(w, xp, n, c, kAhead, codes, scales, a0, a1);
+    };
+    const int64_t paired = e4m3_paired_chunks(w);
+    for (; c + 2 * kBanks <= paired; c += 2 * kBanks)
+      unrolled<kBanks>([&]<int b>() __attribute__((always_inline)) {
+        pair(c + 2 * b, acc[b], acc[(b + kBanks / 2) % kBanks]);
+      });
+    for (; c < paired; c += 2) pair(c, acc[0], acc[kBanks / 2]);
+  }
+#endif
   for (; c + kBanks <= chunks; c += kBanks)
     unrolled<kBanks>([&]<int b>() __attribute__((always_inline)) { step(c + b, acc[b]); });
   for (; c < chunks; ++c) step(c, acc[0]);
@@ -343,7 +317,7 @@ template <int M, int R>
 void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
   constexpr int kBlockChunks = 128 / kChunk, kParts = R * M <= 4 ? kBlockChunks : R * M <= 8 ? 2 : 1;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
-  const int64_t chunks = w.k / kChunk;
+  const int64_t chunks = w.k / kChunk, paired = e4m3_paired_chunks(w);
   __m512 acc[R * M];  // acc[r * M + m]
   for (int i = 0; i < R * M; ++i) acc[i] = vzero();
   auto step = [&](int64_t c, __m512(&bank)[R * M]) __attribute__((always_inline)) {
@@ -361,10 +335,24 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
   for (int64_t c0 = 0; c0 < chunks; c0 += kBlockChunks) {
     __m512 part[kParts][R * M];
     zero(part);
-    if (c0 + kBlockChunks <= chunks)
+    // A whole block is paired whole, or not at all (paired chunks are all but an odd count's last).
+    if (c0 + kBlockChunks <= paired) {
+#ifdef PRELOAD_AMX
+      unrolled<kBlockChunks / 2>([&]<int b>() __attribute__((always_inline)) {
+        e4m3_pair_dots<false, false, M, R>(w, xp, n, c0 + 2 * b, kAhead, nullptr, nullptr, part[2 * b % kParts],
+                                           part[(2 * b + 1) % kParts]);
+      });
+#endif
+    } else if (c0 + kBlockChunks <= chunks) {
       unrolled<kBlockChunks>([&]<int b>() __attribute__((always_inline)) { step(c0 + b, part[b % kParts]); });
-    else
-      for (int64_t c = c0; c < chunks; ++c) step(c, part[0]);  // a last block narrower than 128
+    } else {  // a last block narrower than 128
+      int64_t c = c0;
+#ifdef PRELOAD_AMX
+      for (; c < paired; c += 2)
+        e4m3_pair_dots<false, false, M, R>(w, xp, n, c, kAhead, nullptr, nullptr, part[0], part[0]);
+#endif
+      for (; c < chunks; ++c) step(c, part[0]);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 scale = vset(block_scale(w, n + r, c0 / kBlockChunks));
       for (int m = 0; m < M; ++m) {

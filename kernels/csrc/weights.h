@@ -34,8 +34,8 @@ inline bool runs_here(const Kernels* kernels) {
   if (kernels == &kAvx512) return avx512;
   bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
   if (kernels == &kAvx512Bf16) return bf16;
-  return bf16 && __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
-         __builtin_cpu_supports("amx-int8") && amx_permitted();
+  return bf16 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("amx-tile") &&
+         __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-int8") && amx_permitted();
 }
 
 inline const char* name_of(const Kernels* kernels) {

@@ -161,8 +161,9 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
 @pytest.mark.parametrize("k", [320, 352])
 @pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
 def test_batched_products_on_the_matrix_units_match_the_reference(rows, k):
-    """The AMX GEMV (bfloat16 activations, 3 to 16 rows, K a multiple of 32) for plain bfloat16,
-    FP8 (per channel, and its 128x128 blocks: K 320 ends in a part block), MX and NVFP4 weights,
+    """The AMX GEMV (bfloat16 activations, 3 to 16 rows, e4m3 from 2, K a multiple of 32) for plain
+    bfloat16, FP8 (per channel, and its 128x128 blocks: K 320 ends in a part block; K 352 ends in a
+    chunk of 32 after e4m3's pairs of chunks), MX and NVFP4 weights,
     and int8 from 5 rows on (on the byte tiles where K is a multiple of 64, else on the bfloat16
     tiles; fewer rows run on the integer multiply-adds): N off the 16-row tiles (the tail runs the
     AVX-512 kernels), x strided, and the same rows one at a time (AVX-512) agree up to the output's
@@ -221,7 +222,7 @@ def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(
 @pytest.mark.skipif("avx512bf16" not in native.available(), reason="this CPU has no AVX512-BF16")
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4"])
 def test_mx_scales_fold_into_the_weight_only_where_that_is_exact(name):
-    """On the dot product (avx512bf16: amx takes 3 rows of x and more on its tiles) MXFP8 adds each
+    """On the dot product (avx512bf16: amx takes 2 rows of x and more on its tiles) MXFP8 adds each
     block's power of two to its bfloat16 weights' exponents from 2 rows of x on: rows whose codes
     would leave the normal bfloat16 range (below 18, 2^-109), and the rows paired with them from 4
     rows of x, run the AVX-512 kernels instead, bit for bit as there; the rest, down to the smallest
@@ -289,7 +290,7 @@ def test_mx_scales_fold_into_the_tiles_only_where_that_is_exact(name):
     codes[56] = 1  # rows 48-63 too: every value of row 56 folded would be subnormal, read as 0
     weight, *operands = scheme(name).native_operands(q)
     reference = dequantize(q, torch.float64)
-    for rows in (3, 8, 16):
+    for rows in (2, 3, 8, 16) if name == "mxfp8" else (3, 8, 16):  # e4m3 takes the tiles from 2 rows
         x = (torch.randn(rows, k).sign() * (1 + torch.rand(rows, k))).bfloat16()  # products stay normal
         got = torch.ops.preload.qgemv_amx(x, weight, *operands)
         avx512 = torch.ops.preload.qgemv_avx512(x, weight, *operands)
@@ -329,11 +330,13 @@ def test_nvfp4_tiles_read_every_e4m3_scale_code():
 def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
     """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
     element, then the zeros and subnormals alone, at 1, 2 and 4 rows of bfloat16 x: each variant's
-    GEMV (avx512bf16 looks e4m3 up in a table of bfloat16 words; amx moves a normal code's bits into
-    place and looks up only exponent 0's, on its tiles too) matches the float32 product of the
-    dequantized weight up to the output's bfloat16 rounding; subnormals are not flushed."""
+    GEMV (avx512bf16 looks e4m3 up in a table of bfloat16 words; amx looks up both bytes of each
+    word, 64 elements at a time, and moves a normal code's bits into place for a last 32 alone; from
+    2 rows on on its tiles) matches the float32 product of the dequantized weight up to the output's
+    bfloat16 rounding; subnormals are not flushed. K = 608: 9 pairs of chunks and one alone, and
+    MXFP8's scales at one row of x read 16 blocks at a time, the second 16 within the pairs."""
     torch.manual_seed(7)
-    n, k = 96, 512
+    n, k = 96, 608
     q = quantize(torch.randn(n, k), name)
     op = getattr(torch.ops.preload, f"qgemv_{variant}")
     every = (torch.arange(n * k) % 256).view(n, k)
