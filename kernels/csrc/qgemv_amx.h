@@ -276,12 +276,11 @@ inline void amx_step(const Weight& w, const uint32_t* xt, int64_t m_rows, int64_
   if constexpr (kElem == kE4M3) {
     decode_e4m3_ahead<kMode>(w, n, c + 2, next, decoded);
     weight = decoded[c % 4], stride = 64;
-    memory_read_by_tiles(weight);
   } else if constexpr (kElem != kBF16) {
     if (c + 1 < w.k / 32) decode_tile<kElem, kMode>(w, n, c + 1, decoded[(c + 1) % 2]);
     weight = decoded[c % 2], stride = 64;
-    memory_read_by_tiles(weight);
   }
+  if constexpr (kElem != kBF16) memory_read_by_tiles(weight);
   if constexpr (kOdd) {
     _tile_loadd(5, xt + c * 16 * m_rows, 4 * m_rows);
     _tile_loadd(4, weight, stride);

@@ -74,23 +74,19 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int6
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
   for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
     __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-    if (w.element == kE4M3) {
-      const int64_t e = i % w.k;  // within its row: the groups of 64 it has whole decode as pairs
-      if (e >= e4m3_paired_chunks(w) * kChunk) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
-      } else {
-        uint16_t* group = words + i - e % 64 + e % 64 / 16 * 8;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(group + 32), _mm256_extracti128_si256(both, 1));
-      }
-      continue;
-    }
-    if (w.element != kE2M1) {
+    // These 16 elements' halves go 32 words apart: for e4m3's whole groups of 64 (amx) 8 and 8, as
+    // e4m3_bf16_pair decodes them; for e2m1 the even-indexed ones and the odd ones.
+    const int64_t e = i % w.k, at = i - e % kDotGroup;  // e within its row; at: its group's first
+    uint16_t* group;
+    if (e < e4m3_paired_chunks(w) * kChunk) {
+      group = words + at + e % kDotGroup / 16 * 8;
+    } else if (w.element == kE2M1) {
+      both = _mm256_permutexvar_epi16(even_odd, both);
+      group = words + at + e % kDotGroup / 2;
+    } else {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
       continue;
     }
-    both = _mm256_permutexvar_epi16(even_odd, both);
-    uint16_t* group = words + i / kDotGroup * kDotGroup + i % kDotGroup / 2;
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
   }
