@@ -229,15 +229,23 @@ class DecodeLayer : public torch::CustomClassHolder {
   }
 
   // Rows [b0, b1) of src ([batch, width] in T) into x as the phase's kernels read it: float32
-  // [batch, k], zero-padded, each group of 16 in the kernels' order.
+  // [batch, k], zero-padded, each group of 16 in the kernels' order. Then, for bfloat16 x, the
+  // kernels' packed copy: one row by its thread; more, once all are in, each thread a share of the
+  // columns of every row (qgemv_kernels.h: their packed layouts may interleave the rows).
   template <typename T>
   void prepare(const Kernels* kernels, int64_t phase, const T* src, int64_t batch, int64_t b0, int64_t b1,
-               std::vector<float>& x) const {
+               std::vector<float>& x, int thread, int team, preload::Barrier& barrier) const {
     const Weight& w = phases_[phase][0].w;
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);
     for (int64_t r = b0; r < b1; ++r) preload::kernel_row(src + r * width, 1, width, w.k, order, x.data() + r * w.k);
-    if (kernels->pack && std::is_same_v<T, at::BFloat16>) kernels->pack(x.data(), batch, w, b0, b1);  // bf16 x only
+    if (!kernels->pack || !std::is_same_v<T, at::BFloat16>) return;  // bf16 x only
+    if (batch == 1) {
+      if (b0 < b1) kernels->pack(x.data(), 1, w, 0, 1);
+      return;
+    }
+    barrier.wait();
+    kernels->pack(x.data(), batch, w, thread, team);
   }
 
   // This thread's share of a product step: y [rows, width(phase)] in T.
@@ -340,7 +348,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     const int64_t share = (batch + team - 1) / team, b0 = std::min(batch, thread * share);
     const int64_t b1 = std::min(batch, b0 + share);
     preload::norm_rows(out, v.input_norm, s.h.data(), b0, b1, hidden_, hidden_, eps_);
-    prepare(kernels, kQkv, s.h.data(), batch, b0, b1, s.x);
+    prepare(kernels, kQkv, s.h.data(), batch, b0, b1, s.x, thread, team, barrier);
     barrier.wait();
     product(kernels, kQkv, work.blocks[kQkv], work.next[kQkv], s.x.data(), batch, s.qkv.data());
     barrier.wait();
@@ -356,7 +364,7 @@ class DecodeLayer : public torch::CustomClassHolder {
     }
     barrier.wait();
     for (int64_t b = b0; b < b1; ++b) rows.attention->merge(b, s.attn.data(), heads_);
-    prepare(kernels, kOut, s.attn.data(), batch, b0, b1, s.x);
+    prepare(kernels, kOut, s.attn.data(), batch, b0, b1, s.x, thread, team, barrier);
     barrier.wait();
     product(kernels, kOut, work.blocks[kOut], work.next[kOut], s.x.data(), batch, s.out.data());
     barrier.wait();
@@ -367,7 +375,7 @@ class DecodeLayer : public torch::CustomClassHolder {
         out[i] = static_cast<T>(widen(out[i]) + widen(o));
       }
     preload::norm_rows(out, v.post_norm, s.h.data(), b0, b1, hidden_, hidden_, eps_);
-    prepare(kernels, kGateUp, s.h.data(), batch, b0, b1, s.x);
+    prepare(kernels, kGateUp, s.h.data(), batch, b0, b1, s.x, thread, team, barrier);
     barrier.wait();
     product(kernels, kGateUp, work.blocks[kGateUp], work.next[kGateUp], s.x.data(), batch, s.gate_up.data());
     barrier.wait();
@@ -381,7 +389,7 @@ class DecodeLayer : public torch::CustomClassHolder {
       }
     }
     barrier.wait();
-    prepare(kernels, kDown, s.act.data(), batch, b0, b1, s.x);
+    prepare(kernels, kDown, s.act.data(), batch, b0, b1, s.x, thread, team, barrier);
     barrier.wait();
     product(kernels, kDown, work.blocks[kDown], work.next[kDown], s.x.data(), batch, s.down.data());
     barrier.wait();

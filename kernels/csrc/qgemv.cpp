@@ -68,7 +68,7 @@ const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weig
       preload::kernel_row(x.data_ptr<at::BFloat16>() + m * s0, s1, width, k, order, dst);
   }
   if (kernels->pack && x.scalar_type() != at::kFloat)  // bf16 x only
-    kernels->pack(buffer.data(), m_rows, w, 0, m_rows);
+    kernels->pack(buffer.data(), m_rows, w, 0, 1);
   return buffer.data();
 }
 

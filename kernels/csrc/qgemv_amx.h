@@ -240,16 +240,17 @@ inline __m512 eights(const float* a, const float* b) {
 // order (e2m1_tile_element), e4m3's paired chunks in e4m3_bf16_pair's (each chunk of a pair 8
 // elements from each quarter of its group of 64). Fewer rows than the tiles take get the dot
 // product's layout (qgemv_bf16dot.h) instead.
-void pack_amx(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, begin, end);
-  if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, begin, end);
+void pack_amx(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
+  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, part, parts);
+  if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, part, parts);
   const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
   const __m512i from[2] = {_mm512_load_si512(kE2M1TileFrom.at), _mm512_load_si512(kE2M1TileFrom.at + 16)};
   uint32_t* words = reinterpret_cast<uint32_t*>(x + m_rows * k);
   const int64_t paired = e4m3_paired_chunks(w);
-  for (int64_t m = begin; m < end; ++m)
-    for (int64_t p = 0; p < k / 2; p += 16) {
+  const auto [first, end] = pack_share(k, part, parts);
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t p = first / 2; p < end / 2; p += 16) {
       const float* src = x + m * k + 2 * p;
       __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
       if (w.element == kE2M1) {

@@ -22,17 +22,19 @@ inline bool amx_int8_takes(const Weight& w, int64_t m_rows, bool bf16) {
 // row m, as the tiles take them: 16 quads of elements a tile row, row m's quad at 4m of each.
 inline int64_t amx_int8_at(int64_t m_rows, int64_t m, int64_t e) { return (e >> 2) * 4 * m_rows + 4 * m + (e & 3); }
 
-void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
+// Share `part` of `parts` of x's columns, every row, as pack_int16 shares them.
+void pack_amx_int8(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
   const int64_t k = w.k;
   uint8_t* high = reinterpret_cast<uint8_t*>(x + m_rows * k);
   uint8_t* low = high + m_rows * k;
   float* scales = x + int16_scales_at(m_rows, k);
-  for (int64_t m = begin; m < end; ++m) {
+  const auto [first, end] = pack_share(k, part, parts);
+  for (int64_t m = 0; m < m_rows; ++m) {
     const float* row = x + m * k;
     const float power = int16_factor(row, k);  // 2^s, or 0
-    scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
+    if (part == 0) scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
     const __m512 factor = _mm512_set1_ps(power);
-    for (int64_t e = 0; e < k; e += 16) {
+    for (int64_t e = first; e < end; e += 16) {
       __m512i v = _mm512_setzero_si512();
       if (power != 0.0f) {  // rounded to nearest even and saturated to int16, as pack_int16 does
         v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row + e), factor));

@@ -66,30 +66,32 @@ constexpr EvenOdd kEvenOdd;
 // e4m3_bf16_pair decodes them. x comes in the kernels' order (qgemv_kernels.h): for
 // e2m1 each group of 16 in kE2M1Order, so each quarter of a group is one conversion, one
 // permutation and two stores; the others in order.
-void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
-  if (int16_takes(w, m_rows)) return pack_int16(x, m_rows, w, begin, end);
+void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
+  if (int16_takes(w, m_rows)) return pack_int16(x, m_rows, w, part, parts);
   if (!bf16dot_takes(w)) return;
   static_assert(!kBF16Order, "pack_bf16dot reads x in order for bfloat16 weights");
   const __m256i even_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kEvenOdd.index));
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
-  for (int64_t i = begin * w.k; i < end * w.k; i += 16) {
-    __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-    // These 16 elements' halves go 32 words apart: for e4m3's whole groups of 64 (amx) 8 and 8, as
-    // e4m3_bf16_pair decodes them; for e2m1 the even-indexed ones and the odd ones.
-    const int64_t e = i % w.k, at = i - e % kDotGroup;  // e within its row; at: its group's first
-    uint16_t* group;
-    if (e < e4m3_paired_chunks(w) * kChunk) {
-      group = words + at + e % kDotGroup / 16 * 8;
-    } else if (w.element == kE2M1) {
-      both = _mm256_permutexvar_epi16(even_odd, both);
-      group = words + at + e % kDotGroup / 2;
-    } else {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
-      continue;
+  const auto [first, end] = pack_share(w.k, part, parts);
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int64_t i = m * w.k + first; i < m * w.k + end; i += 16) {
+      __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
+      // These 16 elements' halves go 32 words apart: for e4m3's whole groups of 64 (amx) 8 and 8, as
+      // e4m3_bf16_pair decodes them; for e2m1 the even-indexed ones and the odd ones.
+      const int64_t e = i % w.k, at = i - e % kDotGroup;  // e within its row; at: its group's first
+      uint16_t* group;
+      if (e < e4m3_paired_chunks(w) * kChunk) {
+        group = words + at + e % kDotGroup / 16 * 8;
+      } else if (w.element == kE2M1) {
+        both = _mm256_permutexvar_epi16(even_odd, both);
+        group = words + at + e % kDotGroup / 2;
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i), both);
+        continue;
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(group), _mm256_castsi256_si128(both));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(group + kDotGroup / 2), _mm256_extracti128_si256(both, 1));
-  }
 }
 
 // Every e2m1 code's bfloat16 (kE2M1Values' high halves: each value is a bfloat16 exactly), twice: a

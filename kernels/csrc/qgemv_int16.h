@@ -119,18 +119,20 @@ inline float int16_factor(const float* row, int64_t k) {
   return _mm256_testz_ps(bad, bad) && shift <= 126 ? std::ldexp(1.0f, shift) : 0.0f;
 }
 
-// Rows [begin, end) of x packed (the float32 rows stay, for the float32 kernels). 256-bit on both
-// compilations: a few microseconds a product.
-void pack_int16(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end) {
+// Share `part` of `parts` of x's columns packed, every row (the float32 rows stay, for the float32
+// kernels); each share finds each row's 2^s over the whole row, the first stores 2^-s. 256-bit on
+// both compilations: a few microseconds a product.
+void pack_int16(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
   if (!int16_takes(w, m_rows)) return;
   int16_t* words = reinterpret_cast<int16_t*>(x + m_rows * w.k);
   float* scales = x + int16_scales_at(m_rows, w.k);
-  for (int64_t m = begin; m < end; ++m) {
+  const auto [first, end] = pack_share(w.k, part, parts);
+  for (int64_t m = 0; m < m_rows; ++m) {
     const float* row = x + m * w.k;
     const float power = int16_factor(row, w.k);  // 2^s, or 0
-    scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
+    if (part == 0) scales[m] = power != 0.0f ? 1.0f / power : 0.0f;  // exact: a power of two
     const __m256 factor = _mm256_set1_ps(power);
-    for (int64_t i = 0; i < w.k; i += 16) {
+    for (int64_t i = first; i < end; i += 16) {
       // Rounded to nearest even and saturated (float32 x, not packed here, could round up to 2^15).
       const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i), factor));
       const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + i + 8), factor));

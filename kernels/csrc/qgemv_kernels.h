@@ -4,7 +4,9 @@
 // AVX-512 enabled, could be the copy the linker keeps for the whole library.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace preload {
 
@@ -96,9 +98,11 @@ struct Kernels {
   const uint8_t* bf16_order;  // 16 entries, or null: in order
   // Where not null, gemv with bf16 (bfloat16 activations: the only ones it reads so) also reads x in
   // a second layout of its own, which pack writes once per x into the pack_floats(m_rows, k) floats
-  // after x's m_rows * k (the caller sizes its buffer so, and calls pack for bfloat16 x only): rows
-  // [begin, end) of x a call, so that threads may pack their own rows.
-  void (*pack)(float* x, int64_t m_rows, const Weight& w, int64_t begin, int64_t end);
+  // after x's m_rows * k (the caller sizes its buffer so, and calls pack for bfloat16 x only), once
+  // every row of x is in: share `part` of `parts` of x's columns a call (pack_share), every row, so
+  // that threads may pack side by side. Shares of rows would write the same cache lines from two
+  // threads, where a layout interleaves the rows (the tiles', int16's).
+  void (*pack)(float* x, int64_t m_rows, const Weight& w, int part, int parts);
   int64_t block_unit;  // rows: callers that split N between threads do so in multiples of this
   void (*attend)(const AttendJob& job, bool bf16);
   // Where not null (the variants with AVX512-BF16's dot product): a prefill's attention.
@@ -108,6 +112,13 @@ struct Kernels {
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2 + m_rows; }
+
+// Share `part` of `parts` of x's k columns for pack, [first, end): whole groups of 64 (whole cache
+// lines of every packed layout), the last share to k.
+inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
+  const int64_t groups = (k + 63) / 64;
+  return {std::min(k, groups * part / parts * 64), std::min(k, groups * (part + 1) / parts * 64)};
+}
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C

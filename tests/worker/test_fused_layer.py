@@ -133,6 +133,29 @@ def test_quantized_decode_steps_equal_the_per_op_path(checkpoints, scheme, varia
 
 
 @needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("scheme", ["none", *SCHEMES])
+def test_threads_pack_x_by_columns(checkpoints, scheme, variant):
+    """Past one row each thread packs a share of x's columns for every row (whole groups of 64, the
+    last share to the end: qgemv_kernels.h's pack_share), where the per-op path packs x whole: widths
+    of 3 and 5.5 groups, three threads, and 3 and 9 rows (the tiles' and int16's layouts on amx)."""
+    path = checkpoints / "fused-wide"
+    if not path.exists():
+        tiny_model("llama", path, dtype=torch.bfloat16, seed=6, hidden_size=192, intermediate_size=352,
+                   num_attention_heads=3, num_key_value_heads=1)
+    model = load(path, quantization=scheme)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        with native.using(variant):
+            for slots in ([2, 0, 3], list(range(SLOTS))[::-1][:9]):
+                fused, ops = decode(model, slots, 3, fused=True), decode(model, slots, 3, fused=False)
+                same(fused, ops, exact(model, len(slots), scheme, variant))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_native
 def test_float32_models_and_quantized_float32_ones(checkpoints, tiny_llama):
     """Plain float32 weights have no native element format: such a model decodes op by op; its
     quantized projections do run fused, on float32 activations."""
