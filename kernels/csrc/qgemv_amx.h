@@ -1,8 +1,8 @@
 // The GEMV on AMX tiles (Intel's matrix units, Sapphire Rapids on), for the compilation of
 // qgemv_kernels.cpp with -DPRELOAD_AMX (and the AVX-512 and AVX512-BF16 flags), which includes this
-// inside its unnamed namespace: fewer rows than amx_min_rows, and int8 at 1 to 4 rows, run
-// qgemv_bf16dot.h's GEMV (int8 there on qgemv_int16.h's integers), int8 at 5 to 16 rows the byte
-// tiles of qgemv_amx_int8.h where K is a multiple of 64, and what none takes that compilation's
+// inside its unnamed namespace: int8 at 3 to 16 rows runs the byte tiles of qgemv_amx_int8.h where K
+// is a multiple of 64; fewer rows than amx_min_rows, and other int8 up to 4 rows, qgemv_bf16dot.h's
+// GEMV (int8 there on qgemv_int16.h's integers); and what none takes that compilation's
 // AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
@@ -26,9 +26,8 @@ constexpr int64_t kAmxRows = 64;  // Kernels::block_unit: whole tiles, and few t
 // Rows of x below which the dot product runs (amx_min_rows: e4m3 from 2): it streams one row's weight faster
 // than the tiles do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
 // spends no more on decoding int8 than the tiles' bfloat16 conversion does. From 4 rows on the tiles win,
-// 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 up to 4 rows runs the integer
-// multiply-adds instead (qgemv_int16.h: a 2-core Emerald Rapids, 4096x4096 at 3 and 4 rows, 0.54-0.85 ms
-// against the tiles' 0.67-1.54, runs alternated; at 8 rows the tiles take 0.9-1.4 ms, the integers 1.9-2.4).
+// 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 runs the integer
+// multiply-adds at 1 and 2 rows (qgemv_int16.h), and from 3 its byte tiles (amx_int8_takes).
 constexpr int64_t kAmxMinM = 3;
 
 // e4m3 weights take the tiles from 2 rows of x: two rows of dot products cost two VDPBF16PS a chunk,
@@ -241,8 +240,8 @@ inline __m512 eights(const float* a, const float* b) {
 // elements from each quarter of its group of 64). Fewer rows than the tiles take get the dot
 // product's layout (qgemv_bf16dot.h) instead.
 void pack_amx(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
-  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, part, parts);
   if (amx_int8_takes(w, m_rows, true)) return pack_amx_int8(x, m_rows, w, part, parts);
+  if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows)) return pack_bf16dot(x, m_rows, w, part, parts);
   const int64_t k = w.k;
   if (!amx_layout(m_rows, k)) return;
   const __m512i from[2] = {_mm512_load_si512(kE2M1TileFrom.at), _mm512_load_si512(kE2M1TileFrom.at + 16)};
@@ -354,9 +353,9 @@ void amx_gemv(const Weight& w, const float* x, int64_t m_rows, int64_t begin, in
 
 void gemv_amx(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y, int64_t y_stride,
               bool bf16) {
+  if (amx_int8_takes(w, m_rows, bf16)) return amx_int8_gemv(w, x, m_rows, begin, end, y, y_stride);
   if (m_rows < amx_min_rows(w) || int16_takes(w, m_rows))
     return gemv_bf16dot(w, x, m_rows, begin, end, y, y_stride, bf16);
-  if (amx_int8_takes(w, m_rows, bf16)) return amx_int8_gemv(w, x, m_rows, begin, end, y, y_stride);
   // FP8 blocks: 16 rows a tile within one block of 128 rows (callers split N in multiples of kAmxRows).
   if (!amx_takes(w, m_rows, bf16) || (w.kind == kBlock128 && begin % kTileRows != 0))
     return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);

@@ -2,7 +2,7 @@
 // unnamed namespace, after its tile configuration and prefetch helpers).
 #pragma once
 
-// int8 weights times 5 to 16 rows of bfloat16 x on AMX-INT8, whose tiles multiply bytes: nothing
+// int8 weights times 3 to 16 rows of bfloat16 x on AMX-INT8, whose tiles multiply bytes: nothing
 // to decode. Each row of x is scaled into int16 as qgemv_int16.h does (the same values, and the same
 // rows left to the float32 kernels), and split into a signed high byte and an unsigned low one, v =
 // 256 hi + lo. For 16 weight rows and 64 elements, TDPBSSD adds W hi and TDPBSUD W lo into two int32
@@ -13,9 +13,15 @@
 // from memory against 1.20-1.40), the default model's 1536x576 33-40 us against 83-93 (runs alternated).
 constexpr int64_t kAmxIntSegment = 256;  // 64-element chunks summed in int32: |W lo| < 2^15 * 16384 = 2^29
 
+// From 3 rows, as the other formats: one tile product a chunk takes every row, where the integer
+// multiply-adds (qgemv_int16.h) take one a row. A 2-core Emerald Rapids, 3 and 4 rows, runs
+// alternated: one thread, minima, 1536x576 60-64 and 81-87 -> 39-41 and 42-44 us, 576x1536 60-64 and
+// 73-75 -> 34-35 and 35-37, 4096x4096 960-1076 and 1146-1287 -> 817-847 and 842-864; two threads from
+// memory, 4096x4096, medians 864-984 and 985-1127 -> 853-907 and 848-910. At 1 and 2 rows the tiles
+// were faster in cache but slower from memory (two threads, 4096x4096: 696-882 -> 834-1014 us at one
+// row, 760-970 -> 868-1022 at two), as e4m3's at one row (amx_min_rows).
 inline bool amx_int8_takes(const Weight& w, int64_t m_rows, bool bf16) {
-  return bf16 && w.element == kInt8 && w.kind <= kPerRow && m_rows > kIntMaxRows && m_rows <= kAmxMaxM &&
-         w.k % 64 == 0;
+  return bf16 && w.element == kInt8 && w.kind <= kPerRow && m_rows >= kAmxMinM && m_rows <= kAmxMaxM && w.k % 64 == 0;
 }
 
 // Byte b of x's bytes (each region m_rows * k of them: the high bytes, then the low) for element e of

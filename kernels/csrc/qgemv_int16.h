@@ -1,7 +1,8 @@
 // The GEMV of int8 weights times rows of bfloat16 activations on integer multiply-adds, for every
 // compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on AVX2 and
 // AVX-512 from 2 rows of x on; with AVX512-BF16 for 2 to 4 rows, where the bfloat16 dot product
-// (qgemv_bf16dot.h) takes more; with AMX for 1 to 4 rows, where its tiles take more.
+// (qgemv_bf16dot.h) takes more; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple of
+// 64), where its tiles take more.
 //
 // At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
 // or 16 products per instruction, one instruction per row of x and register of weight. VPMADDWD

@@ -172,11 +172,12 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
     """int8 times rows of bfloat16 x runs on integer multiply-adds (kernels/csrc/qgemv_int16.h):
-    from 2 rows on with the avx2 and avx512 kernels, 2 to 4 rows with avx512bf16, 1 to 4 with amx;
+    from 2 rows on with the avx2 and avx512 kernels, 2 to 4 rows with avx512bf16, 1 to 4 with amx
+    (1 and 2 where K is a multiple of 64);
     x scaled by a power of two into int16. Rows of 16400 elements of 127 times x near the top of its
     range sum past what int32 holds (2^31 / (127 * 2^15) is 516 products a lane; AVX2's 8 lanes take
     2050 each, AVX-512's 16 take 1025), so the sums go to float32 every 2048 elements, and a
-    16-element tail follows. On amx, 5 to 16 rows of 16448 (a multiple of 64) run on its byte tiles
+    16-element tail follows. On amx, 3 to 16 rows of 16448 (a multiple of 64) run on its byte tiles
     (qgemv_amx.h), whose int32 sums go into exact ones every 16384 elements. Every x here is an
     integer times 2^-8, so the expected sums are exact."""
     q = quantize(torch.ones(35, k), "int8")  # amx's tiles take 16 weight rows; the last 3 run without them
