@@ -341,6 +341,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   // the same rows to the same thread throughout, so that a row needs no barrier between its steps
   // (nor between the layers); the products take blocks of weight rows, attention (row, kv head,
   // positions) jobs (AttendPlan; a row's parts merged by the thread of its row), and SwiGLU columns.
+  // Past one row, x's packed copy is the exception: shares of its columns, after a barrier (prepare).
   template <typename T>
   void step(const Kernels* kernels, Scratch<T>& s, const Vectors<T>& v, Work& work, T* out, T* cache, const Rows& rows,
             const T* rope, int64_t batch, int thread, int team, preload::Barrier& barrier) const {

@@ -95,7 +95,9 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
   return base + full * rows * kIntLanes + j * (k - full * kIntLanes) + (e - full * kIntLanes);
 }
 
-// Whether int8 weights times these rows of bfloat16 x run here (then x gets its packed copy).
+// Whether int8 weights times these rows of bfloat16 x run here (then x gets its packed copy). On amx
+// its byte tiles take 3 and 4 rows first where K is a multiple of 64 (gemv_amx and pack_amx ask them
+// first).
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   return w.element == kInt8 && m_rows >= kIntMinM && m_rows <= kIntMaxRows;
 }

@@ -113,8 +113,8 @@ struct Kernels {
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2 + m_rows; }
 
-// Share `part` of `parts` of x's k columns for pack, [first, end): whole groups of 64 (whole cache
-// lines of every packed layout), the last share to k.
+// Share `part` of `parts` of x's k columns for pack, [first, end): whole groups of 64 (a multiple of
+// 64 bytes in every packed layout), the last share to k; a share may be empty.
 inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
   const int64_t groups = (k + 63) / 64;
   return {std::min(k, groups * part / parts * 64), std::min(k, groups * (part + 1) / parts * 64)};

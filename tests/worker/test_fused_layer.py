@@ -135,18 +135,22 @@ def test_quantized_decode_steps_equal_the_per_op_path(checkpoints, scheme, varia
 @needs_native
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("scheme", ["none", *SCHEMES])
-def test_threads_pack_x_by_columns(checkpoints, scheme, variant):
+@pytest.mark.parametrize("inter", [336, 352])
+def test_threads_pack_x_by_columns(checkpoints, inter, scheme, variant):
     """Past one row each thread packs a share of x's columns for every row (whole groups of 64, the
-    last share to the end: qgemv_kernels.h's pack_share), where the per-op path packs x whole: widths
-    of 3 and 5.5 groups, three threads, and 3 and 9 rows (the tiles' and int16's layouts on amx)."""
-    path = checkpoints / "fused-wide"
+    last share to the end: qgemv_kernels.h's pack_share), where the per-op path packs x whole: four
+    threads over widths of 3 groups (the first share empty: it still stores int16's row scales),
+    5.25 (int16's last 16 elements a row of their own on AVX-512) and 5.5 groups, at 3 and 9 rows
+    (the tiles' and int16's layouts on amx)."""
+    path = checkpoints / f"fused-wide-{inter}"
     if not path.exists():
-        tiny_model("llama", path, dtype=torch.bfloat16, seed=6, hidden_size=192, intermediate_size=352,
+        tiny_model("llama", path, dtype=torch.bfloat16, seed=6, hidden_size=192, intermediate_size=inter,
                    num_attention_heads=3, num_key_value_heads=1)
     model = load(path, quantization=scheme)
+    assert model.fused is not None
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(3)
+        torch.set_num_threads(4)
         with native.using(variant):
             for slots in ([2, 0, 3], list(range(SLOTS))[::-1][:9]):
                 fused, ops = decode(model, slots, 3, fused=True), decode(model, slots, 3, fused=False)
