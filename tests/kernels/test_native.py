@@ -161,7 +161,7 @@ def test_a_nan_stays_a_nan_when_rounded_to_bfloat16():
 @pytest.mark.parametrize("k", [320, 352])
 @pytest.mark.parametrize("rows", [2, 3, 8, 16, 17])
 def test_batched_products_on_the_matrix_units_match_the_reference(rows, k):
-    """The AMX GEMV (bfloat16 activations, 3 to 16 rows, e4m3 from 2, K a multiple of 32) for plain
+    """The AMX GEMV (bfloat16 activations, 3 to 16 rows, e4m3 and e2m1 from 2, K a multiple of 32) for plain
     bfloat16, FP8 (per channel, and its 128x128 blocks: K 320 ends in a part block; K 352 ends in a
     chunk of 32 after e4m3's pairs of chunks), MX and NVFP4 weights, and int8 from 3 rows on where K
     is a multiple of 64 (on the byte tiles; otherwise the integer multiply-adds take up to 4 rows and
