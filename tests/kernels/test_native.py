@@ -64,7 +64,8 @@ def test_forcing_a_variant_changes_the_dispatch(monkeypatch):
         patch.setattr(native, "qgemv", lambda *a: calls.append("qgemv_avx2") or op(*a))
         got = linear.quantized_linear(x, q)
     assert calls == ["qgemv_avx2"]
-    assert native.qgemv == (None if native.VARIANT == "torch" else getattr(torch.ops.preload, f"qgemv_{native.VARIANT}"))
+    restored = None if native.VARIANT == "torch" else getattr(torch.ops.preload, f"qgemv_{native.VARIANT}")
+    assert native.qgemv == restored
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
