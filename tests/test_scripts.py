@@ -191,6 +191,10 @@ def test_bench_decode_produces_json(default_model):
 
 
 def test_bench_prefill_produces_json(tiny_llama):
+    """The bench's figures, each from a real run. The stream's median step (before the long prompt
+    arrives) and its longest pause (after) come from different windows, so how they compare is the
+    bench's measurement, not an invariant: with another test process on the cores, the steps
+    before could run slower than the pause after (12.3 against 5.7 ms, once, in CI)."""
     out = run_preload("bench", "prefill", "--model", tiny_llama, "--prompt-tokens", "48", "--chunk", "8", "--repeats",
                       "1", "--json", timeout=600)
     assert out.returncode == 0, out.stderr
@@ -198,7 +202,7 @@ def test_bench_prefill_produces_json(tiny_llama):
     assert doc["prompt_tokens"] == 48 and set(doc["runs"]) == {"whole", "parts"}
     for mode in ("whole", "parts"):
         run = doc["runs"][mode][0]
-        assert 0 < run["median_step_s"] <= run["longest_pause_s"] and run["first_token_s"] > 0
+        assert run["median_step_s"] > 0 and run["longest_pause_s"] > 0 and run["first_token_s"] > 0
     assert doc["pause_whole_over_parts"] > 0 and doc["first_token_parts_over_whole"] > 0
     refused = run_preload("bench", "prefill", "--model", tiny_llama, "--prompt-tokens", "100000")
     assert refused.returncode == 1 and "lower it" in refused.stderr and "Traceback" not in refused.stderr
