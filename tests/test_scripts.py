@@ -285,3 +285,22 @@ def test_bench_quant_produces_json_with_rows_from_cache_and_from_memory():
     assert refused.returncode == 2 and "multiples of 16" in refused.stderr
     refused = run_preload("bench", "quant", "--skip-quality", "--memory-mib", "0")
     assert refused.returncode == 2 and "whole number of MiB" in refused.stderr
+
+
+PACKAGES = ("preload_cli", "preload_daemon", "worker", "kernels", "protos")  # what scripts/setup.sh compiles
+
+
+def test_setup_compiled_every_module_an_engine_imports():
+    """scripts/setup.sh compiles preload's own modules to bytecode: where PYTHONDONTWRITEBYTECODE is
+    set, nothing else caches them, and every engine, daemon and restore would compile them again.
+    A module added since setup last ran fails here: run scripts/setup.sh."""
+    code = ("import json, sys; import preload_cli.main, preload_cli.engine_commands, worker.main\n"
+            "print(json.dumps(sorted((m.__name__, m.__spec__.cached) for m in list(sys.modules.values())\n"
+            f"    if m.__name__.split('.')[0] in {PACKAGES!r} and (m.__file__ or '').endswith('.py'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert out.returncode == 0, out.stderr
+    modules = json.loads(out.stdout)
+    assert len(modules) > 20 and any(name == "worker.main" for name, _ in modules)
+    missing = [name for name, cached in modules if not cached or not os.path.exists(cached)]
+    assert not missing, f"no bytecode for {missing}: run scripts/setup.sh"
