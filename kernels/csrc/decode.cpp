@@ -100,7 +100,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
       scratch.resize(preload::attend_floats(group, job.end - job.begin, d));
       kernels->attend(preload::attend_job(q.data_ptr(), cache.data_ptr(), out.data_ptr(), q.element_size(), job.b,
                                           job.j, heads, kv_heads, d, slot[job.b], job.begin, job.end, cache.size(3), s,
-                                          scratch.data(), job.partial),
+                                          scratch.data(), job.partial, job.row_end),
                       bf16);
     }
   });

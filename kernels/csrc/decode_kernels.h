@@ -112,12 +112,13 @@ inline void softmax_row(float* row, int64_t length, float* top_out = nullptr, fl
 // weigh_values for its values, into L2 (prefetch_l2). Without it a thread's demand loads, which wait
 // in L1's few miss buffers, streamed the cache at ~7 GB/s: decode attention of 8 sequences of 550
 // positions over 30 layers' caches in turn (101 MB), 2 threads, a 2-core Emerald Rapids, the builds
-// alternated 14 times: 260-387 us a layer before (median 334), 208-306 with 4 KiB ahead (271),
-// faster in 13 rounds; 2 KiB timed as before, 8 KiB as 4. Only on amx, the one CPU it was measured
-// on (on a Zen 4, L1 prefetches of the same, prefetch_ahead, had timed alike).
+// alternated 6 times: 294-349 us a layer before (median 320), 200-332 after (254), faster every
+// time (in scratch builds 2 KiB ahead timed as before, 8 KiB as 4). Only on amx, the one CPU it was
+// measured on (on a Zen 4, L1 prefetches of the same, prefetch_ahead, had timed alike).
 constexpr int64_t kAttendL2Ahead = 4096;
 
-// Asks for [p + kAttendL2Ahead, + bytes) into L2, as far as `end` (the job's array: nothing past it).
+// Asks for [p + kAttendL2Ahead, + bytes) into L2, short of `end` (the row's keys or values end: its
+// later parts' are read next, by this thread or the other, so a job's prefetches run on into them).
 inline __attribute__((always_inline)) void prefetch_l2(const void* p, int64_t bytes, const void* end) {
   const char* from = static_cast<const char*>(p) + kAttendL2Ahead;
   const char* to = std::min(from + bytes, static_cast<const char*>(end));
@@ -137,7 +138,7 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
     constexpr int64_t kSize = kBF16 ? 2 : 4;
     if (g0 == 0 && e0 == 0)  // the first pass over the values
       prefetch_l2(static_cast<const char*>(a.values) + s * a.d * kSize, a.d * kSize,
-                  static_cast<const char*>(a.values) + a.length * a.d * kSize);
+                  static_cast<const char*>(a.values) + std::max(a.length, a.reach) * a.d * kSize);
 #endif
     Vec v[B];
     for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.d + e0 + i * kLanes);
@@ -288,7 +289,8 @@ void score_bf16dot(const AttendJob& a, float* scores) {
     for (int64_t s0 = 0; s0 < a.length; s0 += kLanes) {
       const int64_t block = std::min<int64_t>(kLanes, a.length - s0);
 #ifdef PRELOAD_AMX
-      if (g == 0) prefetch_l2(keys + s0 * a.d, block * a.d * 2, keys + a.length * a.d);  // the first pass
+      if (g == 0)  // the first head's pass over the keys
+        prefetch_l2(keys + s0 * a.d, block * a.d * 2, keys + std::max(a.length, a.reach) * a.d);
 #endif
       alignas(64) float sums[kLanes];
       vstore(sums, dots_bf16<C>(qg, keys + s0 * a.d, a.d, block));

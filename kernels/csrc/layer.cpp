@@ -360,7 +360,7 @@ class DecodeLayer : public torch::CustomClassHolder {
       const preload::AttendPlan::Job& job = jobs[i];
       kernels->attend(preload::attend_job(s.q.data(), cache, s.attn.data(), sizeof(T), job.b, job.j, heads_,
                                           kv_heads_, d_, slot[job.b], job.begin, job.end, rows.max_len, scale_,
-                                          s.attend[thread].data(), job.partial),
+                                          s.attend[thread].data(), job.partial, job.row_end),
                       std::is_same_v<T, at::BFloat16>);
     }
     barrier.wait();

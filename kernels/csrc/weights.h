@@ -79,11 +79,13 @@ constexpr int64_t kAttendPart = 256;
 // another), `element` bytes each. With `partial` the job writes there, not to out (AttendJob).
 inline AttendJob attend_job(const void* q, const void* cache, void* out, size_t element, int64_t b, int64_t j,
                             int64_t heads, int64_t kv_heads, int64_t d, int64_t slot, int64_t begin, int64_t end,
-                            int64_t max_len, float scale, float* scratch, float* partial = nullptr) {
+                            int64_t max_len, float scale, float* scratch, float* partial = nullptr,
+                            int64_t row_end = 0) {
   const int64_t group = heads / kv_heads, first = (b * heads + j * group) * d, plane = kv_heads * max_len * d;
   const char* keys = static_cast<const char*>(cache) + (((slot * 2 * kv_heads + j) * max_len + begin) * d) * element;
   return {static_cast<const char*>(q) + first * element, keys, keys + plane * element,
-          static_cast<char*>(out) + first * element, group, end - begin, d, scale, scratch, partial};
+          static_cast<char*>(out) + first * element, group, end - begin, d, scale, scratch, partial,
+          std::max(end, row_end) - begin};
 }
 
 // One call's attention jobs, by row, kv head and position, and room for the partial results of the
@@ -92,6 +94,7 @@ struct AttendPlan {
   struct Job {
     int64_t b, j, begin, end;
     float* partial;  // null: the row's only part, written to the output
+    int64_t row_end;  // the row's length: its last part's end
   };
   std::vector<Job> jobs;
   std::vector<int64_t> first;  // row b's jobs: [first[b], first[b + 1])
@@ -106,7 +109,7 @@ struct AttendPlan {
       const int64_t parts = (length[b] + kAttendPart - 1) / kAttendPart;
       for (int64_t j = 0; j < kv_heads; ++j)
         for (int64_t p = 0; p < parts; ++p)
-          jobs.push_back({b, j, p * kAttendPart, std::min(length[b], (p + 1) * kAttendPart), nullptr});
+          jobs.push_back({b, j, p * kAttendPart, std::min(length[b], (p + 1) * kAttendPart), nullptr, length[b]});
       if (parts > 1) floats += kv_heads * parts * group * (d + 2);
       first.push_back(static_cast<int64_t>(jobs.size()));
     }
