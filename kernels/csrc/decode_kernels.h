@@ -135,10 +135,10 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
     for (int i = 0; i < B; ++i) acc[h][i] = vzero();
   for (int64_t s = 0; s < a.length; ++s) {
 #ifdef PRELOAD_AMX
-    constexpr int64_t kSize = kBF16 ? 2 : 4;
-    if (g0 == 0 && e0 == 0)  // the first pass over the values
-      prefetch_l2(static_cast<const char*>(a.values) + s * a.d * kSize, a.d * kSize,
-                  static_cast<const char*>(a.values) + std::max(a.length, a.reach) * a.d * kSize);
+    // The first pass over bfloat16 values, which the dot product's scores left unasked (score_widened asks).
+    if (kBF16 && g0 == 0 && e0 == 0)
+      prefetch_l2(static_cast<const uint16_t*>(a.values) + s * a.d, a.d * 2,
+                  static_cast<const uint16_t*>(a.values) + std::max(a.length, a.reach) * a.d);
 #endif
     Vec v[B];
     for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.d + e0 + i * kLanes);

@@ -212,8 +212,8 @@ def test_prompts_of_one_length_prefilled_together_attend_causally_over_their_own
 def test_a_bfloat16_prefill_stays_close_to_transformers_on_every_variant(checkpoints, variant, monkeypatch):
     """A bfloat16 prompt's prefill with heads of 32, in cache slot 2 of 3: on the variants of
     PREFILL_VARIANTS (avx512bf16) its attention is the native prefill attention (its calls counted),
-    elsewhere SDPA's (amx's included: faster there); every position's logits are close to transformers', and the greedy token
-    after the prompt is its."""
+    elsewhere SDPA's (amx's too: faster there); every position's logits are close to transformers',
+    and the greedy token after the prompt is its."""
     path = tiny_model("llama", checkpoints / "prefill-bf16", dtype=torch.bfloat16, seed=5, head_dim=32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     model = load(path)
