@@ -9,6 +9,7 @@ import sys
 import tempfile
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -54,6 +55,15 @@ def copy_checkpoint(source: pathlib.Path, target: pathlib.Path) -> dict:
 def default_model() -> pathlib.Path:
     """The embedded default model, converted once per machine (about 20 s the first time)."""
     return default_model_path()
+
+
+def exited(process: "psutil.Process | int") -> bool:
+    """Whether a process (or pid, as this host numbers it) has ended: gone, or a zombie awaiting its
+    parent's wait."""
+    try:
+        return (psutil.Process(process) if isinstance(process, int) else process).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def wait_until(predicate, timeout=10.0, what="condition"):

@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_preload
+from tests.conftest import REPO, exited, run_preload
 from worker.criu import check_host
 
 CAN_SNAPSHOT = all(c.ok for c in check_host())
@@ -81,7 +81,7 @@ def stop_daemons(runtime_dir) -> None:
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    while not all(map(exited, pids)):
         assert time.monotonic() < deadline, f"daemons {pids} did not stop"
         time.sleep(0.1)
 

@@ -8,12 +8,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from safetensors.torch import save_file
 
-from tests.conftest import REPO, copy_checkpoint, run_cli, run_preload
+from tests.conftest import REPO, copy_checkpoint, exited, run_cli, run_preload
 
 
 def daemon_pids(runtime_dir) -> list[int]:
@@ -132,7 +131,7 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
     deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    while not all(map(exited, pids)):
         assert time.monotonic() < deadline, "serve left its daemons running"
         time.sleep(0.1)
 
@@ -234,7 +233,7 @@ def test_ctrl_c_while_serve_loads_ends_it_and_says_what_became_of_the_load(runti
     assert "interrupted by SIGTERM while loading; stopping the daemons this command started (cpu:0)" in err, err
     assert "ready:" not in out and "Traceback" not in err
     deadline = time.monotonic() + 10
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+    while not all(map(exited, pids)):
         assert time.monotonic() < deadline, "serve left its daemon running"
         time.sleep(0.1)
 

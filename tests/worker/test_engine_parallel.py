@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from preload_daemon.config import DaemonConfig
-from tests.conftest import REPO, run_preload
+from tests.conftest import REPO, exited, run_preload
 
 PROMPT = [5, 17, 99, 3, 200, 41]
 
@@ -36,8 +36,7 @@ def complete(url: str) -> dict:
 def gone(pids, timeout: float = 15.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive:
+        if all(map(exited, pids)):
             return True
         time.sleep(0.1)
     return False

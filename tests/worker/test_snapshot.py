@@ -19,7 +19,7 @@ import pytest
 
 from preload_daemon.config import DaemonConfig
 from preload_daemon.plan import LoadSpec
-from tests.conftest import REPO, DaemonHandle, run_preload, wait_until
+from tests.conftest import REPO, DaemonHandle, exited, run_preload, wait_until
 from tests.worker.conftest import EngineProcess, post
 from worker import criu, snapshot, snapshot_images
 from worker.quiesce import canary_mismatch, request_matrix_units
@@ -225,18 +225,10 @@ def test_a_foreground_restore_killed_takes_its_engine_with_it(served, snap):
     # The engine's own process, not only CRIU's: an exiting CRIU drops out of restore_processes (its
     # command line goes with its memory) before the kernel has ended the namespace's other processes,
     # and the engine once answered /health in that window.
-    wait_until(lambda: restore_processes(served["runtime"]) == running and ended(ready["pid"]), 20,
+    wait_until(lambda: restore_processes(served["runtime"]) == running and exited(ready["pid"]), 20,
                "the restored engine to end")
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=5)
-
-
-def ended(pid: int) -> bool:
-    """Whether process `pid` (as this host numbers it) has exited."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 @needs_criu

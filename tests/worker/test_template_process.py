@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from preload_daemon.errors import CheckpointError
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, exited, wait_until
 from tests.worker.test_tokenizer_template import CHATML, USER, assert_one_line, checkpoint, render
 from worker import chat_template, template_process
 from worker.template_process import RENDERER, RendererBusyError
@@ -42,13 +42,6 @@ def one_child():
 def renderers(of: psutil.Process | None = None) -> list[psutil.Process]:
     return [c for c in (of or psutil.Process()).children() if "worker.template_process" in c.cmdline()
             and c.status() != psutil.STATUS_ZOMBIE]
-
-
-def gone(process: psutil.Process) -> bool:
-    try:
-        return process.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 def in_thread(function, *args) -> tuple[threading.Thread, list]:
@@ -84,7 +77,7 @@ def test_a_render_that_does_not_answer_is_killed_and_the_next_gets_a_new_child(t
         render(tmp_path, LOOPS)
     assert_one_line(e)
     assert time.monotonic() - started < 5
-    assert gone(first)
+    assert exited(first)
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
     assert [c.pid for c in renderers()] != [first.pid]
 
@@ -95,7 +88,7 @@ def test_a_child_that_died_between_renders_is_replaced(tmp_path):
         [first] = renderers()
         first.kill()
         if wait:
-            wait_until(lambda: gone(first), what="the renderer to die")
+            wait_until(lambda: exited(first), what="the renderer to die")
         assert render(tmp_path, CHATML).endswith(ONE_CHAT)
         assert first.pid not in [c.pid for c in renderers()]
 
@@ -119,7 +112,7 @@ def test_a_child_that_does_not_take_the_request_is_not_the_templates_fault(tmp_p
     first.suspend()  # SIGSTOP
     with pytest.raises(RendererBusyError, match="did not take the request within 0.5 s"):
         render(tmp_path, CHATML)
-    assert gone(first)
+    assert exited(first)
     assert render(tmp_path, CHATML).endswith(ONE_CHAT)
 
 
@@ -212,10 +205,10 @@ def test_the_child_ends_with_its_parent_even_mid_render():
     try:
         renderer = psutil.Process(int(parent.stdout.readline()))
         time.sleep(0.5)  # rendering now
-        assert not gone(renderer)
+        assert not exited(renderer)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)
-        wait_until(lambda: gone(renderer), timeout=10, what="the orphaned renderer to exit")
+        wait_until(lambda: exited(renderer), timeout=10, what="the orphaned renderer to exit")
     finally:
         parent.kill()
         parent.wait()
