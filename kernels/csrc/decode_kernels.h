@@ -138,7 +138,7 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
     // The first pass over bfloat16 values, which the dot product's scores left unasked (score_widened asks).
     if (kBF16 && g0 == 0 && e0 == 0)
       prefetch_l2(static_cast<const uint16_t*>(a.values) + s * a.d, a.d * 2,
-                  static_cast<const uint16_t*>(a.values) + std::max(a.length, a.reach) * a.d);
+                  static_cast<const uint16_t*>(a.values) + a.reach * a.d);
 #endif
     Vec v[B];
     for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.d + e0 + i * kLanes);
@@ -290,7 +290,7 @@ void score_bf16dot(const AttendJob& a, float* scores) {
       const int64_t block = std::min<int64_t>(kLanes, a.length - s0);
 #ifdef PRELOAD_AMX
       if (g == 0)  // the first head's pass over the keys
-        prefetch_l2(keys + s0 * a.d, block * a.d * 2, keys + std::max(a.length, a.reach) * a.d);
+        prefetch_l2(keys + s0 * a.d, block * a.d * 2, keys + a.reach * a.d);
 #endif
       alignas(64) float sums[kLanes];
       vstore(sums, dots_bf16<C>(qg, keys + s0 * a.d, a.d, block));

@@ -54,7 +54,7 @@ struct AttendJob {
   float scale;
   float* scratch;     // attend_floats(group, length, d) floats
   float* partial;     // null, or group * (d + 2) floats
-  int64_t reach = 0;  // positions of the row from `keys` on, its later parts' too (how far prefetches go)
+  int64_t reach = 0;  // positions of the row from `keys` on, its later parts' too (how far prefetches go: 0, none)
 };
 
 constexpr int64_t kAttendBlock = 16;  // positions whose keys a step widens at once (at most: AVX2 takes 8)
