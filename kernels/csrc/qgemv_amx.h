@@ -2,8 +2,8 @@
 // qgemv_kernels.cpp with -DPRELOAD_AMX (and the AVX-512 and AVX512-BF16 flags), which includes this
 // inside its unnamed namespace: int8 at 3 to 16 rows runs the byte tiles of qgemv_amx_int8.h where K
 // is a multiple of 64; fewer rows than amx_min_rows, and other int8 up to 4 rows, qgemv_bf16dot.h's
-// GEMV (int8 there on qgemv_int16.h's integers); and what none takes that compilation's
-// AVX-512 `gemv`.
+// GEMV (int8, and MXFP4's and NVFP4's e2m1, there on qgemv_int16.h's integers); and what none takes
+// that compilation's AVX-512 `gemv`.
 //
 // y^T = W x^T: 16 rows of the weight are a tile of 16 x 32 bfloat16 (each row's 64 bytes, straight
 // from the weight, or decoded into a scratch tile for the other formats), x^T is a tile of 16 pairs x M
@@ -23,7 +23,7 @@ constexpr int kTileRows = 16;  // weight rows per tile
 constexpr int64_t kAmxMaxM = 16;
 constexpr int64_t kAmxRows = 64;  // Kernels::block_unit: whole tiles, and few tile configurations a product
 
-// Rows of x below which the dot product runs (amx_min_rows: e4m3 and e2m1 from 2): it streams one row's weight faster
+// Rows of x below which the dot product runs (amx_min_rows: e4m3 from 2, e2m1 from 3): it streams one row's weight faster
 // than the tiles do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
 // spends no more on decoding int8 than the tiles' bfloat16 conversion does. From 4 rows on the tiles win,
 // 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 runs the integer
@@ -36,12 +36,13 @@ constexpr int64_t kAmxMinM = 3;
 // one thread, 256x4096 in L2, minima of 4 alternated runs: FP8 per channel 90 -> 57 us, FP8 blocks
 // 105 -> 75, MXFP8 118 -> 82; 4096x4096 on two threads from memory about even). At one row the dot
 // product stays faster from memory (FP8 per channel 0.90-1.06 against the tiles' 0.99-1.17 ms).
-// So do MX's and NVFP4's e2m1, whose decoding bounds the dot product there as much (the same VM, one
-// thread, minima of 2-3 alternated runs: 4096x4096 MXFP4 1.54-1.59 -> 1.03, NVFP4 1.60 -> 1.14-1.19 ms;
-// the default model's 960x576 67-97 -> 53-88 and 70-102 -> 51-82 us, 1536x576 MXFP4 111-149 -> 117-125,
-// NVFP4 143-158 -> 120-125); at one row the tiles were even or slower (NVFP4 from memory, two threads,
-// 0.82-0.88 against 1.11-1.13 ms).
-inline int64_t amx_min_rows(const Weight& w) { return w.element == kE4M3 || w.element == kE2M1 ? 2 : kAmxMinM; }
+// MX's and NVFP4's e2m1 took them from 2 rows too, whose decoding bounded the dot product there as
+// much (the same VM, one thread, minima of 2-3 alternated runs: 4096x4096 MXFP4 1.54-1.59 -> 1.03,
+// NVFP4 1.60 -> 1.14-1.19 ms); now one and two rows run on the integer multiply-adds
+// (qgemv_e2m1_int16.h: kE2M1IntMaxM), faster than both, and the tiles take e2m1 from 3 rows.
+inline int64_t amx_min_rows(const Weight& w) {
+  return w.element == kE4M3 ? 2 : w.element == kE2M1 ? kE2M1IntMaxM + 1 : kAmxMinM;
+}
 
 inline bool amx_layout(int64_t m_rows, int64_t k) { return m_rows <= kAmxMaxM && k % 32 == 0; }
 

@@ -106,20 +106,6 @@ constexpr E2M1Bf16x2 kE2M1Bf16x2;
 static_assert(kE2M1Bf16x2.words[3] == 0x3FC0 && kE2M1Bf16x2.words[24] == 0x8000 && kE2M1Bf16x2.words[31] == 0xC0C0,
               "1.5, -0 and -6 as bfloat16");
 
-// The scales of blocks [b, b + 16) of row n as one register; where the row has fewer left, the codes
-// past its end read as 0 (masked off: never read), and their lanes are never used.
-inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
-  const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + n * w.scale_cols + b;
-  const int64_t left = w.scale_cols - b;
-  const __m128i bytes = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
-                                   : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), codes);
-  if (w.kind == kE4M3Per16)
-    return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(bytes)), _mm512_set1_ps(w.global * 256.0f));
-  const __m512i c = _mm512_cvtepu8_epi32(bytes);  // e8m0: 2^(c - 127); 0 is 2^-127
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()),
-                                                     _mm512_slli_epi32(c, 23), _mm512_set1_epi32(0x00400000)));
-}
-
 // An e8m0 code's power of two, 2^(code - 127), as what adds it to a bfloat16's exponent, in every word.
 inline __m512i e8m0_exponent(uint8_t code) { return _mm512_set1_epi16(static_cast<int16_t>((code - 127) << 7)); }
 
@@ -170,15 +156,6 @@ constexpr int64_t kE2M1Ahead = 16384;
 // 2-core Zen 5, 16 chains run 1.6x as many dot products a second as 8 do, 8 chains 2x as many as 4).
 template <int M>  // M: rows of x times rows of the weight; at most 16 accumulators from 3 on (no spills)
 constexpr int kDotBanks = M <= 2 ? 8 : M >= 16 ? 1 : 16 / M;
-
-// f.template operator()<i>() for i = 0 .. N - 1, each with its own constant i: accumulators indexed
-// by a loop counter that the compiler does not unroll live on the stack, a store and a load per step.
-template <int N, typename F>
-[[gnu::always_inline]] inline void unrolled(F&& f) {
-  [&]<int... I>(std::integer_sequence<int, I...>) {
-    (f.template operator()<I>(), ...);
-  }(std::make_integer_sequence<int, N>{});
-}
 
 template <int kBanks, int M>
 inline void reduce_banks(__m512 (&acc)[kBanks][M], float* sums) {

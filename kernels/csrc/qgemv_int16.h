@@ -76,6 +76,12 @@ constexpr int64_t kIntMaxRows = 4;    // and up to which (the bfloat16 dot produ
 constexpr int64_t kIntMaxRows = INT64_MAX;
 #endif
 constexpr int kIntMaxM = 8;           // rows of x per pass: more take more passes
+#ifdef PRELOAD_AMX
+constexpr int64_t kE2M1IntMaxM = 2;   // e2m1 (MXFP4, NVFP4) rows of x here, below amx_min_rows (qgemv_e2m1_int16.h)
+#else
+constexpr int64_t kE2M1IntMaxM = 0;
+#endif
+constexpr int64_t kE2M1IntGroup = 128;  // e2m1 elements a step: 64 bytes (K a multiple of half of it)
 constexpr int64_t kIntSegment = 64;   // chunks (2048 elements) summed in int32 before float32
 constexpr int kIntVecs = kChunk / kIntLanes;
 
@@ -99,6 +105,7 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
 // its byte tiles take 3 and 4 rows first where K is a multiple of 64 (gemv_amx and pack_amx ask them
 // first).
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
+  if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
   return w.element == kInt8 && m_rows >= kIntMinM && m_rows <= kIntMaxRows;
 }
 
@@ -122,11 +129,26 @@ inline float int16_factor(const float* row, int64_t k) {
   return _mm256_testz_ps(bad, bad) && shift <= 126 ? std::ldexp(1.0f, shift) : 0.0f;
 }
 
+// Rows of x the packing left out (2^-s of 0: their packed values are zeros) run the float32 kernels
+// alone, after the pass, so that the other rows' bits do not depend on them. `inverse`: the rows' 2^-s.
+inline void rerun_left_out(const Weight& w, const float* x, int64_t m_rows, const float* inverse, int64_t begin,
+                           int64_t end, uint16_t* y, int64_t y_stride) {
+  for (int64_t m = 0; m < m_rows; ++m)
+    if (inverse[m] == 0.0f) gemv(w, x + m * w.k, 1, begin, end, y + m * y_stride, y_stride, true);
+}
+
+#ifdef PRELOAD_AMX
+#include "qgemv_e2m1_int16.h"  // in this namespace: e2m1 at one or two rows of x on the integers
+#endif
+
 // Share `part` of `parts` of x's columns packed, every row (the float32 rows stay, for the float32
 // kernels); each share finds each row's 2^s over the whole row, the first stores 2^-s. 256-bit on
 // both compilations: a few microseconds a product.
 void pack_int16(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
   if (!int16_takes(w, m_rows)) return;
+#ifdef PRELOAD_AMX
+  if (w.element == kE2M1) return pack_int16_e2m1(x, m_rows, w, part, parts);
+#endif
   int16_t* words = reinterpret_cast<int16_t*>(x + m_rows * w.k);
   float* scales = x + int16_scales_at(m_rows, w.k);
   const auto [first, end] = pack_share(w.k, part, parts);
@@ -216,20 +238,16 @@ Int16Fn int16_for(int m, std::integer_sequence<int, Ms...>) {
   return passes[m - 1];
 }
 
-// Rows of x the packing left out (2^-s of 0: their packed values are zeros) run the float32 kernels
-// alone, after the pass, so that the other rows' bits do not depend on them. `inverse`: the rows' 2^-s.
-inline void rerun_left_out(const Weight& w, const float* x, int64_t m_rows, const float* inverse, int64_t begin,
-                           int64_t end, uint16_t* y, int64_t y_stride) {
-  for (int64_t m = 0; m < m_rows; ++m)
-    if (inverse[m] == 0.0f) gemv(w, x + m * w.k, 1, begin, end, y + m * y_stride, y_stride, true);
-}
-
 // gemv, with int8 weights times the rows of bfloat16 x int16_takes on the integer multiply-adds.
 void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, int64_t end, void* y,
                 int64_t y_stride, bool bf16) {
   if (!bf16 || !int16_takes(w, m_rows)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const int16_t* xq = reinterpret_cast<const int16_t*>(x + m_rows * w.k);
   const float* inverse = x + int16_scales_at(m_rows, w.k);
+#ifdef PRELOAD_AMX
+  if (w.element == kE2M1) return gemv_int16_e2m1(w, x, xq, inverse, m_rows, begin, end, static_cast<uint16_t*>(y),
+                                                y_stride);
+#endif
   in_passes<kIntMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     uint16_t* out = static_cast<uint16_t*>(y) + m0 * y_stride;
     int16_for(m, std::make_integer_sequence<int, kIntMaxM>{})(w, xq + m0 * w.k, inverse + m0, start, stop, out,

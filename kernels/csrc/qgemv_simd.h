@@ -136,12 +136,38 @@ constexpr int kHalf = kVecs / 2;         // registers 16 elements fill
 
 inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// f.template operator()<i>() for i = 0 .. N - 1, each with its own constant i: accumulators indexed
+// by a loop counter that the compiler does not unroll live on the stack, a store and a load per step.
+template <int N, typename F>
+[[gnu::always_inline]] inline void unrolled(F&& f) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    (f.template operator()<I>(), ...);
+  }(std::make_integer_sequence<int, N>{});
+}
+
 // e4m3 bits s.eeee.mmm become the float16 s.0eeee.mmm0000000, which reads as the e4m3 value times
 // 2^-8 (the biases differ by 8), subnormals included; the 2^8 goes into the scale (kFactor). From the
 // sign-extended byte, a shift by 7 leaves the sign in bits 15 and 14: the mask clears bit 14.
 inline __m256i e4m3_as_f16(__m128i bytes) {
   return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7), _mm256_set1_epi16(int16_t(0xBFFF)));
 }
+
+#ifdef PRELOAD_AVX512
+// The scales of blocks [b, b + 16) of row n (MX's, or NVFP4's times its global scale) as one register,
+// for the GEMVs of qgemv_bf16dot.h and qgemv_e2m1_int16.h; where the row has fewer left, the codes
+// past its end read as 0 (masked off: never read), and their lanes are never used.
+inline __m512 scales16(const Weight& w, int64_t n, int64_t b) {
+  const uint8_t* codes = static_cast<const uint8_t*>(w.scale) + n * w.scale_cols + b;
+  const int64_t left = w.scale_cols - b;
+  const __m128i bytes = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes))
+                                   : _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1), codes);
+  if (w.kind == kE4M3Per16)
+    return _mm512_mul_ps(_mm512_cvtph_ps(e4m3_as_f16(bytes)), _mm512_set1_ps(w.global * 256.0f));
+  const __m512i c = _mm512_cvtepu8_epi32(bytes);  // e8m0: 2^(c - 127); 0 is 2^-127
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()),
+                                                     _mm512_slli_epi32(c, 23), _mm512_set1_epi32(0x00400000)));
+}
+#endif
 
 // 16 float16 -> kHalf registers of float32.
 inline void f16_to_vecs(__m256i h, Vec* out) {

@@ -199,7 +199,7 @@ def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(
     """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, MXFP8 (its scales folded into
     the weight from 2 rows of x on) with K a multiple of 32, and FP8 with 128 x 128 block scales and K a multiple of 32
     (320: a last block of 64), run on AVX512-BF16's dot product (qgemv_bf16dot.h; amx for
-    the rows its tiles do not take), in passes of up to 8 rows, two weight rows at a time from 4 rows
+    the rows its tiles do not take, but MXFP4's and NVFP4's one and two rows: its integers), in passes of up to 8 rows, two weight rows at a time from 4 rows
     of x on: N off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the
     AVX-512 kernels row by row up to the output's bfloat16 rounding. K = 336 (a multiple of 16 but
     not of 32) and float32 x run the AVX-512 kernels, exactly as there."""
@@ -324,6 +324,50 @@ def test_nvfp4_tiles_read_every_e4m3_scale_code():
         got = torch.ops.preload.qgemv_amx(x, weight, *operands).double()
         bound = 1e-2 * (expected.abs() + expected.abs().amax(dim=0))  # relative, and to each weight row's largest
         assert ((got - expected).abs() <= bound).all(), (got - expected).abs().amax(dim=0)
+
+
+@pytest.mark.skipif("amx" not in native.available(), reason="this CPU (or its kernel) has no AMX tiles")
+@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize("k", [64, 192, 512, 576])
+def test_e2m1_at_one_and_two_rows_on_the_integers_matches_the_dequantized_product(name, k):
+    """amx multiplies MXFP4 and NVFP4 by one or two rows of bfloat16 x on integer multiply-adds
+    (qgemv_e2m1_int16.h: the codes as int16 twice their value, x scaled into int16 by a power of
+    two): every code pair in each row's bytes, K in steps of 128 with and without a last half step
+    of 64, block scales over their range (MX codes 0 to 240, as large as leaves the outputs finite: x's
+    2^s must not multiply the sums that a block scale does; NVFP4 every e4m3 code but NaN), x
+    spread over 2^40 (its small elements rounded by at most 2^-15 of its largest), against the
+    float64 product of the dequantized weight; a row of x with a NaN, an infinity, or too small to
+    scale runs the AVX-512 kernels, bit for bit as there."""
+    torch.manual_seed(k)
+    n = 256
+    q = quantize(torch.randn(n, k), name)
+    q.weight.view(torch.uint8).copy_(((torch.arange(n)[:, None] + torch.arange(k // 2)) % 256).to(torch.uint8))
+    codes = q.scale.view(torch.uint8)
+    if name == "mxfp4":
+        codes.copy_((torch.arange(n)[:, None] + 37 * torch.arange(codes.shape[1])) % 241)
+    else:
+        every = (torch.arange(n)[:, None] + 67 * torch.arange(codes.shape[1])) % 256
+        codes.copy_(torch.where(every & 0x7F == 0x7F, 0x7E, every))
+    weight, *operands = scheme(name).native_operands(q)
+    reference = dequantize(q, torch.float64)[:, :k]
+    op = torch.ops.preload.qgemv_amx
+    for rows, spread in ((1, 0), (1, 40), (2, 0), (2, 40)):
+        x = (torch.randn(rows, k) * 2.0 ** -torch.randint(0, spread + 1, (rows, k))).bfloat16()
+        expected = (x.double() @ reference.T).bfloat16().double()
+        got = op(x, weight, *operands).double()
+        assert got.isfinite().all()
+        # bfloat16's rounding of the output, float32's of the sums, and int16's of x's small elements
+        rounding = 2.0**-15 * x.abs().amax(dim=1, keepdim=True).double() * reference.abs().sum(dim=1)
+        bound = 1e-2 * expected.abs() + 1e-5 * (x.abs().double() @ reference.abs().T) + rounding
+        assert ((got - expected).abs() <= bound).all(), ((got - expected).abs() / bound).max()
+    good, nan, infinite, tiny = torch.randn(4, 1, k).bfloat16()
+    nan[0, k // 3], infinite[0, k // 3] = float("nan"), float("inf")
+    for x in (nan, infinite, tiny * 2.0**-120):
+        torch.testing.assert_close(op(x, weight, *operands), torch.ops.preload.qgemv_avx512(x, weight, *operands),
+                                   rtol=0, atol=0, equal_nan=True)
+        both = op(torch.cat([good, x]), weight, *operands)  # the other row as alone
+        torch.testing.assert_close(both, torch.cat([op(good, weight, *operands), op(x, weight, *operands)]),
+                                   rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("variant", [v for v in native.available() if v != "torch"])
