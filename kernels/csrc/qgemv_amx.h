@@ -23,12 +23,12 @@ constexpr int kTileRows = 16;  // weight rows per tile
 constexpr int64_t kAmxMaxM = 16;
 constexpr int64_t kAmxRows = 64;  // Kernels::block_unit: whole tiles, and few tile configurations a product
 
-// Rows of x below which the dot product runs (amx_min_rows: e4m3 from 2, e2m1 from 3): it streams one row's weight faster
-// than the tiles do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against 19.6 GB/s; two rows about even), and
-// spends no more on decoding int8 than the tiles' bfloat16 conversion does. From 4 rows on the tiles win,
-// 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against 6.9). int8 runs the integer
-// multiply-adds at 1 and 2 rows (qgemv_int16.h) and from 3 its byte tiles where K is a multiple of 64
-// (amx_int8_takes); other int8 the integers up to 4 rows, then the bfloat16 tiles.
+// Rows of x below which the dot product runs (amx_min_rows: e4m3 from 2; e2m1 takes the integers below 3):
+// it streams one row's weight faster than the tiles do (a 2-core Xeon, a 1 GB bfloat16 weight: 23.5 against
+// 19.6 GB/s; two rows about even), and spends no more on decoding int8 than the tiles' bfloat16 conversion
+// does. From 4 rows on the tiles win, 2-3x at 8 rows (bfloat16 17.7 against 9.8 GB/s; int8 13.5 against
+// 6.9). int8 runs the integer multiply-adds at 1 and 2 rows (qgemv_int16.h) and from 3 its byte tiles where
+// K is a multiple of 64 (amx_int8_takes); other int8 the integers up to 4 rows, then the bfloat16 tiles.
 constexpr int64_t kAmxMinM = 3;
 
 // e4m3 weights take the tiles from 2 rows of x: two rows of dot products cost two VDPBF16PS a chunk,

@@ -198,10 +198,11 @@ DOT_VARIANTS = [v for v in ("avx512bf16", "amx") if v in native.available()]
 def test_the_block_scaled_gemvs_on_the_bfloat16_dot_product_match_the_reference(variant, rows, k):
     """MXFP4 and NVFP4 with bfloat16 activations and K a multiple of 64, MXFP8 (its scales folded into
     the weight from 2 rows of x on) with K a multiple of 32, and FP8 with 128 x 128 block scales and K a multiple of 32
-    (320: a last block of 64), run on AVX512-BF16's dot product (qgemv_bf16dot.h; amx for
-    the rows its tiles do not take, but MXFP4's and NVFP4's one and two rows: its integers), in passes of up to 8 rows, two weight rows at a time from 4 rows
-    of x on: N off the 4- and 2-row steps and the 128-row blocks, x strided; and they agree with the
-    AVX-512 kernels row by row up to the output's bfloat16 rounding. K = 336 (a multiple of 16 but
+    (320: a last block of 64), run on AVX512-BF16's dot product (qgemv_bf16dot.h; amx for the rows its
+    tiles do not take, but MXFP4's and NVFP4's one and two rows: its integer multiply-adds), in passes
+    of up to 8 rows, two weight rows at a time from 4 rows of x on: N off the 4- and 2-row steps and
+    the 128-row blocks, x strided; and they agree with the AVX-512 kernels row by row up to the
+    output's bfloat16 rounding. K = 336 (a multiple of 16 but
     not of 32) and float32 x run the AVX-512 kernels, exactly as there."""
     torch.manual_seed(rows * k)
     w = torch.randn(203, k)

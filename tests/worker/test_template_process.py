@@ -30,10 +30,12 @@ ADDS_UP = ("{% set ns = namespace(kept=[]) %}{% for i in range(200) %}"
 
 @pytest.fixture(autouse=True)
 def one_child():
-    """Each test starts with one idle renderer."""
+    """Each test starts with one idle renderer, seen among this process's children (in one CI run
+    the next line found none)."""
     RENDERER.stop()
     RENDERER.resume()
     RENDERER.warm()
+    wait_until(lambda: len(renderers()) == 1, what="the warmed renderer among this process's children")
     yield
     RENDERER.stop()
     RENDERER.resume()
