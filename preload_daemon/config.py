@@ -376,6 +376,9 @@ class DaemonConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
         object.__setattr__(self, "runtime_dir", pathlib.Path(self.runtime_dir))
+        # Before the slab directory is made: a runtime dir too long for the daemon's own sockets had
+        # left an empty /dev/shm/preload-* behind each refused start.
+        check_socket_room(self.runtime_dir, DAEMON_SOCKET_TAIL)
         if self.shm_dir is None:
             object.__setattr__(self, "shm_dir", shm_dir_for(self.runtime_dir))
         if self.reap_interval_s <= 0:

@@ -9,7 +9,7 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from preload_daemon.config import DAEMON_SOCKET_TAIL, DaemonConfig, check_socket_room
+from preload_daemon.config import DaemonConfig, check_socket_room
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.server import DaemonServer
 
@@ -18,8 +18,7 @@ log = logging.getLogger(__name__)
 
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     """Runs one per-device daemon until SIGTERM or SIGINT; returns the exit code."""
-    check_socket_room(config.runtime_dir, DAEMON_SOCKET_TAIL)  # its own sockets; warned of the others' below
-    try:
+    try:  # the room for its own sockets DaemonConfig checked
         check_socket_room(config.runtime_dir)
     except InvalidRequestError as e:
         log.warning("%s (data-parallel engines and snapshots need that room; this daemon does not)", e)

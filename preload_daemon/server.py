@@ -297,6 +297,7 @@ class DaemonServer:
             if getattr(self, "sessions", None) is not None:
                 self.sessions.close()  # its listening socket, file and threads
             os.close(self._lock_fd)  # a retry in this process must not find the device locked
+            self._remove_shm_dir_if_empty()  # a refused start (a cuda daemon without a GPU) had left it
             raise
         self.update_health()
 
@@ -326,8 +327,13 @@ class DaemonServer:
         self.config.socket_path.unlink(missing_ok=True)
         self.store.close()
         os.close(self._lock_fd)
+        self._remove_shm_dir_if_empty()
+
+    def _remove_shm_dir_if_empty(self) -> None:
+        """The slab directory is shared with this runtime dir's other daemons: removed only if empty
+        (the next daemon makes a new one)."""
         try:
-            self.config.shm_dir.rmdir()  # shared with this runtime dir's other daemons: only if empty
+            self.config.shm_dir.rmdir()
         except OSError:
             pass
 

@@ -192,13 +192,15 @@ def test_a_busy_http_port_is_one_line_and_leaves_no_socket(runtime_dir):
 
 def test_a_runtime_dir_too_long_for_its_sockets_is_refused_at_start(runtime_dir):
     """A path of 70-88 bytes let the daemon start, and a DP replica's or a snapshot's socket failed
-    later; past 88 the daemon failed with a traceback."""
+    later; past 88 the daemon failed with a traceback. The refused daemon leaves no shared-memory
+    directory behind (it had made an empty /dev/shm/preload-* before it refused)."""
     long_dir = runtime_dir / ("x" * (99 - len(str(runtime_dir))))  # 100 bytes in all
     for command, most in ((("daemon",), 83), (("engine", "--dp-size", "2", "--load-format", "safetensors"), 67)):
         out = run_preload(*command, runtime_dir=long_dir, timeout=120)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
         assert f"the runtime directory {long_dir} is 100 bytes long" in out.stderr, out.stderr
         assert f"at most {most} bytes long" in out.stderr
+    assert not (long_dir / "shm-dir").exists()  # the record of one made (other tests' may come and go)
 
 
 def test_a_planted_daemon_log_is_not_written_through(runtime_dir, tiny_llama, tmp_path):

@@ -2,6 +2,7 @@
 process's numbering, error mapping) on any host, a cuda:N daemon refused on a host without a GPU,
 and with a GPU (marked `gpu`): a real daemon's slab opened zero-copy in another process."""
 
+import pathlib
 import subprocess
 import sys
 
@@ -100,6 +101,8 @@ def test_a_cuda_daemon_on_a_host_without_a_gpu_refuses_to_start(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("preload daemon: ") and "cpu:N" in last, run.stderr
     assert not list((tmp_path / "run").glob("*.sock")), "a socket was left behind"
+    shm = pathlib.Path("/dev/shm") / (tmp_path / "run" / "shm-dir").read_text().strip()
+    assert not shm.exists(), "its empty shared-memory directory was left behind"
 
 
 @pytest.mark.gpu
