@@ -37,13 +37,6 @@ constexpr E2M1Int16x2 kE2M1Int16x2;
 static_assert(kE2M1Int16x2.words[7] == 12 && kE2M1Int16x2.words[9] == -1 && kE2M1Int16x2.words[24] == 0,
               "6, -0.5 and -0 times 2");
 
-// Where element e of a row (in order) lies in its packed row: in step g's elements [128g, 128g + w)
-// (w = 128, or 64 for a row's last half step), element 4j + s at s * w / 4 + j.
-inline int64_t e2m1_int16_index(int64_t k, int64_t e) {
-  const int64_t first = e / kE2M1IntGroup * kE2M1IntGroup, width = lesser(kE2M1IntGroup, k - first), u = e - first;
-  return first + u % 4 * (width / 4) + u / 4;
-}
-
 // For each position o of 16 packed words, where in 16 of x in kE2M1Order (as qgemv.cpp reorders x)
 // its element is: the words for s = 0 to 3 (4 each) hold the 16 elements 4jj + s, jj = 0 to 3.
 struct E2M1Int16From {
@@ -57,7 +50,9 @@ struct E2M1Int16From {
 constexpr E2M1Int16From kE2M1Int16From;
 
 // pack_int16 for e2m1 weights: each 16 of x (one 16th of a step, or of a last half step) times 2^s,
-// rounded to nearest even and saturated as pack_int16 does, its 4 words for each s stored apart.
+// rounded to nearest even and saturated as pack_int16 does, its 4 words for each s stored apart. A
+// step's elements [first, first + w) (w = 128, or 64 for a row's last half step) lie in its packed
+// row with element first + 4j + s at first + s * w / 4 + j.
 void pack_int16_e2m1(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
   int16_t* words = reinterpret_cast<int16_t*>(x + m_rows * w.k);
   float* scales = x + int16_scales_at(m_rows, w.k);
@@ -74,7 +69,7 @@ void pack_int16_e2m1(float* x, int64_t m_rows, const Weight& w, int part, int pa
                                          : _mm512_setzero_si512();  // a row the float32 kernels take
       const __m256i packed = _mm512_cvtsepi32_epi16(ints);
       const int64_t step = i / kE2M1IntGroup * kE2M1IntGroup, quarter = lesser(kE2M1IntGroup, w.k - step) / 4;
-      const int64_t at = e2m1_int16_index(w.k, i);
+      const int64_t at = step + (i - step) / 4;  // s = 0: i is a multiple of 16
       const __m128i low = _mm256_castsi256_si128(packed), high = _mm256_extracti128_si256(packed, 1);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + at), low);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(out + at + quarter), _mm_unpackhi_epi64(low, low));
