@@ -7,12 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
 
-from tests.conftest import REPO, exited, run_preload
+from tests.conftest import REPO, exited, run_preload, wait_until
 from worker.criu import check_host
 
 CAN_SNAPSHOT = all(c.ok for c in check_host())
@@ -80,10 +79,7 @@ def stop_daemons(runtime_dir) -> None:
     pids = [d["pid"] for d in json.loads(out)["daemons"] if "pid" in d]
     for pid in pids:
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
-    while not all(map(exited, pids)):
-        assert time.monotonic() < deadline, f"daemons {pids} did not stop"
-        time.sleep(0.1)
+    wait_until(lambda: all(map(exited, pids)), 15, what=f"daemons {pids} to stop")
 
 
 @pytest.mark.slow

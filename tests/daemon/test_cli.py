@@ -12,7 +12,7 @@ import pytest
 
 from safetensors.torch import save_file
 
-from tests.conftest import REPO, copy_checkpoint, exited, run_cli, run_preload
+from tests.conftest import REPO, copy_checkpoint, exited, run_cli, run_preload, wait_until
 
 
 def daemon_pids(runtime_dir) -> list[int]:
@@ -130,10 +130,7 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     assert len(pids) == 2
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
-    deadline = time.monotonic() + 10
-    while not all(map(exited, pids)):
-        assert time.monotonic() < deadline, "serve left its daemons running"
-        time.sleep(0.1)
+    wait_until(lambda: all(map(exited, pids)), 10, what="serve's daemons to exit (serve left them running)")
 
     proc, _ = start()
     os.kill(daemon_pids(runtime_dir)[1], signal.SIGKILL)
@@ -234,10 +231,7 @@ def test_ctrl_c_while_serve_loads_ends_it_and_says_what_became_of_the_load(runti
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "interrupted by SIGTERM while loading; stopping the daemons this command started (cpu:0)" in err, err
     assert "ready:" not in out and "Traceback" not in err
-    deadline = time.monotonic() + 10
-    while not all(map(exited, pids)):
-        assert time.monotonic() < deadline, "serve left its daemon running"
-        time.sleep(0.1)
+    wait_until(lambda: all(map(exited, pids)), 10, what="serve's daemon to exit (serve left it running)")
 
 
 def test_wait_ready_fails_on_a_stale_active_version_and_says_how_to_reload(runtime_dir, tiny_llama, tmp_path):

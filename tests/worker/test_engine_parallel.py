@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from preload_daemon.config import DaemonConfig
-from tests.conftest import REPO, exited, run_preload
+from tests.conftest import REPO, exited, run_preload, wait_until
 
 PROMPT = [5, 17, 99, 3, 200, 41]
 
@@ -31,15 +31,6 @@ def complete(url: str) -> dict:
     body = json.dumps({"prompt": PROMPT, "max_tokens": 8, "temperature": 0}).encode()
     request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
     return json.load(urllib.request.urlopen(request, timeout=60))
-
-
-def gone(pids, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(map(exited, pids)):
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def stop_daemons(runtime_dir) -> None:
@@ -115,7 +106,7 @@ def test_killing_a_tp_rank_ends_the_engine_without_orphans(start_engine, runtime
     os.kill(follower, signal.SIGKILL)
     assert engine.proc.wait(15) == 1
     assert "TP rank 1" in engine.proc.stdout.read() + engine.stop()
-    assert gone([follower, engine.proc.pid])
+    wait_until(lambda: exited(follower) and exited(engine.proc.pid), 15, what="the engine and its follower to exit")
 
 
 @pytest.mark.slow
@@ -192,7 +183,7 @@ def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir
         router = engine.proc.pid
         children = [c.pid for c in psutil.Process(router).children(recursive=True)]
         engine.stop()
-        assert gone(children)
+        wait_until(lambda: all(map(exited, children)), 15, what="the router's replicas to exit")
         assert not list(runtime_dir.glob("engine-*")), list(runtime_dir.iterdir())
     finally:
         stop_daemons(runtime_dir)
