@@ -13,6 +13,7 @@ on one thread are reused there: on many threads, malloc's per-thread arenas woul
 
 import collections
 import concurrent.futures
+import itertools
 import os
 
 import torch
@@ -53,85 +54,99 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     checkpoint.open_files()  # before the threads share its descriptors
     reader = _Reader(checkpoint)
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
-    hashed, in_flight = 0, 0
-    pending: collections.deque = collections.deque()  # (group, next_offset, futures) in plan order
-    batch: list = []  # small reads of consecutive groups, run as one job (tiny tensors add up) ...
-    batch_head = None  # ... which the first of those groups waits for: the others find their bytes there
-    batch_bytes = 0
+    entries, tensors = plan.entries, checkpoint.tensors
+    hashed, in_flight, i = 0, 0, 0
+    pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
-
-        def flush() -> None:
-            nonlocal batch_bytes, batch_head
-            batch_bytes = 0
-            if batch:
-                batch_head[2].append(pool.submit(checkpoint.read_many, list(batch)))
-                batch.clear()
-                batch_head = None
-
         try:
-            for group, next_offset in groups(plan):
-                item = (group, next_offset, [])
-                reads, jobs, inline = _jobs(reader, group, dest, memory)
-                if inline:  # through the scratch buffer, on this thread only (see the module doc)
-                    for job in jobs:
-                        job()
-                elif len(reads) == 1 and group[0].nbytes < BATCH_BYTES:
-                    if not batch:
-                        batch_head = item
-                    batch.append(reads[0])
-                    batch_bytes += group[0].nbytes
-                    if batch_bytes >= BATCH_BYTES:
-                        flush()
+            while i < len(entries):
+                # A run of small tensors read straight into place is one job and one item (tiny
+                # tensors add up); anything else is a group of its own: one tensor, or the parts
+                # of one quantized source.
+                reads = _run_reads(tensors, entries, i, memory)
+                if reads:
+                    group = entries[i:i + len(reads)]
+                    futures = [pool.submit(checkpoint.read_many, reads)]
                 else:
-                    flush()
-                    item[2].extend(pool.submit(checkpoint.read_many, [read]) for read in reads)
-                    item[2].extend(pool.submit(job) for job in jobs)
-                pending.append(item)
-                in_flight += group[0].nbytes
+                    group = _group(entries, i)
+                    reads, jobs, inline = _jobs(reader, group, dest, memory)
+                    if inline:  # through the scratch buffer, on this thread only (see the module doc)
+                        for job in jobs:
+                            job()
+                        jobs = []
+                    futures = [pool.submit(checkpoint.read_many, [read]) for read in reads]
+                    futures.extend(pool.submit(job) for job in jobs)
+                i += len(group)
+                nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
+                pending.append((group, entries[i].offset if i < len(entries) else plan.total_bytes, futures, nbytes))
+                in_flight += nbytes
                 while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
-                    if pending[0] is batch_head:
-                        flush()  # the oldest group is still in the batch
-                    in_flight -= pending[0][0][0].nbytes
+                    in_flight -= pending[0][3]
                     hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
-            flush()
             while pending:
                 hashed = _finish(pending.popleft(), memory, hashed, hasher, on_tensor)
             if hasher is not None:
                 hasher.update(memory[hashed:])
         except BaseException:
-            for _, _, futures in pending:
+            for _, _, futures, _ in pending:
                 for future in futures:
                     future.cancel()
             raise
 
 
-def groups(plan: LoadPlan) -> list[tuple[list[PlanEntry], int]]:
-    """The plan's entries grouped by what one write makes: the parts of one quantized source (they
-    follow each other), or one copied tensor; each with the offset where the next group starts."""
-    entries, out, i = plan.entries, [], 0
-    while i < len(entries):
-        group = [entries[i]]
-        if entries[i].quantize:
-            while i + len(group) < len(entries) and entries[i + len(group)].source == entries[i].source \
-                    and entries[i + len(group)].quantize:
-                group.append(entries[i + len(group)])
+def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: memoryview) -> list:
+    """(name, destination bytes, skip) for Checkpoint.read_many of each tensor in the run from entry
+    i on of tensors under BATCH_BYTES that go straight from the file to their place (as stored:
+    whole, or whole rows), until they pass BATCH_BYTES; empty if entry i is not one of them. The
+    loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice."""
+    reads: list = []
+    total = 0
+    for entry in itertools.islice(entries, i, None):
+        shard = entry.shard
+        if entry.quantize or entry.nbytes >= BATCH_BYTES or total >= BATCH_BYTES \
+                or (shard is not None and shard.dim != 0):
+            break
+        info = tensors[entry.source]
+        if info.dtype != entry.dtype:
+            break
+        offset = entry.offset
+        reads.append((entry.source, memory[offset:offset + entry.nbytes],
+                      0 if shard is None else _row_range(info, shard)[1]))
+        total += entry.nbytes
+    return reads
+
+
+def groups(plan: LoadPlan):
+    """The plan's entries grouped by what one write makes (_group), in order."""
+    i = 0
+    while i < len(plan.entries):
+        group = _group(plan.entries, i)
         i += len(group)
-        out.append((group, entries[i].offset if i < len(entries) else plan.total_bytes))
-    return out
+        yield group
+
+
+def _group(entries: tuple[PlanEntry, ...], i: int) -> tuple[PlanEntry, ...]:
+    """The entries one write makes from entry i: the parts of one quantized source (they follow each
+    other), or one copied tensor."""
+    j = i + 1
+    if entries[i].quantize:
+        while j < len(entries) and entries[j].quantize and entries[j].source == entries[i].source:
+            j += 1
+    return entries[i:j]
 
 
 def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
-    """Waits for one group's writes and zeroes its padding (fresh memory holds garbage); hashes the
-    groups done since `hashed` once they span HASH_SPAN bytes (a call per tiny tensor would cost
-    more than hashing it). Returns the offset hashed up to."""
-    group, next_offset, futures = item
+    """Waits for one item's writes and zeroes the padding after each of its tensors (fresh memory
+    holds garbage); hashes the items done since `hashed` once they span HASH_SPAN bytes (a call per
+    tiny tensor would cost more than hashing it). Returns the offset hashed up to."""
+    group, next_offset, futures, _ = item
     for future in futures:
         future.result()
-    end = group[-1].offset + group[-1].nbytes
-    if end < next_offset:
-        memory[end:next_offset] = bytes(next_offset - end)
-    if on_tensor is not None:
-        for entry in group:
+    for entry, following in zip(group, itertools.chain(itertools.islice(group, 1, None), (None,))):
+        end, start = entry.offset + entry.nbytes, next_offset if following is None else following.offset
+        if end < start:
+            memory[end:start] = bytes(start - end)
+        if on_tensor is not None:
             on_tensor(entry)
     if hasher is not None and next_offset - hashed >= HASH_SPAN:
         hasher.update(memory[hashed:next_offset])
@@ -139,7 +154,7 @@ def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
     return hashed
 
 
-def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
+def _jobs(reader: "_Reader", group: tuple[PlanEntry, ...], dest: torch.Tensor,
           memory: memoryview) -> tuple[list, list, bool]:
     """What writes one group: direct reads of at most READ_CHUNK bytes each, as (name, destination
     bytes, skip) for Checkpoint.read_many (any thread); or jobs: one read per row of a column shard
@@ -154,7 +169,7 @@ def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
     rows, skip, _ = _row_range(info, entry.shard)
     if info.dtype == entry.dtype and entry.shard is rows:
         start, end = entry.offset, entry.offset + entry.nbytes
-        if entry.nbytes <= READ_CHUNK:  # most tensors: one read, without a comprehension's frame
+        if entry.nbytes <= READ_CHUNK:  # one read, without a comprehension's frame
             return [(entry.source, memory[start:end], skip)], [], False
         return [(entry.source, memory[at:min(at + READ_CHUNK, end)], skip + at - start)
                 for at in range(start, end, READ_CHUNK)], [], False
@@ -164,7 +179,7 @@ def _jobs(reader: "_Reader", group: list[PlanEntry], dest: torch.Tensor,
     return [], [lambda: reader.copy_into(entry, out)], True
 
 
-def write_group(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
+def write_group(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
     """Writes one group's bytes into `dest`. `reader` has read(name, shard) -> tensor and
     copy_into(entry, out): a checkpoint's files, or the tensor a publishing client just sent."""
     if group[0].quantize:
@@ -187,7 +202,7 @@ class TensorReader:
         out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
 
 
-def _quantize_into(reader, group: list[PlanEntry], dest: torch.Tensor) -> None:
+def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
     first = group[0]
     try:
         # The whole weight, then this rank's slice: scales that span the slice (per tensor, per row

@@ -70,7 +70,7 @@ def _tensor_info(t: pb.TensorSpec) -> TensorInfo:
 
 @dataclasses.dataclass(slots=True)
 class _Target:
-    group: list
+    group: tuple
     dest: torch.Tensor
 
 
@@ -80,7 +80,7 @@ def fill(table: StreamedCheckpoint, targets: list[tuple[LoadPlan, torch.Tensor]]
     order, a tensor that overflows or a stream that ends early."""
     by_source: dict[str, list[_Target]] = {}
     for plan, dest in targets:
-        for group, _ in groups(plan):
+        for group in groups(plan):
             by_source.setdefault(group[0].source, []).append(_Target(group, dest))
     scratch = torch.empty(0, dtype=torch.uint8)
     index, received = 0, 0
