@@ -51,6 +51,8 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     collector runs again when it ends."""
     if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
+    if checkpoint.read_ahead is not None:
+        checkpoint.read_ahead.stop()  # from here the reads go ahead themselves
     checkpoint.open_files()  # before the threads share its descriptors
     reader = _Reader(checkpoint)
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor

@@ -95,6 +95,13 @@ class LoadSpec:
     def with_layout(self, layout: Layout) -> "LoadSpec":
         return dataclasses.replace(self, **dataclasses.asdict(layout))
 
+    @property
+    def reads_every_file(self) -> bool:
+        """Whether a load of this spec reads (about) every byte of the checkpoint's files: one rank of
+        the main model (a TP rank reads its shards, a draft its MTP layers). Such a load has the disk
+        read ahead while it plans (Checkpoint's read_ahead)."""
+        return self.tp_size == 1 and self.component == "main"
+
 
 class PlanEntry(typing.NamedTuple):
     """One tensor of the slab, made from one checkpoint tensor (`source`, sliced by `shard`).

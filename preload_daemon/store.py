@@ -102,7 +102,7 @@ class ModelStore:
         with Loading(self._loads, self._model(spec.name, create=True), version, on_progress) as loading:
             model = loading.model
             loading.set_retention(retention)
-            checkpoint = Checkpoint(spec.path, allow_external=self.allow_external)
+            checkpoint = Checkpoint(spec.path, allow_external=self.allow_external, read_ahead=spec.reads_every_file)
             try:
                 with self._lock:
                     target = loading.number = version_for(model, tuple(checkpoint.identity), version, self.device)

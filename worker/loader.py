@@ -86,7 +86,8 @@ def check_device(device: str) -> torch.device:
 
 def load_safetensors(request: LoadRequest) -> LoadedWeights:
     started = time.time()
-    checkpoint = Checkpoint(request.spec.path, allow_external=request.allow_external)
+    checkpoint = Checkpoint(request.spec.path, allow_external=request.allow_external,
+                            read_ahead=request.spec.reads_every_file)
     try:
         plan = build_plan(checkpoint, request.spec)
         slab = torch.empty(plan.total_bytes, dtype=torch.uint8)

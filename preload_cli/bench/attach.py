@@ -58,8 +58,9 @@ def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", st
         sys.stdin.readline()
     read_before = _bytes_read()
     start = time.perf_counter()
-    checkpoint = Checkpoint(path)
-    plan = build_plan(checkpoint, LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank)))
+    spec = LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank))
+    checkpoint = Checkpoint(path, read_ahead=spec.reads_every_file)  # as the worker's cold path and the daemon
+    plan = build_plan(checkpoint, spec)
     dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
     execute(plan, checkpoint, dest)
     return {"seconds": time.perf_counter() - start, "bytes": plan.tensor_bytes, "read": _bytes_read() - read_before}

@@ -1,15 +1,19 @@
+import ctypes
 import json
+import mmap
 import os
 import struct
+import threading
 import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from preload_daemon.checkpoint import Checkpoint, refresh_identity
+from preload_daemon.checkpoint import READ_AHEAD_WINDOW, Checkpoint, refresh_identity
 from preload_daemon.errors import CheckpointError
 from preload_daemon.safetensors_file import read_header
+from tests.conftest import wait_until
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
           "intermediate_size": 16, "vocab_size": 32, "num_hidden_layers": 1}
@@ -118,6 +122,75 @@ def test_sharded_checkpoint_with_index(tmp_path):
     ckpt = Checkpoint(tmp_path)
     assert [f.path.rsplit("/", 1)[1] for f in ckpt.identity] == ["part-1.safetensors", "part-2.safetensors"]
     assert torch.equal(ckpt.read("y"), torch.zeros(3))
+
+
+def _cached_pages(path) -> float:
+    """The share of `path`'s pages in the page cache (mincore on a mapping of it, which reads
+    nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                              ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size, page = os.path.getsize(path), os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        pages = ctypes.create_string_buffer((size + page - 1) // page)
+        try:
+            assert libc.mincore(address, size, pages) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(b & 1 for b in pages.raw) / len(pages.raw)
+
+
+def test_read_ahead_brings_every_file_into_the_page_cache_and_stops_when_asked(tmp_path, monkeypatch):
+    """A load that will read every file asks the kernel to read them while it checks the headers and
+    plans; it stops asking when its reads begin (or the checkpoint closes)."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    rows = 3 * READ_AHEAD_WINDOW // 4096  # float32 rows of 1024: three windows a file
+    files = [tmp_path / "part-1.safetensors", tmp_path / "part-2.safetensors"]
+    save_file({"x": torch.ones(rows, 1024)}, str(files[0]))
+    save_file({"y": torch.ones(rows, 1024)}, str(files[1]))
+
+    def drop() -> None:
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            os.fsync(fd)  # written pages are dirty: only clean ones can be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    drop()
+    if _cached_pages(files[1]) > 0.5:
+        pytest.skip("this file system keeps the files in memory (tmpfs?): nothing to read ahead")
+    plain = Checkpoint(tmp_path)
+    assert plain.read_ahead is None and _cached_pages(files[1]) < 0.5  # reading the header reads little more
+    plain.close()
+
+    ahead = Checkpoint(tmp_path, read_ahead=True)
+    wait_until(lambda: all(_cached_pages(f) == 1.0 for f in files), what="both files read ahead")
+    ahead.close()
+    wait_until(lambda: not ahead.read_ahead._thread.is_alive(), what="the read-ahead thread to end")
+
+    drop()
+    asked, release, advise = [], threading.Event(), os.posix_fadvise
+
+    def parked(fd, offset, length, advice):  # the thread waits in its first window until released
+        asked.append(offset)
+        release.wait(10)
+        advise(fd, offset, length, advice)
+    monkeypatch.setattr(os, "posix_fadvise", parked)
+    stopped = Checkpoint(tmp_path, read_ahead=True)
+    wait_until(lambda: asked, what="the first window asked for")
+    stopped.read_ahead.stop()
+    release.set()
+    wait_until(lambda: not stopped.read_ahead._thread.is_alive(), what="the read-ahead thread to stop")
+    assert asked == [0] and _cached_pages(files[1]) < 0.5
+    assert torch.equal(stopped.read("y"), torch.ones(rows, 1024))
+    stopped.close()
 
 
 def test_index_pointing_at_wrong_file(tmp_path):

@@ -225,11 +225,12 @@ def test_threads_and_chunks_change_nothing_and_a_rank_reads_its_half(tiny_llama,
     import preload_daemon.execute as execute_module
 
     def run(threads, **spec):
-        ckpt = Checkpoint(tiny_llama)
+        ckpt = Checkpoint(tiny_llama, read_ahead=True)
         plan = build_plan(ckpt, LoadSpec(path=str(tiny_llama), **spec))
         dest = torch.full((plan.total_bytes,), 0x5A, dtype=torch.uint8)
         hasher, seen = xxhash.xxh3_128(), []
         execute(plan, ckpt, dest, on_tensor=seen.append, hasher=hasher, threads=threads)
+        assert ckpt.read_ahead._stopped.is_set()  # the load's own reads took over
         assert [e.name for e in seen] == [e.name for e in plan.entries]
         padding = torch.ones(plan.total_bytes, dtype=torch.bool)
         for e in plan.entries:
