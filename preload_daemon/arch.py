@@ -256,7 +256,9 @@ class ArchSpec:
         keys += ["q_bias", "k_bias", "v_bias"] if self.flags.qkv_bias or self.attention_bias else []
         keys += ["o_bias"] if self.attention_bias else []
         keys += ["q_norm", "k_norm"] if self.flags.qk_norm else []
-        return names + [self.name(k, i) for i in range(self.num_layers) for k in keys]
+        # Joined, not formatted: a model of 20,000 tensors spent 15 ms here through name().
+        parts = [KIND[k].template.split("{layer}") for k in keys]
+        return names + [f"{prefix}{i}{suffix}" for i in range(self.num_layers) for prefix, suffix in parts]
 
     def check_shape(self, name: str, kind: TensorKind, shape: tuple[int, ...]) -> None:
         expected = kind.shape(self)

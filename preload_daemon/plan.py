@@ -165,10 +165,11 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         entries.append(PlanEntry(offset=offset, nbytes=nbytes, **fields))
         offset = _align(offset + nbytes)
 
-    # Per kind, not per tensor: the expected shape and the shard (a big model has ~90,000 tensors
-    # of a few dozen kinds and shapes).
+    # Per kind, not per tensor: the expected shape and the shard; per stored dtype, whether it is a
+    # float of 16 bits or more (a big model has ~90,000 tensors of a few dozen kinds and shapes).
     expected: dict[str, tuple[int, ...]] = {}
     shards: dict[tuple[str, tuple[int, ...]], Shard | None] = {}
+    wide_float: dict[torch.dtype, bool] = {}
     tensors = checkpoint.tensors
     for name, kind in _component_tensors(checkpoint, arch, spec.component):
         info = tensors[name]
@@ -177,8 +178,11 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
             want = expected[kind.key] = kind.shape(arch)
         if info.shape != want:
             arch.check_shape(name, kind, info.shape)  # raises, naming both shapes
-        if not (prequantized and kind.quantizable):  # _block_scale checks those
-            _check_stored_dtype(checkpoint, info, kind)
+        wide = wide_float.get(info.dtype)
+        if wide is None:
+            wide = wide_float[info.dtype] = info.dtype.is_floating_point and info.dtype.itemsize > 1
+        if not wide and not (prequantized and kind.quantizable):  # _block_scale checks those
+            _check_stored_dtype(checkpoint, info, kind)  # raises
         shard_key = (kind.key, info.shape)
         shard = shards.get(shard_key, shards)
         if shard is shards:
@@ -202,7 +206,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
                     add(name=f"{stem}.{part}", dtype=dtype, shape=part_shape, shard=shard, source=name, part=part,
                         quantize=True, **common)
             continue
-        dtype = target if info.dtype.is_floating_point and info.dtype.itemsize > 1 else info.dtype
+        dtype = target if wide else info.dtype
         nbytes = dtype.itemsize * _numel(shape)
         entries.append(PlanEntry(name, kind.role, dtype, shape, offset, nbytes, shard, name))  # add(), inlined
         offset = (offset + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
@@ -307,9 +311,10 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
         raise CheckpointError(f"{checkpoint.path}: {len(unknown)} tensor(s) of no kind {arch.architecture} has, e.g. "
                               f"{', '.join(map(short_text, sorted(unknown)[:3]))}; is config.json's architecture "
                               "right?")
-    names = {name for _, name, _ in known}
     if component == "main":
-        missing = [n for n in arch.required() if n not in names]
+        # A required name present is among `known`: it is its kind's template (so classified as that
+        # kind) in a main layer, and no required kind is skipped above.
+        missing = [n for n in arch.required() if n not in checkpoint.tensors]
         if missing:
             raise CheckpointError(f"{_file_set(checkpoint)}: {len(missing)} tensor(s) that config.json needs are "
                                   f"missing, e.g. {', '.join(missing[:3])}; the checkpoint is incomplete (copy or "
@@ -317,7 +322,8 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
     elif not known:
         raise PlanError(f"{checkpoint.path}: component 'draft' asked for, but the checkpoint has no MTP layers "
                         "(num_nextn_predict_layers is 0 or absent)")
-    return [(name, kind) for _, name, kind in sorted(known, key=lambda t: (t[0], t[1]))]
+    # By (layer, name): names are unique, so the kinds are never compared.
+    return [(name, kind) for _, name, kind in sorted(known)]
 
 
 def _numel(shape) -> int:
