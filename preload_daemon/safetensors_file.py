@@ -28,6 +28,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F8_E8M0": torch.float8_e8m0fnu,
 }
 
+_ITEMSIZE = {name: (dtype, dtype.itemsize) for name, dtype in SAFETENSORS_DTYPES.items()}
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FileIdentity:
@@ -110,25 +112,26 @@ def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
         # The common case checked inline (a JSON value's type is exactly dict, list, str or int: a
         # bool is no int here); anything else goes to _tensor_info, which names what is wrong.
-        dtype, shape, offsets = (entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")) \
-            if type(entry) is dict else (None, None, None)
-        if type(dtype) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2 \
-                and (dtype := SAFETENSORS_DTYPES.get(dtype)) is not None:
-            begin, end = offsets
-            nbytes = dtype.itemsize
+        try:
+            dtype, nbytes = _ITEMSIZE[entry["dtype"]]
+            shape = entry["shape"]
+            begin, end = entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            dtype = None
+        if dtype is not None and type(shape) is list and type(begin) is int and type(end) is int:
             for d in shape:
                 if type(d) is not int or d < 0:
                     break
                 nbytes *= d
             else:
-                if type(begin) is int and type(end) is int and 0 <= begin <= end <= data_len and nbytes == end - begin:
+                if 0 <= begin <= end <= data_len and nbytes == end - begin:
                     tensors[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
                     spans.append((begin, end, name))
                     continue
+        if name == "__metadata__":  # an object of strings (checked above): no tensor entry
+            continue
         tensors[name] = slow = _tensor_info(path, name, entry, data_start, data_len)  # raises
         spans.append((slow.start - data_start, slow.start - data_start + slow.nbytes, name))
     spans.sort()
