@@ -13,7 +13,6 @@ on one thread are reused there: on many threads, malloc's per-thread arenas woul
 
 import collections
 import concurrent.futures
-import itertools
 import os
 
 import torch
@@ -66,20 +65,18 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 # tensors add up); anything else is a group of its own: one tensor, or the parts
                 # of one quantized source.
                 reads = _run_reads(tensors, entries, i, memory)
-                if reads:
-                    group = entries[i:i + len(reads)]
-                    after = i + len(reads)
-                    if after < len(entries) and entries[after].quantize and \
-                            group[-1].offset + group[-1].nbytes - group[0].offset < BATCH_BYTES:
-                        # A quantizing load's norms between its projections: read here, as the next
-                        # projection is. On the pool, beside the quantization, they left malloc's heap
-                        # more fragmented: the load's peak memory 15-40 MB higher (test_quant_load).
-                        checkpoint.read_many(reads)
-                        futures = []
-                    else:
-                        futures = [pool.submit(checkpoint.read_many, reads)]
+                group = entries[i:i + len(reads)] if reads else _group(entries, i)
+                i += len(group)
+                nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
+                if reads and i < len(entries) and entries[i].quantize and nbytes < BATCH_BYTES:
+                    # A quantizing load's norms between its projections: read here, as the next
+                    # projection is. On the pool, beside the quantization, they left malloc's heap
+                    # more fragmented: the load's peak memory 15-40 MB higher (test_quant_load).
+                    checkpoint.read_many(reads)
+                    futures = []
+                elif reads:
+                    futures = [pool.submit(checkpoint.read_many, reads)]
                 else:
-                    group = _group(entries, i)
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
                         for job in jobs:
@@ -87,8 +84,6 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                         jobs = []
                     futures = [pool.submit(checkpoint.read_many, [read]) for read in reads]
                     futures.extend(pool.submit(job) for job in jobs)
-                i += len(group)
-                nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
                 pending.append((group, entries[i].offset if i < len(entries) else plan.total_bytes, futures, nbytes))
                 in_flight += nbytes
                 while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
@@ -112,7 +107,8 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
     loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice."""
     reads: list = []
     total = 0
-    for entry in itertools.islice(entries, i, None):
+    for j in range(i, len(entries)):  # by index: islice(entries, i) would step over the first i each call
+        entry = entries[j]
         shard = entry.shard
         if entry.quantize or entry.nbytes >= BATCH_BYTES or total >= BATCH_BYTES \
                 or (shard is not None and shard.dim != 0):
@@ -153,8 +149,8 @@ def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
     group, next_offset, futures, _ = item
     for future in futures:
         future.result()
-    for entry, following in zip(group, itertools.chain(itertools.islice(group, 1, None), (None,))):
-        end, start = entry.offset + entry.nbytes, next_offset if following is None else following.offset
+    for k, entry in enumerate(group):
+        end, start = entry.offset + entry.nbytes, group[k + 1].offset if k + 1 < len(group) else next_offset
         if end < start:
             memory[end:start] = bytes(start - end)
         if on_tensor is not None:
