@@ -22,6 +22,9 @@ INDEX_MAX_BYTES = 64 << 20
 INDEX_FILE = "model.safetensors.index.json"
 READ_VECTORS = max(1, min(1024, os.sysconf("SC_IOV_MAX")))  # buffers one preadv fills
 READ_AHEAD_WINDOW = 8 << 20  # bytes one POSIX_FADV_WILLNEED asks for (the kernel reads at most its readahead size)
+# Bytes read ahead in all: what a disk reads while the largest plans are made (90,000 tensors: about a
+# second), and a bound on a hint's cost (a sparse file of a terabyte "reads" as fast as memory fills).
+READ_AHEAD_MAX = 4 << 30
 INDEX_FIX = "fix the index or delete it (without one, every *.safetensors file in the directory is read)"
 
 
@@ -295,10 +298,10 @@ class Checkpoint:
 class ReadAhead:
     """Asks the kernel to read checkpoint files into the page cache, in order, READ_AHEAD_WINDOW at a
     time (POSIX_FADV_WILLNEED: no copy, and the pages need no reading again), on a thread of its own
-    until the files end or stop() (a load's reads begin, the checkpoint is closed). A load of many
-    small tensors spends a while in Python before its first read (20,000 of them: 130-170 ms to check the
-    headers and make the plan), in which the disk sat idle. Only a hint: a file it cannot open is
-    skipped, and whatever it read is read again by the load if evicted meanwhile."""
+    until the files end, READ_AHEAD_MAX is asked for, or stop() (a load's reads begin, the checkpoint
+    is closed). A load of many small tensors spends a while in Python before its first read (20,000
+    of them: 130-170 ms to check the headers and make the plan), in which the disk sat idle. Only a
+    hint: a file it cannot open is skipped, and what it read is read again if evicted meanwhile."""
 
     def __init__(self, files: list[pathlib.Path]):
         self._stopped = threading.Event()
@@ -310,6 +313,7 @@ class ReadAhead:
         self._stopped.set()
 
     def _run(self, files: list[pathlib.Path]) -> None:
+        budget = READ_AHEAD_MAX
         for file in files:
             try:
                 fd, info = open_regular(file, FIX)
@@ -317,9 +321,10 @@ class ReadAhead:
                 continue  # the load names what is wrong with it
             try:
                 for offset in range(0, info.st_size, READ_AHEAD_WINDOW):
-                    if self._stopped.is_set():
+                    if self._stopped.is_set() or budget <= 0:
                         return
                     os.posix_fadvise(fd, offset, READ_AHEAD_WINDOW, os.POSIX_FADV_WILLNEED)
+                    budget -= READ_AHEAD_WINDOW
             except OSError:
                 continue
             finally:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import preload_daemon.checkpoint as checkpoint_module
 from preload_daemon.checkpoint import READ_AHEAD_WINDOW, Checkpoint, refresh_identity
 from preload_daemon.errors import CheckpointError
 from preload_daemon.safetensors_file import read_header
@@ -147,9 +148,10 @@ def _cached_pages(path) -> float:
     return sum(b & 1 for b in pages.raw) / len(pages.raw)
 
 
-def test_read_ahead_brings_every_file_into_the_page_cache_and_stops_when_asked(tmp_path, monkeypatch):
-    """A load that will read every file asks the kernel to read them while it checks the headers and
-    plans; it stops asking when its reads begin (or the checkpoint closes)."""
+def test_read_ahead_brings_every_file_into_the_page_cache_within_its_bound_and_stops_when_asked(tmp_path,
+                                                                                                monkeypatch):
+    """A load that will read every file asks the kernel to read them (up to READ_AHEAD_MAX) while it
+    checks the headers and plans; it stops asking when its reads begin (or the checkpoint closes)."""
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     rows = 3 * READ_AHEAD_WINDOW // 4096  # float32 rows of 1024: three windows a file
     files = [tmp_path / "part-1.safetensors", tmp_path / "part-2.safetensors"]
@@ -169,6 +171,14 @@ def test_read_ahead_brings_every_file_into_the_page_cache_and_stops_when_asked(t
     plain = Checkpoint(tmp_path)
     assert plain.read_ahead is None and _cached_pages(files[1]) < 0.5  # reading the header reads little more
     plain.close()
+
+    monkeypatch.setattr(checkpoint_module, "READ_AHEAD_MAX", READ_AHEAD_WINDOW)  # one window in all
+    bounded = Checkpoint(tmp_path, read_ahead=True)
+    wait_until(lambda: not bounded.read_ahead._thread.is_alive(), what="the bounded read-ahead to end")
+    wait_until(lambda: _cached_pages(files[0]) > 0.3, what="the first window read")  # of a third of the file
+    assert _cached_pages(files[0]) < 0.5 and _cached_pages(files[1]) < 0.5
+    bounded.close()
+    monkeypatch.undo()
 
     ahead = Checkpoint(tmp_path, read_ahead=True)
     wait_until(lambda: all(_cached_pages(f) == 1.0 for f in files), what="both files read ahead")
