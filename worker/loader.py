@@ -25,7 +25,7 @@ from preload_daemon.errors import (DaemonUnavailableError, DeviceError, LoadingE
                                    StaleError)
 from preload_daemon.execute import execute
 from preload_daemon.hfconfig import read_config
-from preload_daemon.plan import LoadSpec, build_plan
+from preload_daemon.plan import LoadPlan, LoadSpec, build_plan
 
 if TYPE_CHECKING:  # the client (protobuf) is imported when an engine attaches, not by a cold engine
     from preload_daemon.attached import AttachedModel
@@ -84,22 +84,28 @@ def check_device(device: str) -> torch.device:
     return torch.device("cuda", ordinal)
 
 
-def load_safetensors(request: LoadRequest) -> LoadedWeights:
-    started = time.time()
-    checkpoint = Checkpoint(request.spec.path, allow_external=request.allow_external,
-                            read_ahead=request.spec.reads_every_file)
+def read_cold(spec: LoadSpec, allow_external: bool = False) -> tuple[LoadPlan, torch.Tensor, dict]:
+    """The cold path's read: `spec`'s load plan executed into private memory, the kernel reading the
+    files ahead while the plan is made where the load reads every file. (plan, slab, config.json)."""
+    checkpoint = Checkpoint(spec.path, allow_external=allow_external, read_ahead=spec.reads_every_file)
     try:
-        plan = build_plan(checkpoint, request.spec)
+        plan = build_plan(checkpoint, spec)
         slab = torch.empty(plan.total_bytes, dtype=torch.uint8)
         execute(plan, checkpoint, slab)
     finally:
         checkpoint.close()
+    return plan, slab, checkpoint.config
+
+
+def load_safetensors(request: LoadRequest) -> LoadedWeights:
+    started = time.time()
+    plan, slab, config = read_cold(request.spec, request.allow_external)
     if request.device.startswith("cuda:"):  # the same bytes the daemon's cuda slab would hold
         slab = slab.to(check_device(request.device))
     views = SlabViews(slab)
     tensors = {e.name: views.view(e.offset, e.nbytes, e.dtype, e.shape) for e in plan.entries}
     parts = [(e.name, e.part, e.quant_scheme, dict(e.quant_params)) for e in plan.entries if e.part == "weight"]
-    return LoadedWeights(assemble(tensors, parts), checkpoint.config, "safetensors", started=started,
+    return LoadedWeights(assemble(tensors, parts), config, "safetensors", started=started,
                          finished=time.time())
 
 

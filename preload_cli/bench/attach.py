@@ -48,21 +48,15 @@ def child_attach(socket_path: str, model: str) -> dict:
 
 
 def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", start_on_go: str = "") -> dict:
-    import torch
-    from preload_daemon.checkpoint import Checkpoint
-    from preload_daemon.execute import execute
-    from preload_daemon.plan import LoadSpec, build_plan
+    from preload_daemon.plan import LoadSpec
+    from worker.loader import read_cold
     _set_cache(pathlib.Path(path), cache)
     if start_on_go:  # the ranks of a TP sample start together, once both have imported torch
         print("ready", flush=True)
         sys.stdin.readline()
     read_before = _bytes_read()
     start = time.perf_counter()
-    spec = LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank))
-    checkpoint = Checkpoint(path, read_ahead=spec.reads_every_file)  # as the worker's cold path and the daemon
-    plan = build_plan(checkpoint, spec)
-    dest = torch.empty(plan.total_bytes, dtype=torch.uint8)
-    execute(plan, checkpoint, dest)
+    plan, _, _ = read_cold(LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank)))  # the engine's cold path
     return {"seconds": time.perf_counter() - start, "bytes": plan.tensor_bytes, "read": _bytes_read() - read_before}
 
 
