@@ -10,7 +10,7 @@
 // e2m1_vec) and multiply-add each. Here a bfloat16 weight is multiplied as it is loaded, one
 // instruction per 32 elements; int8 is widened as before and rounded into one register of
 // bfloat16, exactly (8 significant bits), and e4m3 looked up in a table of bfloat16 words
-// (VPERMI2W; on amx both bytes of each word, 64 elements at a time: qgemv_e4m3.h), exactly too (4
+// (VPERMI2W; at a few rows of x both bytes of each word, 64 elements at a time: qgemv_e4m3.h), exactly too (4
 // significant bits); and 64 e2m1 elements (32 bytes) become two
 // registers of bfloat16 in four instructions: the bytes widened to words, the low nibbles looked up
 // in a table of bfloat16 words (VPERMW, which reads 5 bits of each index: the table holds its 16
@@ -51,6 +51,22 @@ inline bool bf16dot_takes(const Weight& w) {
 
 #include "qgemv_e4m3.h"  // in this namespace: e4m3 straight to bfloat16
 
+// The chunks of each e4m3 row that the dot product decodes in pairs (e4m3_bf16_pair) for m_rows rows
+// of x, x packed to match (pack_bf16dot): every whole group of 64 up to kDotPairMaxM rows (2 for FP8's
+// 128 x 128 blocks), none from there on; one choice for all of a product's passes. At a few rows the
+// decode bounds a step: five instructions for 64 elements against six for 32 (a 2-core Zen 4, 2
+// threads, 4096x4096, medians of 4 runs, builds alternated, us at 1, 2 and 4 rows of x in cache: FP8
+// per channel 378 -> 280, 522 -> 406, 608 -> 472; MXFP8 499 -> 324, 660 -> 529, 760 -> 647; FP8
+// blocks at 1 and 2 rows 476 -> 341, 608 -> 488; from memory at 2 and 4 rows FP8 per channel 596 ->
+// 526, 698 -> 630, MXFP8 736 -> 651, 882 -> 738; at one row, bound by memory, alike). Paired at every
+// count of rows, FP8 blocks took longer from 4 rows on (8 rows 1293 -> 1630 us in cache, 1359 -> 1696
+// from memory) and FP8 per channel from memory from 8 (999 -> 1059): two weight registers more a
+// row, beside each row of x's accumulators.
+constexpr int64_t kDotPairMaxM = 4;
+inline int64_t dot_paired_chunks(const Weight& w, int64_t m_rows) {
+  return m_rows <= (w.kind == kBlock128 ? 2 : kDotPairMaxM) ? e4m3_paired_chunks(w) : 0;
+}
+
 // The permutation of 16 words in kE2M1Order that leaves the 8 even-indexed elements first, then the
 // 8 odd ones (a VPERMW index).
 struct EvenOdd {
@@ -62,13 +78,14 @@ struct EvenOdd {
 constexpr EvenOdd kEvenOdd;
 
 // x's bfloat16 copy after x, row m's words at m * k: in order, or for e2m1 each group of 64 as its 32
-// even-indexed elements, then its 32 odd ones, and for e4m3's paired chunks (amx) as
+// even-indexed elements, then its 32 odd ones, and for e4m3's paired chunks (dot_paired_chunks) as
 // e4m3_bf16_pair decodes them. x comes in the kernels' order (qgemv_kernels.h): for
 // e2m1 each group of 16 in kE2M1Order, so each quarter of a group is one conversion, one
 // permutation and two stores; the others in order.
 void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int part, int parts) {
   if (int16_takes(w, m_rows)) return pack_int16(x, m_rows, w, part, parts);
   if (!bf16dot_takes(w)) return;
+  const int64_t paired = dot_paired_chunks(w, m_rows);
   static_assert(!kBF16Order, "pack_bf16dot reads x in order for bfloat16 weights");
   const __m256i even_odd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kEvenOdd.index));
   uint16_t* words = reinterpret_cast<uint16_t*>(x + m_rows * w.k);
@@ -76,11 +93,11 @@ void pack_bf16dot(float* x, int64_t m_rows, const Weight& w, int part, int parts
   for (int64_t m = 0; m < m_rows; ++m)
     for (int64_t i = m * w.k + first; i < m * w.k + end; i += 16) {
       __m256i both = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i));
-      // These 16 elements' halves go 32 words apart: for e4m3's whole groups of 64 (amx) 8 and 8, as
+      // These 16 elements' halves go 32 words apart: for e4m3's paired chunks 8 and 8, as
       // e4m3_bf16_pair decodes them; for e2m1 the even-indexed ones and the odd ones.
       const int64_t e = i % w.k, at = i - e % kDotGroup;  // e within its row; at: its group's first
       uint16_t* group;
-      if (e < e4m3_paired_chunks(w) * kChunk) {
+      if (e < paired * kChunk) {
         group = words + at + e % kDotGroup / 16 * 8;
       } else if (w.element == kE2M1) {
         both = _mm256_permutexvar_epi16(even_odd, both);
@@ -232,7 +249,7 @@ inline __m512bh decode32_bf16(const uint8_t* p) {
 // kFactor. R > 1 loads each x register once for R weight rows: from 4 rows of x on, the loads (one
 // per dot product at R = 1) bound a step, not memory.
 template <int kElem, int kMode, int M, int R>
-void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t paired, float* sums) {
   constexpr int kBanks = kDotBanks<M * R>;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
   const int64_t chunks = w.k / kChunk;
@@ -262,7 +279,6 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
     }
   };
   int64_t c = 0;
-#ifdef PRELOAD_AMX
   if constexpr (kElem == kE4M3) {  // pairs of chunks, pair b of a round into banks b and b + kBanks / 2
     constexpr bool kScaleSums = kMode == kBlock32Scale && M == 1;
     constexpr bool kScaled = kMode == kBlock32Scale && !kScaleSums;
@@ -270,14 +286,12 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
       if (kScaleSums && c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
       e4m3_pair_dots<kScaled, kScaleSums, M, R>(w, xp, n, c, kAhead, codes, scales, a0, a1);
     };
-    const int64_t paired = e4m3_paired_chunks(w);
     for (; c + 2 * kBanks <= paired; c += 2 * kBanks)
       unrolled<kBanks>([&]<int b>() __attribute__((always_inline)) {
         pair(c + 2 * b, acc[b], acc[(b + kBanks / 2) % kBanks]);
       });
     for (; c < paired; c += 2) pair(c, acc[0], acc[kBanks / 2]);
   }
-#endif
   for (; c + kBanks <= chunks; c += kBanks)
     unrolled<kBanks>([&]<int b>() __attribute__((always_inline)) { step(c + b, acc[b]); });
   for (; c < chunks; ++c) step(c, acc[0]);
@@ -289,10 +303,10 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums
 // kParts banks (one a chunk where the registers allow: the dot product's latency), then scaled into
 // the rows' sums.
 template <int M, int R>
-void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums) {
+void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t paired, float* sums) {
   constexpr int kBlockChunks = 128 / kChunk, kParts = R * M <= 4 ? kBlockChunks : R * M <= 8 ? 2 : 1;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
-  const int64_t chunks = w.k / kChunk, paired = e4m3_paired_chunks(w);
+  const int64_t chunks = w.k / kChunk;
   __m512 acc[R * M];  // acc[r * M + m]
   for (int i = 0; i < R * M; ++i) acc[i] = vzero();
   auto step = [&](int64_t c, __m512(&bank)[R * M]) __attribute__((always_inline)) {
@@ -312,20 +326,16 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
     zero(part);
     // A whole block is paired whole, or not at all (paired chunks are all but an odd count's last).
     if (c0 + kBlockChunks <= paired) {
-#ifdef PRELOAD_AMX
       unrolled<kBlockChunks / 2>([&]<int b>() __attribute__((always_inline)) {
         e4m3_pair_dots<false, false, M, R>(w, xp, n, c0 + 2 * b, kAhead, nullptr, nullptr, part[2 * b % kParts],
                                            part[(2 * b + 1) % kParts]);
       });
-#endif
     } else if (c0 + kBlockChunks <= chunks) {
       unrolled<kBlockChunks>([&]<int b>() __attribute__((always_inline)) { step(c0 + b, part[b % kParts]); });
     } else {  // a last block narrower than 128
       int64_t c = c0;
-#ifdef PRELOAD_AMX
       for (; c < paired; c += 2)
         e4m3_pair_dots<false, false, M, R>(w, xp, n, c, kAhead, nullptr, nullptr, part[0], part[0]);
-#endif
       for (; c < chunks; ++c) step(c, part[0]);
     }
     for (int r = 0; r < R; ++r) {
@@ -343,8 +353,8 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* s
 // scales do not fold into the weight (e8m0_within) run the AVX-512 kernels on x's float32 rows, with
 // the row paired with them.
 template <int kElem, int kMode, int M, int R>
-inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, uint16_t* y,
-                         int64_t y_stride) {
+inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, int64_t paired,
+                         uint16_t* y, int64_t y_stride) {
   float sums[R * M];
   if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > 1) {
     for (int r = 0; r < R; ++r)
@@ -354,9 +364,9 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
   if constexpr (kElem == kE2M1) {
     e2m1_rows_bf16<kMode == kBlock16Scale ? 4 : 2, M, R>(w, xp, n, sums);
   } else if constexpr (kMode == kBlock128Scale) {
-    block128_rows_bf16<M, R>(w, xp, n, sums);
+    block128_rows_bf16<M, R>(w, xp, n, paired, sums);
   } else {
-    plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, sums);
+    plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, paired, sums);
   }
   for (int r = 0; r < R; ++r) {
     const float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
@@ -369,15 +379,16 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
 // split N at even rows (block_unit and in_passes' tiles are even), so every row's bits are the same
 // however the work is split, as the AVX-512 kernels' are.
 template <int kElem, int kMode, int M>
-void bf16dot_pass(const Weight& w, const float* x, const uint16_t* xp, int64_t begin, int64_t end, uint16_t* y,
-                  int64_t y_stride) {
+void bf16dot_pass(const Weight& w, const float* x, const uint16_t* xp, int64_t begin, int64_t end, int64_t paired,
+                  uint16_t* y, int64_t y_stride) {
   constexpr int R = M >= 4 ? 2 : 1;
   int64_t n = begin;
-  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, x, xp, n, y, y_stride);
-  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, x, xp, n, y, y_stride);
+  for (; n + R <= end; n += R) bf16dot_rows<kElem, kMode, M, R>(w, x, xp, n, paired, y, y_stride);
+  for (; n < end; ++n) bf16dot_rows<kElem, kMode, M, 1>(w, x, xp, n, paired, y, y_stride);
 }
 
-using Bf16DotFn = void (*)(const Weight&, const float*, const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
+using Bf16DotFn = void (*)(const Weight&, const float*, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*,
+                           int64_t);
 
 template <int kElem, int kMode, int... Ms>
 Bf16DotFn bf16dot_for(int m, std::integer_sequence<int, Ms...>) {
@@ -391,10 +402,11 @@ void gemv_bf16dot(const Weight& w, const float* x, int64_t m_rows, int64_t begin
   if (bf16 && int16_takes(w, m_rows)) return gemv_int16(w, x, m_rows, begin, end, y, y_stride, bf16);
   if (!bf16 || !bf16dot_takes(w)) return gemv(w, x, m_rows, begin, end, y, y_stride, bf16);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x + m_rows * w.k);
+  const int64_t paired = dot_paired_chunks(w, m_rows);  // as pack_bf16dot packed x
   in_passes<kDotMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
     const Bf16DotFn pass = with_format(w, [m]<int kElem, int kMode>() {
       return bf16dot_for<kElem, kMode>(m, std::make_integer_sequence<int, kDotMaxM>{});
     });
-    pass(w, x + m0 * w.k, xp + m0 * w.k, start, stop, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride);
+    pass(w, x + m0 * w.k, xp + m0 * w.k, start, stop, paired, static_cast<uint16_t*>(y) + m0 * y_stride, y_stride);
   });
 }

@@ -1,18 +1,13 @@
 // e4m3 straight to bfloat16 for the GEMVs on the bfloat16 dot product (qgemv_bf16dot.h) and the AMX
-// tiles (qgemv_amx.h): 32 elements at a time (e4m3_bf16), and on the amx variant 64 at a time, in
-// pairs of chunks (e4m3_bf16_pair), x packed to match. Included by qgemv_bf16dot.h inside
+// tiles (qgemv_amx.h): 32 elements at a time (e4m3_bf16), and with AVX512-VBMI (which both variants
+// that include this need) 64 at a time, in pairs of chunks (e4m3_bf16_pair), x packed to match. Included by qgemv_bf16dot.h inside
 // qgemv_kernels.cpp's unnamed namespace.
 #pragma once
 
-// Chunks of an e4m3 row that decode in pairs, 64 elements at a time (e4m3_bf16_pair: the amx
-// variant), x packed to match: those of the row's whole groups of 64; 0 elsewhere.
-inline int64_t e4m3_paired_chunks(const Weight& w) {
-#ifdef PRELOAD_AMX
-  return w.element == kE4M3 ? w.k / 64 * 2 : 0;
-#else
-  return 0;
-#endif
-}
+// Chunks of an e4m3 row that can decode in pairs, 64 elements at a time (e4m3_bf16_pair), x packed
+// to match: those of the row's whole groups of 64; 0 for other elements. The AMX tiles pair them at
+// every count of x's rows, the dot product at a few (dot_paired_chunks, qgemv_bf16dot.h).
+inline int64_t e4m3_paired_chunks(const Weight& w) { return w.element == kE4M3 ? w.k / 64 * 2 : 0; }
 
 // The bfloat16 bits of e4m3 magnitude code c (eeee.mmm) times 2^-8, as decode32 scales e4m3: exact,
 // subnormals included (4 significant bits fit in bfloat16's 8; the smallest, 2^-17, is a normal
@@ -73,7 +68,6 @@ inline __m512bh e4m3_bf16(const uint8_t* p, __m512i exponent = __m512i()) {
   return (__m512bh)_mm512_ternarylogic_epi32(magnitude, codes, _mm512_set1_epi16(int16_t(0x8000)), 0xF8);
 }
 
-#ifdef PRELOAD_AMX
 // Every e4m3 magnitude code's bfloat16 (e4m3_bf16_bits) as its high and its low byte; the NaN code reads
 // as 480, as on the AVX-512 kernels.
 struct E4M3Bf16Bytes {
@@ -87,8 +81,7 @@ struct E4M3Bf16Bytes {
 };
 constexpr E4M3Bf16Bytes kE4M3Bf16Bytes;
 
-// 64 e4m3 elements as two registers of bfloat16 (times 2^-8), on the amx variant (AVX512-VBMI, which
-// every CPU with AMX has): each code's magnitude looks up its bfloat16's high and low byte in two
+// 64 e4m3 elements as two registers of bfloat16 (times 2^-8), with AVX512-VBMI: each code's magnitude looks up its bfloat16's high and low byte in two
 // tables of 128 bytes (VPERMI2B reads 7 bits of each byte), the sign joins the high byte, and
 // VPUNPCKLBW / VPUNPCKHBW pair the bytes into words within each 128-bit lane: `first` holds elements
 // 0-7, 16-23, 32-39 and 48-55, `second` the others, the two chunks of a pair as x is packed for them
@@ -96,7 +89,8 @@ constexpr E4M3Bf16Bytes kE4M3Bf16Bytes;
 // eight for 32 (a 2-core Emerald Rapids, one thread in L1, with the dot product: 2.3 -> 1.8 ns per 32
 // elements; VPERMI2B and VPERMI2W cost 2 and 3 cycles there, VPERMW and the unpacks 1). The GEMV at
 // one row of x, one thread, 256x4096 in L2, minima of 4 alternated runs: FP8 per channel 77 -> 64 us,
-// FP8 blocks 88 -> 71, MXFP8 87 -> 75 (bfloat16 76 -> 74).
+// FP8 blocks 88 -> 71, MXFP8 87 -> 75 (bfloat16 76 -> 74). The dot product pairs them at a few rows of x
+// on avx512bf16 too (dot_paired_chunks, qgemv_bf16dot.h, with the figures of a Zen 4).
 // With kScaled, times MX block scales (e8m0_exponents: the pair's first block's in words 0-15 of
 // each register, the second's in 16-31), added to the exponent of every nonzero value (the sign bit
 // stays: the scaled values are normal bfloat16, e8m0_within).
@@ -140,9 +134,9 @@ constexpr PairScales kPairScales;
 
 // Chunks c and c + 1 (a pair) of rows [n, n + R) times the M rows of packed x, into a0 and a1 (or,
 // kScaleSums, one row of x, both sums times each block's scale into a0: `scales` holds the 16 from
-// chunk c - c % 16 on). codes[r]: row n + r's MX scale codes, for kScaled. On amx only one row of x
-// reaches the dot product with e4m3 weights (the tiles take 2 and more: amx_min_rows), so M > 1 and
-// kScaled are here for the template's sake (the tiles run e4m3_bf16_pair<true> and e8m0_exponents).
+// chunk c - c % 16 on). codes[r]: row n + r's MX scale codes, for kScaled (MXFP8 from 2 rows of x). On
+// amx only one row of x reaches the dot product with e4m3 weights (the tiles take 2 and more:
+// amx_min_rows); on avx512bf16 up to dot_paired_chunks' rows.
 template <bool kScaled, bool kScaleSums, int M, int R>
 [[gnu::always_inline]] inline void e4m3_pair_dots(const Weight& w, const uint16_t* xp, int64_t n, int64_t c,
                                                   int64_t ahead, const uint8_t* const* codes, const float* scales,
@@ -170,4 +164,3 @@ template <bool kScaled, bool kScaleSums, int M, int R>
     }
   }
 }
-#endif

@@ -123,9 +123,8 @@ inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C
-extern const Kernels kAvx512Bf16;  // kAvx512's, plus AVX512-BF16's dot product for bfloat16 x (qgemv_bf16dot.h) and
-                                   // AVX512-VNNI's for int8 (qgemv_int16.h)
-extern const Kernels kAmx;     // kAvx512Bf16's, plus AMX-TILE, AMX-BF16, AMX-INT8 (qgemv_amx.h) and AVX512-VBMI
-                               // (qgemv_e4m3.h), which every CPU with AMX has
+extern const Kernels kAvx512Bf16;  // kAvx512's, plus AVX512-BF16's dot product for bfloat16 x (qgemv_bf16dot.h),
+                                   // AVX512-VNNI's for int8 (qgemv_int16.h) and AVX512-VBMI (qgemv_e4m3.h)
+extern const Kernels kAmx;     // kAvx512Bf16's, plus AMX-TILE, AMX-BF16 and AMX-INT8 (qgemv_amx.h)
 
 }  // namespace preload

@@ -32,9 +32,10 @@ inline bool runs_here(const Kernels* kernels) {
   bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl");
   if (kernels == &kAvx512) return avx512;
-  bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
+  bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni") &&
+              __builtin_cpu_supports("avx512vbmi");
   if (kernels == &kAvx512Bf16) return bf16;
-  return bf16 && __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("amx-tile") &&
+  return bf16 && __builtin_cpu_supports("amx-tile") &&
          __builtin_cpu_supports("amx-bf16") && __builtin_cpu_supports("amx-int8") && amx_permitted();
 }
 

@@ -375,10 +375,10 @@ def test_e2m1_at_one_and_two_rows_on_the_integers_matches_the_dequantized_produc
 @pytest.mark.parametrize("name", ["fp8_per_tensor", "fp8_per_channel", "fp8_block", "mxfp8"])
 def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
     """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
-    element, then the zeros and subnormals alone, at 1, 2 and 4 rows of bfloat16 x: each variant's
-    GEMV (avx512bf16 looks e4m3 up in a table of bfloat16 words; amx looks up both bytes of each
-    word, 64 elements at a time, and moves a normal code's bits into place for a last 32 alone; from
-    2 rows on on its tiles) matches the float32 product of the dequantized weight up to the output's
+    element, then the zeros and subnormals alone, at 1, 2, 4 and 8 rows of bfloat16 x: each variant's
+    GEMV (on the dot product up to 4 rows, 2 for FP8 blocks, both bytes of each bfloat16 word looked
+    up, 64 elements at a time, and a last 32 alone: on avx512bf16 in a table of words, as it does from
+    5 rows on, on amx by moving a normal code's bits into place; amx from 2 rows on on its tiles) matches the float32 product of the dequantized weight up to the output's
     bfloat16 rounding; subnormals are not flushed. K = 608: 9 pairs of chunks and one alone, and
     MXFP8's scales at one row of x read 16 blocks at a time, the second 16 within the pairs."""
     torch.manual_seed(7)
@@ -392,7 +392,7 @@ def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
         q.weight.view(torch.uint8).copy_(codes.to(torch.uint8))
         weight, *operands = scheme(name).native_operands(q)
         reference = dequantize(q, torch.float32)
-        for rows in (1, 2, 4):
+        for rows in (1, 2, 4, 8):
             x = torch.randn(rows, k).bfloat16()
             expected = x.float() @ reference.T
             assert expected.abs().max() > 0

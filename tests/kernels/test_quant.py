@@ -231,8 +231,9 @@ def test_native_kernels_are_built_where_the_cpu_runs_them():
     """scripts/setup.sh builds them; a missing build here would silently test only the torch path."""
     flags = set(open("/proc/cpuinfo").read().split())
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl"}
+    dot = avx512 | {"avx512_bf16", "avx512_vnni", "avx512vbmi"}
     expected = [variant for variant, needs in (("avx2", {"avx2", "fma", "f16c"}), ("avx512", avx512),
-                                               ("amx", avx512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}))
+                                               ("avx512bf16", dot), ("amx", dot | {"amx_tile", "amx_bf16", "amx_int8"}))
                 if needs <= flags]
     if not expected:
         pytest.skip("no AVX2 on this CPU")
