@@ -28,8 +28,9 @@
 // multiply each block's float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share
 // each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
 // time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
-// power-of-two scale per 32 elements multiplies each block's sums at one row of x (one multiply-add a block);
-// from 2 rows on (amx: on its tiles, qgemv_amx.h) it is added to the exponents of its block's bfloat16
+// power-of-two scale per 32 elements multiplies each block's sums at one and two rows of x (one multiply-add
+// a block and row of x: kScaleSumsMaxM); from 3 rows on (amx: from 2, on its tiles, qgemv_amx.h) it is
+// added to the exponents of its block's bfloat16
 // weights (a broadcast and two instructions a block, not a multiply-add a row of x). The scaled weights are
 // exact wherever they stay normal bfloat16; rows with a scale outside that range, and from 4 rows of x the
 // rows paired with one, run the AVX-512 kernels (e8m0_within). As everywhere on the dot
@@ -226,6 +227,12 @@ void e2m1_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, float* sums)
   reduce_banks(acc, sums);
 }
 
+// Rows of x up to which MXFP8's scales multiply each block's sums, not its weights (see the top): at 2
+// rows the multiply-adds cost less than folding (three instructions a pair of chunks against a dozen),
+// at 3 and 4 about as much (a 2-core Zen 4, 4096x4096 at 2 rows of x, medians of 5-6 runs, builds
+// alternated: 542 -> 492 us in cache, 646 -> 568 from memory).
+constexpr int kScaleSumsMaxM = 2;
+
 // MXFP8 codes within which e4m3 (times 2^-8: 2^-17 to 1.75) times 2^(code - 127) is normal bfloat16.
 constexpr uint8_t kMxfp8Fold[2] = {18, 254};
 
@@ -257,9 +264,9 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
   zero(acc);
   const uint8_t* codes[R];  // MXFP8: each row's e8m0 codes, one a chunk
   for (int r = 0; r < R; ++r) codes[r] = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols;
-  alignas(64) float scales[16];  // MXFP8 at one row of x: the next 16 chunks' scales
+  alignas(64) float scales[16];  // MXFP8 up to kScaleSumsMaxM rows of x: the next 16 chunks' scales
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
-    constexpr bool kScaleSums = kMode == kBlock32Scale && M == 1;  // MXFP8 at one row of x (R = 1)
+    constexpr bool kScaleSums = kMode == kBlock32Scale && M <= kScaleSumsMaxM;  // (R = 1)
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
@@ -269,8 +276,11 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
     }
     if constexpr (kScaleSums) {
       if (c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
-      const __m512 dots = _mm512_dpbf16_ps(vzero(), v[0], (__m512bh)_mm512_loadu_si512(xp + c * kChunk));
-      a[0] = vfma(dots, vset(scales[c % 16]), a[0]);
+      const __m512 scale = vset(scales[c % 16]);
+      for (int m = 0; m < M; ++m) {
+        const __m512 dots = _mm512_dpbf16_ps(vzero(), v[0], (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk));
+        a[m] = vfma(dots, scale, a[m]);
+      }
       return;
     }
     for (int m = 0; m < M; ++m) {
@@ -280,7 +290,7 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
   };
   int64_t c = 0;
   if constexpr (kElem == kE4M3) {  // pairs of chunks, pair b of a round into banks b and b + kBanks / 2
-    constexpr bool kScaleSums = kMode == kBlock32Scale && M == 1;
+    constexpr bool kScaleSums = kMode == kBlock32Scale && M <= kScaleSumsMaxM;
     constexpr bool kScaled = kMode == kBlock32Scale && !kScaleSums;
     auto pair = [&](int64_t c, __m512(&a0)[R * M], __m512(&a1)[R * M]) __attribute__((always_inline)) {
       if (kScaleSums && c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
@@ -356,7 +366,7 @@ template <int kElem, int kMode, int M, int R>
 inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, int64_t paired,
                          uint16_t* y, int64_t y_stride) {
   float sums[R * M];
-  if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > 1) {
+  if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > kScaleSumsMaxM) {
     for (int r = 0; r < R; ++r)
       if (!e8m0_within(w, n + r, kMxfp8Fold[0], kMxfp8Fold[1]))
         return gemv(w, x, M, n, n + R, y, y_stride, true);  // as the AVX-512 variant runs them: the same bits

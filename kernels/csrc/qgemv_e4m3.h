@@ -133,8 +133,8 @@ struct PairScales {
 constexpr PairScales kPairScales;
 
 // Chunks c and c + 1 (a pair) of rows [n, n + R) times the M rows of packed x, into a0 and a1 (or,
-// kScaleSums, one row of x, both sums times each block's scale into a0: `scales` holds the 16 from
-// chunk c - c % 16 on). codes[r]: row n + r's MX scale codes, for kScaled (MXFP8 from 2 rows of x). On
+// kScaleSums, one weight row, both sums times each block's scale into a0: `scales` holds the 16 from
+// chunk c - c % 16 on). codes[r]: row n + r's MX scale codes, for kScaled (MXFP8 from 3 rows of x). On
 // amx only one row of x reaches the dot product with e4m3 weights (the tiles take 2 and more:
 // amx_min_rows); on avx512bf16 up to dot_paired_chunks' rows.
 template <bool kScaled, bool kScaleSums, int M, int R>
@@ -148,13 +148,15 @@ template <bool kScaled, bool kScaleSums, int M, int R>
     if constexpr (kScaled) e4m3_bf16_pair<true>(p, v0[r], v1[r], e8m0_exponents(codes[r] + c));
     else e4m3_bf16_pair(p, v0[r], v1[r]);
   }
+  __m512 scale;
+  if constexpr (kScaleSums) scale = _mm512_permutexvar_ps(_mm512_load_si512(kPairScales.lanes[c % 16 / 2]),
+                                                          _mm512_load_ps(scales));
   for (int m = 0; m < M; ++m) {
     const __m512bh x0 = (__m512bh)_mm512_loadu_si512(xp + m * w.k + c * kChunk);
     const __m512bh x1 = (__m512bh)_mm512_loadu_si512(xp + m * w.k + (c + 1) * kChunk);
     for (int r = 0; r < R; ++r) {
       if constexpr (kScaleSums) {  // lanes 0-7 of either register's sums are block c's, 8-15 block c + 1's
-        const __m512i lanes = _mm512_load_si512(kPairScales.lanes[c % 16 / 2]);
-        const __m512 scale = _mm512_permutexvar_ps(lanes, _mm512_load_ps(scales));
+        static_assert(R == 1, "the scales are one row's");
         const __m512 dots = _mm512_dpbf16_ps(_mm512_dpbf16_ps(vzero(), v0[r], x0), v1[r], x1);
         a0[r * M + m] = vfma(dots, scale, a0[r * M + m]);
       } else {
