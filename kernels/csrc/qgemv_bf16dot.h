@@ -53,19 +53,20 @@ inline bool bf16dot_takes(const Weight& w) {
 #include "qgemv_e4m3.h"  // in this namespace: e4m3 straight to bfloat16
 
 // The chunks of each e4m3 row that the dot product decodes in pairs (e4m3_bf16_pair) for m_rows rows
-// of x, x packed to match (pack_bf16dot): every whole group of 64 up to kDotPairMaxM rows (2 for FP8's
-// 128 x 128 blocks), none from there on; one choice for all of a product's passes. At a few rows the
+// of x, x packed to match (pack_bf16dot): every whole group of 64 up to kDotPairMaxM rows, none from
+// there on; one choice for all of a product's passes. At a few rows the
 // decode bounds a step: five instructions for 64 elements against six for 32 (a 2-core Zen 4, 2
 // threads, 4096x4096, medians of 4 runs, builds alternated, us at 1, 2 and 4 rows of x in cache: FP8
 // per channel 378 -> 280, 522 -> 406, 608 -> 472; MXFP8 499 -> 324, 660 -> 529, 760 -> 647; FP8
-// blocks at 1 and 2 rows 476 -> 341, 608 -> 488; from memory at 2 and 4 rows FP8 per channel 596 ->
-// 526, 698 -> 630, MXFP8 736 -> 651, 882 -> 738; at one row, bound by memory, alike). Paired at every
-// count of rows, FP8 blocks took longer from 4 rows on (8 rows 1293 -> 1630 us in cache, 1359 -> 1696
-// from memory) and FP8 per channel from memory from 8 (999 -> 1059): two weight registers more a
-// row, beside each row of x's accumulators.
+// blocks at 1 and 2 rows 476 -> 341, 608 -> 488, and at 3 and 4, with one bank of block sums a pair
+// (block128_rows_bf16), 752 -> 658, 784 -> 649; from memory at 2 and 4 rows FP8 per channel 596 ->
+// 526, 698 -> 630, MXFP8 736 -> 651, 882 -> 738, FP8 blocks at 4 rows 936 -> 809; at one row, bound by
+// memory, alike). Paired at every count of rows, FP8 blocks took longer at 8 rows (1293 -> 1630 us in
+// cache, 1359 -> 1696 from memory) and FP8 per channel from memory from 8 (999 -> 1059): two weight
+// registers more a row, beside each row of x's accumulators.
 constexpr int64_t kDotPairMaxM = 4;
 inline int64_t dot_paired_chunks(const Weight& w, int64_t m_rows) {
-  return m_rows <= (w.kind == kBlock128 ? 2 : kDotPairMaxM) ? e4m3_paired_chunks(w) : 0;
+  return m_rows <= kDotPairMaxM ? e4m3_paired_chunks(w) : 0;
 }
 
 // The permutation of 16 words in kE2M1Order that leaves the 8 even-indexed elements first, then the
@@ -337,8 +338,9 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t 
     // A whole block is paired whole, or not at all (paired chunks are all but an odd count's last).
     if (c0 + kBlockChunks <= paired) {
       unrolled<kBlockChunks / 2>([&]<int b>() __attribute__((always_inline)) {
-        e4m3_pair_dots<false, false, M, R>(w, xp, n, c0 + 2 * b, kAhead, nullptr, nullptr, part[2 * b % kParts],
-                                           part[(2 * b + 1) % kParts]);
+        constexpr int kPairParts = R * M <= 4 ? kParts : 1;  // two banks a pair already: kParts spilled at 4 rows
+        e4m3_pair_dots<false, false, M, R>(w, xp, n, c0 + 2 * b, kAhead, nullptr, nullptr, part[2 * b % kPairParts],
+                                           part[(2 * b + 1) % kPairParts]);
       });
     } else if (c0 + kBlockChunks <= chunks) {
       unrolled<kBlockChunks>([&]<int b>() __attribute__((always_inline)) { step(c0 + b, part[b % kParts]); });

@@ -376,11 +376,12 @@ def test_e2m1_at_one_and_two_rows_on_the_integers_matches_the_dequantized_produc
 def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
     """Every e4m3 code but NaN (both zeros, the subnormals, the largest magnitude) as a weight
     element, then the zeros and subnormals alone, at 1, 2, 4 and 8 rows of bfloat16 x: each variant's
-    GEMV (on the dot product up to 4 rows, 2 for FP8 blocks, both bytes of each bfloat16 word looked
-    up, 64 elements at a time, and a last 32 alone: on avx512bf16 in a table of words, as it does from
-    5 rows on, on amx by moving a normal code's bits into place; amx from 2 rows on on its tiles) matches the float32 product of the dequantized weight up to the output's
-    bfloat16 rounding; subnormals are not flushed. K = 608: 9 pairs of chunks and one alone, and
-    MXFP8's scales at one row of x read 16 blocks at a time, the second 16 within the pairs."""
+    GEMV (on the dot product up to 4 rows, both bytes of each bfloat16 word looked up, 64 elements at
+    a time, and a last 32 alone: on avx512bf16 in a table of words, as it does from 5 rows on, on amx
+    by moving a normal code's bits into place; amx from 2 rows on on its tiles) matches the float32
+    product of the dequantized weight up to the output's bfloat16 rounding; subnormals are not
+    flushed. K = 608: 9 pairs of chunks and one alone, and MXFP8's scales at one and two rows of x
+    read 16 blocks at a time, the second 16 within the pairs."""
     torch.manual_seed(7)
     n, k = 96, 608
     q = quantize(torch.randn(n, k), name)
