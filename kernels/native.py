@@ -1,9 +1,10 @@
 """The optional native CPU kernels (kernels/csrc, built by scripts/build_kernels.py on x86-64) and
 which of their variants runs: "amx" (AVX-512 with Intel's matrix units for the GEMV), "avx512bf16"
 (AVX-512 with AVX512-BF16's dot product for the GEMV of bfloat16 activations, and AVX512-VNNI and
-AVX512-VBMI: Zen 4 and 5; Cooper Lake, which lacks VBMI, runs "avx512"), "avx512", "avx2", or "torch" (none: kernels/linear.py's pure torch path). At import the
-best one this CPU can run is chosen, unless PRELOAD_KERNELS=amx|avx512bf16|avx512|avx2|torch
-forces one; `use` switches at run time (the tests run every variant the CPU can run that way).
+AVX512-VBMI: Zen 4 and 5; Cooper Lake, which lacks VBMI, runs "avx512"), "avx512", "avx2", or
+"torch" (none: kernels/linear.py's pure torch path). At import the best one this CPU can run is
+chosen, unless PRELOAD_KERNELS=amx|avx512bf16|avx512|avx2|torch forces one; `use` switches at run
+time (the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm`,
 `decode_attention` and `prefill_attention` the library's other ops (the same in every variant; the

@@ -10,8 +10,8 @@
 // e2m1_vec) and multiply-add each. Here a bfloat16 weight is multiplied as it is loaded, one
 // instruction per 32 elements; int8 is widened as before and rounded into one register of
 // bfloat16, exactly (8 significant bits), and e4m3 looked up in a table of bfloat16 words
-// (VPERMI2W; at a few rows of x both bytes of each word, 64 elements at a time: qgemv_e4m3.h), exactly too (4
-// significant bits); and 64 e2m1 elements (32 bytes) become two
+// (VPERMI2W; at a few rows of x both bytes of each word, 64 elements at a time: qgemv_e4m3.h),
+// exactly too (4 significant bits); and 64 e2m1 elements (32 bytes) become two
 // registers of bfloat16 in four instructions: the bytes widened to words, the low nibbles looked up
 // in a table of bfloat16 words (VPERMW, which reads 5 bits of each index: the table holds its 16
 // words twice, so the low nibbles need no mask), the high ones shifted down and looked up. x is
@@ -22,25 +22,24 @@
 // scales a group's sums with one multiply-add. (A 2-core Zen 4, one thread, a 4096x4096 MXFP4
 // weight in cache: 8.7 GB/s of packed weight on the AVX-512 kernel, 19 on this one.)
 //
-// Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight
-// element is a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16
-// values (bfloat16 activations: packing is then exact). FP8's float32 scales per 128 x 128 block
-// multiply each block's float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share
-// each load of x, as elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's
-// time on the AVX-512 kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's
-// power-of-two scale per 32 elements multiplies each block's sums at one and two rows of x (one multiply-add
-// a block and row of x: kScaleSumsMaxM); from 3 rows on (amx: from 2, on its tiles, qgemv_amx.h) it is
-// added to the exponents of its block's bfloat16
-// weights (a broadcast and two instructions a block, not a multiply-add a row of x). The scaled weights are
-// exact wherever they stay normal bfloat16; rows with a scale outside that range, and from 4 rows of x the
-// rows paired with one, run the AVX-512 kernels (e8m0_within). As everywhere on the dot
-// product, products and sums below 2^-126 are flushed to zero, which with a scale below 1 comes
-// sooner for folded weights than for sums scaled afterwards (the AVX-512 kernels flush nothing). A
-// 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x bf16's time
-// -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row in cache 293-311 -> 242-245 us. (Folding
-// by multiplying in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.) Float32 activations
-// (which also have float32 outputs: everything here writes bfloat16) and K not a multiple of 32 (64
-// for e2m1) run the AVX-512 kernels.
+// Exactness as the AMX tiles': bfloat16 products are exact and summed in float32, each weight element is
+// a bfloat16 value (block scales multiply the float32 sums), and x must hold bfloat16 values (bfloat16
+// activations: packing is then exact). FP8's float32 scales per 128 x 128 block multiply each block's
+// float32 sums (block128_rows_bf16; from 4 rows of x on two weight rows share each load of x, as
+// elsewhere: 4096x4096 from memory at 8 rows of x, 2-core Zen 5, 0.99x bf16's time on the AVX-512
+// kernels against 0.64-0.76x so, at 4 rows 0.55x against 0.49-0.51x). MXFP8's power-of-two scale per 32
+// elements multiplies each block's sums at one and two rows of x (one multiply-add a block and row of x:
+// kScaleSumsMaxM); from 3 rows on (amx: from 2, on its tiles, qgemv_amx.h) it is added to the exponents
+// of its block's bfloat16 weights (a broadcast and two instructions a block, not a multiply-add a row of
+// x). The scaled weights are exact wherever they stay normal bfloat16; rows with a scale outside that
+// range, and from 4 rows of x the rows paired with one, run the AVX-512 kernels (e8m0_within). As
+// everywhere on the dot product, products and sums below 2^-126 are flushed to zero, which with a scale
+// below 1 comes sooner for folded weights than for sums scaled afterwards (the AVX-512 kernels flush
+// nothing). A 2-core Zen 5, 4096x4096, builds alternated twice: 4 rows of x from memory 0.54-0.56x
+// bf16's time -> 0.45-0.47x, 8 rows 0.79-0.96x -> 0.68-0.72x; one row in cache 293-311 -> 242-245 us.
+// (Folding by multiplying in float32 and rounding back had cost 1.2-1.6x the AVX-512 kernels' time.)
+// Float32 activations (which also have float32 outputs: everything here writes bfloat16) and K not a
+// multiple of 32 (64 for e2m1) run the AVX-512 kernels.
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
@@ -52,18 +51,18 @@ inline bool bf16dot_takes(const Weight& w) {
 
 #include "qgemv_e4m3.h"  // in this namespace: e4m3 straight to bfloat16
 
-// The chunks of each e4m3 row that the dot product decodes in pairs (e4m3_bf16_pair) for m_rows rows
-// of x, x packed to match (pack_bf16dot): every whole group of 64 up to kDotPairMaxM rows, none from
-// there on; one choice for all of a product's passes. At a few rows the
-// decode bounds a step: five instructions for 64 elements against six for 32 (a 2-core Zen 4, 2
-// threads, 4096x4096, medians of 4 runs, builds alternated, us at 1, 2 and 4 rows of x in cache: FP8
-// per channel 378 -> 280, 522 -> 406, 608 -> 472; MXFP8 499 -> 324, 660 -> 529, 760 -> 647; FP8
-// blocks at 1 and 2 rows 476 -> 341, 608 -> 488, and at 3 and 4, with one bank of block sums a pair
-// (block128_rows_bf16), 752 -> 658, 784 -> 649; from memory at 2 and 4 rows FP8 per channel 596 ->
-// 526, 698 -> 630, MXFP8 736 -> 651, 882 -> 738, FP8 blocks at 4 rows 936 -> 809; at one row, bound by
-// memory, alike). Paired at every count of rows, FP8 blocks took longer at 8 rows (1293 -> 1630 us in
-// cache, 1359 -> 1696 from memory) and FP8 per channel from memory from 8 (999 -> 1059): two weight
-// registers more a row, beside each row of x's accumulators.
+// The chunks of each e4m3 row that the dot product decodes in pairs (e4m3_bf16_pair) for m_rows rows of
+// x, x packed to match (pack_bf16dot): every whole group of 64 up to kDotPairMaxM rows, none from there
+// on; one choice for all of a product's passes. At a few rows the decode bounds a step: five
+// instructions for 64 elements against six for 32 (a 2-core Zen 4, 2 threads, 4096x4096, medians of 4
+// runs, builds alternated, us at 1, 2 and 4 rows of x in cache: FP8 per channel 378 -> 280, 522 -> 406,
+// 608 -> 472; MXFP8 499 -> 324, 660 -> 529, 760 -> 647; FP8 blocks at 1 and 2 rows 476 -> 341, 608 ->
+// 488, and at 3 and 4, with one bank of block sums a pair (block128_rows_bf16), 752 -> 658, 784 -> 649;
+// from memory at 2 and 4 rows FP8 per channel 596 -> 526, 698 -> 630, MXFP8 736 -> 651, 882 -> 738, FP8
+// blocks at 4 rows 936 -> 809; at one row, bound by memory, alike). Paired at every count of rows, FP8
+// blocks took longer at 8 rows (1293 -> 1630 us in cache, 1359 -> 1696 from memory) and FP8 per channel
+// from memory from 8 (999 -> 1059): two weight registers more a row, beside each row of x's
+// accumulators.
 constexpr int64_t kDotPairMaxM = 4;
 inline int64_t dot_paired_chunks(const Weight& w, int64_t m_rows) {
   return m_rows <= kDotPairMaxM ? e4m3_paired_chunks(w) : 0;
@@ -361,7 +360,7 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t 
   vsums<R * M>(acc, sums);
 }
 
-// Rows [n, n + R) times the M rows of packed x into y (bfloat16). From 2 rows of x, MXFP8 rows whose
+// Rows [n, n + R) times the M rows of packed x into y (bfloat16). From 3 rows of x, MXFP8 rows whose
 // scales do not fold into the weight (e8m0_within) run the AVX-512 kernels on x's float32 rows, with
 // the row paired with them.
 template <int kElem, int kMode, int M, int R>

@@ -1,7 +1,7 @@
 // e4m3 straight to bfloat16 for the GEMVs on the bfloat16 dot product (qgemv_bf16dot.h) and the AMX
 // tiles (qgemv_amx.h): 32 elements at a time (e4m3_bf16), and with AVX512-VBMI (which both variants
-// that include this need) 64 at a time, in pairs of chunks (e4m3_bf16_pair), x packed to match. Included by qgemv_bf16dot.h inside
-// qgemv_kernels.cpp's unnamed namespace.
+// that include this need) 64 at a time, in pairs of chunks (e4m3_bf16_pair), x packed to match.
+// Included by qgemv_bf16dot.h inside qgemv_kernels.cpp's unnamed namespace.
 #pragma once
 
 // Chunks of an e4m3 row that can decode in pairs, 64 elements at a time (e4m3_bf16_pair), x packed
@@ -81,16 +81,17 @@ struct E4M3Bf16Bytes {
 };
 constexpr E4M3Bf16Bytes kE4M3Bf16Bytes;
 
-// 64 e4m3 elements as two registers of bfloat16 (times 2^-8), with AVX512-VBMI: each code's magnitude looks up its bfloat16's high and low byte in two
-// tables of 128 bytes (VPERMI2B reads 7 bits of each byte), the sign joins the high byte, and
+// 64 e4m3 elements as two registers of bfloat16 (times 2^-8), with AVX512-VBMI: each code's
+// magnitude looks up its bfloat16's high and low byte in two tables of 128 bytes (VPERMI2B reads 7
+// bits of each byte), the sign joins the high byte, and
 // VPUNPCKLBW / VPUNPCKHBW pair the bytes into words within each 128-bit lane: `first` holds elements
 // 0-7, 16-23, 32-39 and 48-55, `second` the others, the two chunks of a pair as x is packed for them
 // (pack_bf16dot, pack_amx). Five instructions for 64 elements, none widening, where e4m3_bf16 takes
 // eight for 32 (a 2-core Emerald Rapids, one thread in L1, with the dot product: 2.3 -> 1.8 ns per 32
 // elements; VPERMI2B and VPERMI2W cost 2 and 3 cycles there, VPERMW and the unpacks 1). The GEMV at
 // one row of x, one thread, 256x4096 in L2, minima of 4 alternated runs: FP8 per channel 77 -> 64 us,
-// FP8 blocks 88 -> 71, MXFP8 87 -> 75 (bfloat16 76 -> 74). The dot product pairs them at a few rows of x
-// on avx512bf16 too (dot_paired_chunks, qgemv_bf16dot.h, with the figures of a Zen 4).
+// FP8 blocks 88 -> 71, MXFP8 87 -> 75 (bfloat16 76 -> 74). The dot product pairs them at a few rows
+// of x on avx512bf16 too (dot_paired_chunks, qgemv_bf16dot.h, with the figures of a Zen 4).
 // With kScaled, times MX block scales (e8m0_exponents: the pair's first block's in words 0-15 of
 // each register, the second's in 16-31), added to the exponent of every nonzero value (the sign bit
 // stays: the scaled values are normal bfloat16, e8m0_within).
