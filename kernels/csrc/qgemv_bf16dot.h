@@ -259,6 +259,10 @@ template <int kElem, int kMode, int M, int R>
 void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t paired, float* sums) {
   constexpr int kBanks = kDotBanks<M * R>;
   constexpr int64_t kAhead = M >= 4 ? kDotWideAhead : kDotAhead;
+  // MXFP8: its scales multiply each block's sums up to kScaleSumsMaxM rows of x (R = 1 there), else
+  // fold into the weight.
+  constexpr bool kScaleSums = kMode == kBlock32Scale && M <= kScaleSumsMaxM;
+  constexpr bool kScaled = kMode == kBlock32Scale && !kScaleSums;
   const int64_t chunks = w.k / kChunk;
   __m512 acc[kBanks][R * M];  // acc[b][r * M + m]
   zero(acc);
@@ -266,12 +270,11 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
   for (int r = 0; r < R; ++r) codes[r] = static_cast<const uint8_t*>(w.scale) + (n + r) * w.scale_cols;
   alignas(64) float scales[16];  // MXFP8 up to kScaleSumsMaxM rows of x: the next 16 chunks' scales
   auto step = [&](int64_t c, __m512(&a)[R * M]) __attribute__((always_inline)) {
-    constexpr bool kScaleSums = kMode == kBlock32Scale && M <= kScaleSumsMaxM;  // (R = 1)
     __m512bh v[R];
     for (int r = 0; r < R; ++r) {
       const uint8_t* p = w.data + (n + r) * w.row_bytes + c * kChunkBytes<kElem>;
       prefetch_weight(p, c * kChunkBytes<kElem>, kAhead);
-      if constexpr (kMode == kBlock32Scale && !kScaleSums) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
+      if constexpr (kScaled) v[r] = e4m3_bf16<true>(p, e8m0_exponent(codes[r][c]));
       else v[r] = decode32_bf16<kElem>(p);
     }
     if constexpr (kScaleSums) {
@@ -290,8 +293,6 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
   };
   int64_t c = 0;
   if constexpr (kElem == kE4M3) {  // pairs of chunks, pair b of a round into banks b and b + kBanks / 2
-    constexpr bool kScaleSums = kMode == kBlock32Scale && M <= kScaleSumsMaxM;
-    constexpr bool kScaled = kMode == kBlock32Scale && !kScaleSums;
     auto pair = [&](int64_t c, __m512(&a0)[R * M], __m512(&a1)[R * M]) __attribute__((always_inline)) {
       if (kScaleSums && c % 16 == 0) _mm512_store_ps(scales, scales16(w, n, c));
       e4m3_pair_dots<kScaled, kScaleSums, M, R>(w, xp, n, c, kAhead, codes, scales, a0, a1);
