@@ -104,7 +104,10 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
     """(name, destination bytes, skip) for Checkpoint.read_many of each tensor in the run from entry
     i on of tensors under BATCH_BYTES that go straight from the file to their place (as stored:
     whole, or whole rows), until they pass BATCH_BYTES; empty if entry i is not one of them. The
-    loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice."""
+    loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice,
+    so it states _jobs' rule for a direct read inline (the stored dtype is the slab's, and the
+    shard, if any, takes whole rows: _row_range's "rows") instead of calling it; a change to one
+    rule must change the other."""
     reads: list = []
     total = 0
     for j in range(i, len(entries)):  # by index: islice(entries, i) would step over the first i each call
