@@ -128,12 +128,12 @@ inline __attribute__((always_inline)) void prefetch_l2(const void* p, int64_t by
 // Heads [g0, g0 + G) of the group, output registers [e0, e0 + B registers): the positions' values
 // weighted by each head's probabilities, each value register widened once for the G heads, each
 // output lane summed over the positions in order. On AVX-512, bfloat16 values are widened 32 at a
-// time, as two registers of their even and their odd elements (a shift and a mask, where widening 16
-// in order takes a widening load and a shift), and the sums put back in order at the end: the same
-// sums, bit for bit, with the values' widening at a third of the instructions (8 sequences of 560
-// positions, 3 heads of 64 a kv head, 2-core Zen 4, builds alternated ten times, this and the scores'
-// store below together: 91 -> 87 us a layer in cache, median; the engine's int8 decode of 8 requests
-// after a 500-token prompt, four rounds: 474 -> 496 tokens/s, median).
+// time, as two registers of their even and their odd elements: a load, a shift and a mask, where
+// widening them in order took two widening loads (each a shuffle) and two shifts. The sums are put
+// back in order at the end: the same sums, bit for bit (8 sequences of 560 positions, 3 heads of 64
+// a kv head, 2-core Zen 4, builds alternated ten times, this and the scores' store below together:
+// 91 -> 87 us a layer in cache, median; the engine's int8 decode of 8 requests after a 500-token
+// prompt, four rounds: 474 -> 496 tokens/s, median).
 template <bool kBF16, int G, int B>
 void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0) {
   Vec acc[G][B];
