@@ -314,10 +314,11 @@ void plain_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t pai
 // kParts banks, then scaled into the rows' sums. Up to 4 sums (R * M) a block's dot products chain
 // in one bank: each block's banks start from zero, so the next block's chains run beside this one's
 // in the core's out-of-order window, and a bank a chunk (as before) only added 3 adds a block (a
-// 2-core Zen 4, 4096x4096, builds alternated 5 times, medians: in cache 1 and 2 rows of x 373 -> 324
-// and 546 -> 469 us, 3 rows 639 -> 613; from memory 1 and 2 rows 591 -> 573 and 677 -> 646; not
-// measured on amx, which runs this at one row). At 5 to 8 sums two banks (only the chunks that do
-// not pair use the second: e4m3_pair_dots chains a pair's two).
+// 2-core Zen 4, 4096x4096 in cache, two sets of runs with the builds alternated 5 and 6 times,
+// medians: 2 rows of x 546 -> 469 and 508 -> 472 us; 1 row 373 -> 324, then alike, 348 -> 350; 3
+// rows 639 -> 613 and 653 -> 651; from memory alike; not measured on amx, which runs this at one
+// row). At 5 to 8 sums two banks (only the chunks that do not pair use the second: e4m3_pair_dots
+// chains a pair's two).
 template <int M, int R>
 void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t paired, float* sums) {
   constexpr int kBlockChunks = 128 / kChunk, kParts = R * M > 4 && R * M <= 8 ? 2 : 1;
