@@ -149,11 +149,9 @@ void weigh_values(const AttendJob& a, const float* probs, int64_t g0, int64_t e0
     Vec v[B];
 #ifdef PRELOAD_AVX512
     if constexpr (kBF16 && B % 2 == 0) {  // v[2j]: elements 2i of the j-th 32, v[2j + 1]: elements 2i + 1
-      for (int j = 0; j < B / 2; ++j) {
-        const __m512i both = _mm512_loadu_si512(static_cast<const uint16_t*>(a.values) + s * a.d + e0 + j * 32);
-        v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(both, 16));
-        v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(both, _mm512_set1_epi32(int(0xFFFF0000u))));
-      }
+      for (int j = 0; j < B / 2; ++j)
+        bf16_words_to_vecs(_mm512_loadu_si512(static_cast<const uint16_t*>(a.values) + s * a.d + e0 + j * 32),
+                           v + 2 * j);
     } else
 #endif
     for (int i = 0; i < B; ++i) v[i] = load_widened<kBF16>(a.values, s * a.d + e0 + i * kLanes);

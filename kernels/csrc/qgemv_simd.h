@@ -217,6 +217,13 @@ inline Vec e2m1_vec(const uint8_t* p) {
                                                                                        16, 20, 20, 24, 24, 28, 28));
   return _mm512_permutexvar_ps(index, _mm512_load_ps(kE2M1Values));
 }
+
+// 32 bfloat16 words as two float32 registers, the even-indexed elements shifted up, the odd ones
+// masked (AVX2's GEMV decodes bfloat16 so, below; here decode attention's values, decode_kernels.h).
+inline void bf16_words_to_vecs(__m512i w, Vec* out) {
+  out[0] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  out[1] = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int32_t(0xFFFF0000))));
+}
 #else
 // For AVX2's GEMV (AVX-512's is e2m1_vec, above), no conversion instruction: every e2m1 value is
 // also a bfloat16, so two tables give its high and low bytes, and two zero bytes below make the
