@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "decode_ops.h"
@@ -100,10 +101,10 @@ struct AttendPlan {
   std::vector<Job> jobs;
   std::vector<int64_t> first;  // row b's jobs: [first[b], first[b + 1])
   std::vector<float> partials;
-  int64_t group = 0, d = 0;
+  int64_t group = 0, d = 0, kv_heads = 0;
 
-  void build(const int64_t* length, int64_t batch, int64_t kv_heads, int64_t group_, int64_t d_) {
-    group = group_, d = d_;
+  void build(const int64_t* length, int64_t batch, int64_t kv_heads_, int64_t group_, int64_t d_) {
+    group = group_, d = d_, kv_heads = kv_heads_;
     jobs.clear(), first.assign(1, 0);
     int64_t floats = 0;
     for (int64_t b = 0; b < batch; ++b) {
@@ -118,6 +119,12 @@ struct AttendPlan {
     float* next = partials.data();
     for (Job& job : jobs)
       if (length[job.b] > kAttendPart) job.partial = next, next += group * (d + 2);
+  }
+
+  // The jobs of kv head u % kv_heads of row u / kv_heads (its parts, in order): [begin, end).
+  std::pair<int64_t, int64_t> kv_head_jobs(int64_t u) const {
+    const int64_t b = u / kv_heads, j = u % kv_heads, parts = (first[b + 1] - first[b]) / kv_heads;
+    return {first[b] + j * parts, first[b] + (j + 1) * parts};
   }
 
   // Row b's output (out [B, heads, d]) from its parts, if it has several: per head, each part's

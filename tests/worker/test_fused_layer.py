@@ -109,8 +109,9 @@ def test_decode_steps_equal_the_per_op_path(checkpoints, case, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_decode_steps_over_long_caches_equal_the_per_op_path(checkpoints, variant):
     """Past 256 cached positions a kv head's attention is split into parts that the threads share
-    and that merge in a fixed order (kernels/csrc/weights.h's AttendPlan), in the fused layer as in
-    the per-op path: 254 positions growing past the split, 520 (three parts), one row and three."""
+    and that merge in a fixed order (kernels/csrc/weights.h's AttendPlan), in the fused layer (which
+    hands out a kv head's parts together but for the last kv heads) as in the per-op path: 254
+    positions growing past the split, 520 (three parts), one row and three."""
     model = load(tiny_model("llama", checkpoints / "fused-gqa-long", dtype=torch.bfloat16, seed=4,
                             **{**CASES["llama-gqa"][1], "max_position_embeddings": 1024}))
     prompts = {1: [(7 * i) % 250 + 1 for i in range(254)], 2: PROMPTS[2], 5: [(3 * i) % 250 + 1 for i in range(520)]}
