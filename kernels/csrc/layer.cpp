@@ -345,7 +345,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   // been every other one. Which thread runs a part does not change its result (each writes its
   // own partial, merged in order by its row's thread), so the bits are as before. The default
   // model's layers, int8, 8 sequences of 560 positions, all in one call, switched within one
-  // process (20 rounds of 8 calls, 7 processes): 0.91-0.96x the time; one sequence 0.99-1.01x.
+  // process (20 rounds of 8 calls, 3 processes): 0.91-0.96x the time; one sequence 0.99-1.01x.
   template <typename T>
   void attention(const Kernels* kernels, Scratch<T>& s, Work& work, const T* cache, const Rows& rows, int64_t batch,
                  int thread, int team) const {
