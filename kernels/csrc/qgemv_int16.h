@@ -1,8 +1,8 @@
 // The GEMV of int8 weights times rows of bfloat16 activations on integer multiply-adds, for every
 // compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on AVX2 and
-// AVX-512 from 2 rows of x on; with AVX512-BF16 for 2 to 4 rows, where the bfloat16 dot product
-// (qgemv_bf16dot.h) takes more; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple of
-// 64), where its tiles take more.
+// AVX-512 at every count of rows of x; with AVX512-BF16 for 1 to 4 rows, where the bfloat16 dot
+// product (qgemv_bf16dot.h) takes more; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple
+// of 64), where its tiles take more.
 //
 // At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
 // or 16 products per instruction, one instruction per row of x and register of weight. VPMADDWD
@@ -13,7 +13,12 @@
 // alternated) took 0.3-0.6x their float32 time at 8 rows of x and 0.4-0.7x at 2-4 on the AVX2
 // kernels, and with AVX512-BF16 0.4-0.7x the dot product's at 2-3 rows, 0.6-1.1x at 4 (even at 5;
 // the dot product wins from 6 on). The weight widens to int16 in one instruction a register (to float32 two a
-// register of 8 or 16, to bfloat16 five for 32).
+// register of 8 or 16, to bfloat16 five for 32), which at one row of x is most of the work: there a
+// 4096x4096 int8 weight in cache took 283 against 429 us on the AVX2 kernels, 290 against 362 on
+// AVX-512's and 270 against 405 on the dot product (2-core Zen 4, builds alternated; from memory
+// AVX2's 596 against 719, the others alike), and the default model's int8 layers at one sequence,
+// all in one call, 4.2 against 5.0 ms (AVX2) and 4.6 against 5.8 (AVX512-BF16, 560 positions
+// cached; AVX-512's alike).
 //
 // x is packed once per product (pack_int16): each row times a power of two, 2^s, that brings its
 // largest magnitude into [2^14, 2^15), rounded to int16. Every bfloat16 value of a row within 2^7 of
@@ -60,15 +65,13 @@ inline IVec imadd_tail(IVec acc, const uint8_t* w, const int16_t* x) { return im
 #endif
 
 #ifdef PRELOAD_AMX
-// Intel's cores (the amx compilation): from one row of x on, a weight row at a time. A 2-core Xeon
-// (Emerald Rapids), int8 4096x4096 at one row: 1.46 ms in cache on the dot product, 1.03 here with
-// 4 weight rows side by side, 0.42-0.47 one at a time (0.65-0.79 from memory, where bf16 takes
-// 1.32-1.46); at 2 rows from memory 0.92 -> 0.70-0.82 ms one at a time.
-constexpr int kIntMinM = 1;
+// Intel's cores (the amx compilation): a weight row at a time. A 2-core Xeon (Emerald Rapids), int8
+// 4096x4096 at one row: 1.46 ms in cache on the dot product, 1.03 here with 4 weight rows side by
+// side, 0.42-0.47 one at a time (0.65-0.79 from memory, where bf16 takes 1.32-1.46); at 2 rows from
+// memory 0.92 -> 0.70-0.82 ms one at a time.
 constexpr bool kIntRowAtATime = true;
 #else
-constexpr int kIntMinM = 2;           // rows of x from which int8 weights take this GEMV
-constexpr bool kIntRowAtATime = false;
+constexpr bool kIntRowAtATime = false;  // but at one row of x (int16_pass)
 #endif
 #ifdef PRELOAD_BF16DOT
 constexpr int64_t kIntMaxRows = 4;    // and up to which (the bfloat16 dot product takes more)
@@ -106,7 +109,7 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
 // first).
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
-  return w.element == kInt8 && m_rows >= kIntMinM && m_rows <= kIntMaxRows;
+  return w.element == kInt8 && m_rows <= kIntMaxRows;
 }
 
 // 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0
@@ -209,10 +212,12 @@ inline void int16_rows_dot(const Weight& w, const int16_t* xq, int64_t n, float*
 template <int M>
 void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_t begin, int64_t end, uint16_t* y,
                 int64_t y_stride) {
-  // Weight rows side by side, each load of x shared by them, up to 4 rows of x; from 5 on, one at a
-  // time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core Zen 4). On Intel's
-  // cores one at a time (above).
-  constexpr int R = kIntRowAtATime ? 1 : M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
+  // Weight rows side by side, each load of x shared by them, from 2 up to 4 rows of x; at one row and
+  // from 5 on, one at a time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core
+  // Zen 4; at one row, 4 side by side took 2-3x as long as one). On Intel's cores one at a time
+  // (above).
+  constexpr int R = kIntRowAtATime || M == 1 ? 1
+                    : M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
   float sums[R * M];
   auto store = [&](int64_t n, int rows) {
     for (int r = 0; r < rows; ++r)

@@ -172,8 +172,8 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
     """int8 times rows of bfloat16 x runs on integer multiply-adds (kernels/csrc/qgemv_int16.h):
-    from 2 rows on with the avx2 and avx512 kernels, 2 to 4 rows with avx512bf16, 1 to 4 with amx
-    (1 and 2 where K is a multiple of 64);
+    every count of rows with the avx2 and avx512 kernels, 1 to 4 rows with avx512bf16, 1 to 4 with
+    amx (1 and 2 where K is a multiple of 64);
     x scaled by a power of two into int16. Rows of 16400 elements of 127 times x near the top of its
     range sum past what int32 holds (2^31 / (127 * 2^15) is 516 products a lane; AVX2's 8 lanes take
     2050 each, AVX-512's 16 take 1025), so the sums go to float32 every 2048 elements, and a
@@ -197,7 +197,7 @@ def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(va
     other rows' bits are what they are beside rows of zeros. K of 1088 (a multiple of 64) takes amx's
     byte tiles at these 7 rows."""
     if variant == "avx512bf16" and k % 32 == 0:
-        pytest.skip("there 7 rows, and one, run the bfloat16 dot product, which flushes subnormal products")
+        pytest.skip("there 7 rows run the bfloat16 dot product, which flushes subnormal products")
     q = quantize(torch.randn(300, k), "int8")
     x = torch.randn(7, k).bfloat16()
     x[0, :8] = 3000.0
