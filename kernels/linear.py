@@ -26,7 +26,8 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # kernel's time at 1-16 rows from memory (4096x4096, M=1: 456 against 576 us). On amx the GEMV's
 # tiles beat torch's int8 kernel at every row count (4096x4096: M=1 0.35 against 0.45 ms, M=8 0.59
 # against 1.53 ms), and on avx512bf16 (Zen 5) the GEMV on the bfloat16 dot product does (M=1: 0.18
-# against 0.22 ms in cache). So int8 runs the native kernels wherever they are built.
+# against 0.22 ms in cache; one to four rows have since moved to its integer multiply-adds, faster
+# still on a Zen 4). So int8 runs the native kernels wherever they are built.
 GEMV_MAX_M = 16
 
 

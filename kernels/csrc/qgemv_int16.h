@@ -13,12 +13,13 @@
 // alternated) took 0.3-0.6x their float32 time at 8 rows of x and 0.4-0.7x at 2-4 on the AVX2
 // kernels, and with AVX512-BF16 0.4-0.7x the dot product's at 2-3 rows, 0.6-1.1x at 4 (even at 5;
 // the dot product wins from 6 on). The weight widens to int16 in one instruction a register (to float32 two a
-// register of 8 or 16, to bfloat16 five for 32), which at one row of x is most of the work: there a
-// 4096x4096 int8 weight in cache took 283 against 429 us on the AVX2 kernels, 290 against 362 on
-// AVX-512's and 270 against 405 on the dot product (2-core Zen 4, builds alternated; from memory
-// AVX2's 596 against 719, the others alike), and the default model's int8 layers at one sequence,
-// all in one call, 4.2 against 5.0 ms (AVX2) and 4.6 against 5.8 (AVX512-BF16, 560 positions
-// cached; AVX-512's alike).
+// register of 8 or 16, to bfloat16 five for 32). At one row of x, where each widened register is
+// used once, that widening is most of the float32 and bfloat16 paths' work, so one row runs here
+// too: a 4096x4096 int8 weight in cache took 283 against 429 us on the AVX2 kernels, 290 against
+// 362 on AVX-512's and 270 against 405 against the dot product (2-core Zen 4, builds alternated;
+// from memory AVX2's 596 against 719, the others alike), and the default model's int8 layers at
+// one sequence, all in one call, 4.2 against 5.0 ms (AVX2) and 4.6 against 5.8 (AVX512-BF16, 560
+// positions cached; AVX-512's alike).
 //
 // x is packed once per product (pack_int16): each row times a power of two, 2^s, that brings its
 // largest magnitude into [2^14, 2^15), rounded to int16. Every bfloat16 value of a row within 2^7 of
