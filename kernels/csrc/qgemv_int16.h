@@ -16,7 +16,7 @@
 // register of 8 or 16, to bfloat16 five for 32). At one row of x, where each widened register is
 // used once, that widening is most of the float32 and bfloat16 paths' work, so one row runs here
 // too: a 4096x4096 int8 weight in cache took 283 against 429 us on the AVX2 kernels, 290 against
-// 362 on AVX-512's and 270 against 405 against the dot product (2-core Zen 4, builds alternated;
+// 362 on AVX-512's and 270 against 405 on the dot product's (2-core Zen 4, builds alternated;
 // from memory AVX2's 596 against 719, the others alike), and the default model's int8 layers at
 // one sequence, all in one call, 4.2 against 5.0 ms (AVX2) and 4.6 against 5.8 (AVX512-BF16, 560
 // positions cached; AVX-512's alike).
