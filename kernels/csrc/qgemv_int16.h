@@ -93,14 +93,33 @@ constexpr int kIntVecs = kChunk / kIntLanes;
 // ones, then each row's 2^-s (0 for a row the float32 kernels take), this many floats on.
 inline int64_t int16_scales_at(int64_t m_rows, int64_t k) { return m_rows * k + m_rows * k / 2; }
 
-// The int16 rows come interleaved, as a pass reads them: each pass's kIntMaxM rows (fewer in the
-// last) register by register, the first kIntLanes elements of each of its rows, then the next
+// More than kIntMaxM / 2 rows of x whose int16 rows outgrow this (L1) run as passes of kIntMaxM / 2,
+// as the float32 kernels' rows do past kPassXBytes: from 5 rows on a pass reads one weight row at a
+// time and loads x once per multiply-add, from L2 once x is out of L1, where 4 rows take 2 (AVX2) or
+// 4 (AVX-512) weight rows per load of x, and the weight's second pass comes from L2 (in_passes'
+// tiles). A 2-core Zen 4, two threads, int8 4096xK, medians, one pass and split alternated, us: K =
+// 4096 at 8 rows in cache AVX2 1984-2905 -> 1190-1230, AVX-512 2093-2521 -> 935-985, from memory
+// AVX2 1778-1980 -> 1152-1423, AVX-512 2020-2322 -> 1039-1044; K = 3072 at 6 rows from memory AVX2
+// 946-991 -> 636-895, AVX-512 1211-1337 -> 606-643. At 8 x 576 and 8 x 1536 (the default model)
+// within the noise either way, and at 8 x 1024 AVX2 was slower split (363-368 -> 389-561).
+constexpr int64_t kIntPassXBytes = int64_t(32) << 10;
+
+// Rows of x a pass of the int16 GEMV takes (the last pass fewer), for m_rows rows of K elements.
+inline int64_t int16_pass_rows(int64_t m_rows, int64_t k) {
+  const bool split = m_rows > kIntMaxM / 2 && lesser(m_rows, int64_t(kIntMaxM)) * k * int64_t(sizeof(int16_t)) >
+                                                  kIntPassXBytes;
+  return split ? kIntMaxM / 2 : kIntMaxM;
+}
+
+// The int16 rows come interleaved, as a pass reads them: each pass's rows (int16_pass_rows; fewer in
+// the last) register by register, the first kIntLanes elements of each of its rows, then the next
 // kIntLanes of each, and so on (a last 16 of a row on AVX-512 likewise), so that one pointer with
 // fixed offsets reaches every row (8 row pointers had left the loop short of registers). Element e
 // of row m is at this index.
 inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
-  const int64_t pass = m / kIntMaxM, rows = lesser(kIntMaxM, m_rows - pass * kIntMaxM), j = m % kIntMaxM;
-  const int64_t full = k / kIntLanes, group = e / kIntLanes, base = pass * kIntMaxM * k;
+  const int64_t per_pass = int16_pass_rows(m_rows, k);
+  const int64_t pass = m / per_pass, rows = lesser(per_pass, m_rows - pass * per_pass), j = m % per_pass;
+  const int64_t full = k / kIntLanes, group = e / kIntLanes, base = pass * per_pass * k;
   if (group < full) return base + (group * rows + j) * kIntLanes + e % kIntLanes;
   return base + full * rows * kIntLanes + j * (k - full * kIntLanes) + (e - full * kIntLanes);
 }
@@ -254,10 +273,12 @@ void gemv_int16(const Weight& w, const float* x, int64_t m_rows, int64_t begin, 
   if (w.element == kE2M1) return gemv_int16_e2m1(w, x, xq, inverse, m_rows, begin, end, static_cast<uint16_t*>(y),
                                                 y_stride);
 #endif
-  in_passes<kIntMaxM>(w, m_rows, begin, end, [&](int64_t m0, int m, int64_t start, int64_t stop) {
+  auto pass = [&](int64_t m0, int m, int64_t start, int64_t stop) {
     uint16_t* out = static_cast<uint16_t*>(y) + m0 * y_stride;
     int16_for(m, std::make_integer_sequence<int, kIntMaxM>{})(w, xq + m0 * w.k, inverse + m0, start, stop, out,
                                                              y_stride);
     rerun_left_out(w, x + m0 * w.k, m, inverse + m0, start, stop, out, y_stride);
-  });
+  };
+  if (int16_pass_rows(m_rows, w.k) < kIntMaxM) in_passes<kIntMaxM / 2>(w, m_rows, begin, end, pass);
+  else in_passes<kIntMaxM>(w, m_rows, begin, end, pass);
 }

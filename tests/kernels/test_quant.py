@@ -189,6 +189,20 @@ def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
     torch.testing.assert_close(got.double(), expected.bfloat16().double(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m", [5, 8, 13])
+def test_int8_rows_of_x_past_l1_run_in_passes_of_four(variant, m):
+    """From 5 rows of x, int16 rows past 32 KiB (here 4160 elements) run on the integer multiply-adds
+    as passes of 4 rows, packed to match (qgemv_int16.h's int16_pass_rows): every row is the
+    reference's, and where the integers take every count of rows (avx2, avx512) each 4 rows' bits are
+    those of the same 4 multiplied alone."""
+    q, x, expected = linear_case("int8", 96, 4160, m, torch.bfloat16)
+    got = quantized_linear(x, q)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    if variant in ("avx2", "avx512"):
+        for first in range(0, m, 4):
+            assert torch.equal(got[first:first + 4], quantized_linear(x[first:first + 4], q))
+
+
 @pytest.mark.parametrize("k", [1040, 1088])
 def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(variant, k):
     """A row whose values span 2^16 (the small ones round to 2^-15 of its largest there), a row of
