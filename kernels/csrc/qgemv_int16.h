@@ -1,7 +1,7 @@
 // The GEMV of int8 weights times rows of bfloat16 activations on integer multiply-adds, for every
 // compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on AVX2 and
-// AVX-512 at every count of rows of x; with AVX512-BF16 for 1 to 4 rows, where the bfloat16 dot
-// product (qgemv_bf16dot.h) takes more; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple
+// AVX-512 at every count of rows of x; with AVX512-BF16 for 1 to 4 rows, and more where x outgrows
+// L1 (int16_takes), the bfloat16 dot product (qgemv_bf16dot.h) taking the rest; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple
 // of 64), where its tiles take more.
 //
 // At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
@@ -124,12 +124,23 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
   return base + full * rows * kIntLanes + j * (k - full * kIntLanes) + (e - full * kIntLanes);
 }
 
+// With AVX512-BF16 (not amx: not measured there), more than kIntMaxRows rows of x whose int16 rows
+// outgrow L1 run here too, in passes of 4 (int16_pass_rows), not on the dot product in one pass of
+// 8: a 2-core Zen 4, two threads, int8 4096xK, switched within one process, medians of 30: K = 4096
+// at 8 rows 0.83-0.92x the time in cache, 0.75-0.83x from memory, at 16 rows 0.81-0.90x; K = 8192
+// at 6-16 rows 0.80-0.90x; K = 3072 and 5 rows of 4096 within the noise (0.91-1.03x).
+#if defined(PRELOAD_BF16DOT) && !defined(PRELOAD_AMX)
+constexpr bool kIntPastL1 = true;
+#else
+constexpr bool kIntPastL1 = false;  // AVX2 and AVX-512 take every count of rows anyway
+#endif
+
 // Whether int8 weights times these rows of bfloat16 x run here (then x gets its packed copy). On amx
 // its byte tiles take 3 and 4 rows first where K is a multiple of 64 (gemv_amx and pack_amx ask them
 // first).
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
-  return w.element == kInt8 && m_rows <= kIntMaxRows;
+  return w.element == kInt8 && (m_rows <= kIntMaxRows || (kIntPastL1 && int16_pass_rows(m_rows, w.k) < kIntMaxM));
 }
 
 // 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0

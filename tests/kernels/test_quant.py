@@ -172,8 +172,8 @@ def test_quantized_linear_matches_reference(variant, scheme, m, n, k, dtype):
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 9, 16])
 def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
     """int8 times rows of bfloat16 x runs on integer multiply-adds (kernels/csrc/qgemv_int16.h):
-    every count of rows with the avx2 and avx512 kernels, 1 to 4 rows with avx512bf16, 1 to 4 with
-    amx (1 and 2 where K is a multiple of 64);
+    every count of rows with the avx2 and avx512 kernels, 1 to 4 rows with avx512bf16 (and, these
+    rows being past L1, every count), 1 to 4 with amx (1 and 2 where K is a multiple of 64);
     x scaled by a power of two into int16. Rows of 16400 elements of 127 times x near the top of its
     range sum past what int32 holds (2^31 / (127 * 2^15) is 516 products a lane; AVX2's 8 lanes take
     2050 each, AVX-512's 16 take 1025), so the sums go to float32 every 2048 elements, and a
@@ -192,13 +192,13 @@ def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
 @pytest.mark.parametrize("m", [5, 8, 13])
 def test_int8_rows_of_x_past_l1_run_in_passes_of_four(variant, m):
     """From 5 rows of x, int16 rows past 32 KiB (here 4160 elements) run on the integer multiply-adds
-    as passes of 4 rows, packed to match (qgemv_int16.h's int16_pass_rows): every row is the
-    reference's, and where the integers take every count of rows (avx2, avx512) each 4 rows' bits are
-    those of the same 4 multiplied alone."""
+    as passes of 4 rows, packed to match (qgemv_int16.h's int16_pass_rows; avx512bf16 takes them off
+    its dot product then): every row is the reference's, and each 4 rows' bits are those of the same
+    4 multiplied alone (amx's byte tiles take 3 rows and more of a K that is a multiple of 64)."""
     q, x, expected = linear_case("int8", 96, 4160, m, torch.bfloat16)
     got = quantized_linear(x, q)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
-    if variant in ("avx2", "avx512"):
+    if variant in ("avx2", "avx512", "avx512bf16"):
         for first in range(0, m, 4):
             assert torch.equal(got[first:first + 4], quantized_linear(x[first:first + 4], q))
 
