@@ -1,8 +1,8 @@
 // The GEMV of int8 weights times rows of bfloat16 activations on integer multiply-adds, for every
 // compilation of qgemv_kernels.cpp, which includes this inside its unnamed namespace: on AVX2 and
 // AVX-512 at every count of rows of x; with AVX512-BF16 for 1 to 4 rows, and more where x outgrows
-// L1 (int16_takes), the bfloat16 dot product (qgemv_bf16dot.h) taking the rest; with AMX for 1 and 2 rows (and 3 and 4 where K is no multiple
-// of 64), where its tiles take more.
+// L1 (int16_takes), the bfloat16 dot product (qgemv_bf16dot.h) taking the rest; with AMX for 1 and 2
+// rows (and 3 and 4 where K is no multiple of 64), where its tiles take more.
 //
 // At a few rows of x the float32 kernels are bound by their multiply-adds, not by memory: 8 (AVX2)
 // or 16 products per instruction, one instruction per row of x and register of weight. VPMADDWD
@@ -140,7 +140,8 @@ constexpr bool kIntPastL1 = false;  // AVX2 and AVX-512 take every count of rows
 // first).
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
-  return w.element == kInt8 && (m_rows <= kIntMaxRows || (kIntPastL1 && int16_pass_rows(m_rows, w.k) < kIntMaxM));
+  if (w.element != kInt8) return false;
+  return m_rows <= kIntMaxRows || (kIntPastL1 && int16_pass_rows(m_rows, w.k) < kIntMaxM);
 }
 
 // 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0
