@@ -43,6 +43,7 @@
 
 constexpr int64_t kDotGroup = 64;  // e2m1 elements of a row per step (32 of the others)
 constexpr int kDotMaxM = 8;        // activation rows per pass: more take more passes
+static_assert(kDotMaxM == kIntDotRows, "qgemv_int16.h's int16_takes sizes this pass's x");
 
 // Whether bfloat16 rows of x times w run here (then x gets its packed copy), or on the AVX-512 kernels.
 inline bool bf16dot_takes(const Weight& w) {

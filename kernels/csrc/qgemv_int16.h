@@ -79,7 +79,18 @@ constexpr int64_t kIntMaxRows = 4;    // and up to which (the bfloat16 dot produ
 #else
 constexpr int64_t kIntMaxRows = INT64_MAX;
 #endif
-constexpr int kIntMaxM = 8;           // rows of x per pass: more take more passes
+// Rows of x per pass: more take more passes. From 5 rows a pass reads one weight row at a time and
+// loads x once per multiply-add, where 4 rows take 2 (AVX2) or 4 (AVX-512) weight rows per load of x,
+// the weight's second pass coming from L2 (in_passes' tiles). On AVX-512 passes of 4 are faster at
+// every K measured (a 2-core Zen 4, two threads, int8, one pass of 8 and passes of 4 switched within
+// one process, medians of 40: 8 rows of 960x576, 576x576 and 3072x576 0.81-0.87x the time, 576x1536
+// 0.81-1.00x, 4096x1024 to 4096x2048 0.66-0.80x; 4096x1024 at 5 to 16 rows 0.74-0.88x; 5 and 6 rows
+// of K = 576 alike); on AVX2 only past kIntPassXBytes (int16_pass_rows).
+#ifdef PRELOAD_AVX512
+constexpr int kIntMaxM = 4;
+#else
+constexpr int kIntMaxM = 8;
+#endif
 #ifdef PRELOAD_AMX
 constexpr int64_t kE2M1IntMaxM = 2;   // e2m1 (MXFP4, NVFP4) rows of x here, below amx_min_rows (qgemv_e2m1_int16.h)
 #else
@@ -93,16 +104,19 @@ constexpr int kIntVecs = kChunk / kIntLanes;
 // ones, then each row's 2^-s (0 for a row the float32 kernels take), this many floats on.
 inline int64_t int16_scales_at(int64_t m_rows, int64_t k) { return m_rows * k + m_rows * k / 2; }
 
-// More than kIntMaxM / 2 rows of x whose int16 rows outgrow this (L1) run as passes of kIntMaxM / 2,
-// as the float32 kernels' rows do past kPassXBytes: from 5 rows on a pass reads one weight row at a
-// time and loads x once per multiply-add, from L2 once x is out of L1, where 4 rows take 2 (AVX2) or
-// 4 (AVX-512) weight rows per load of x, and the weight's second pass comes from L2 (in_passes'
-// tiles). A 2-core Zen 4, two threads, int8 4096xK, medians, one pass and split alternated, us: K =
-// 4096 at 8 rows in cache AVX2 1984-2905 -> 1190-1230, AVX-512 2093-2521 -> 935-985, from memory
-// AVX2 1778-1980 -> 1152-1423, AVX-512 2020-2322 -> 1039-1044; K = 3072 at 6 rows from memory AVX2
-// 946-991 -> 636-895, AVX-512 1211-1337 -> 606-643. At 8 x 576 and 8 x 1536 (the default model)
-// within the noise either way, and at 8 x 1024 AVX2 was slower split (363-368 -> 389-561).
+// AVX2: more than kIntMaxM / 2 rows of x whose int16 rows outgrow this (L1) run as passes of
+// kIntMaxM / 2, as the float32 kernels' rows do past kPassXBytes: the one pass's loads of x come from
+// L2 then. A 2-core Zen 4, two threads, int8 4096xK, medians, the two alternated, us: K = 4096 at 8
+// rows 1984-2905 -> 1190-1230 in cache, 1778-1980 -> 1152-1423 from memory; K = 3072 at 6 rows from
+// memory 946-991 -> 636-895. Below it, switched within one process, 8 rows split took 1.12-1.15x
+// the time at K = 576, 0.93-0.99x at 1024, 0.89-0.99x at 1536 and 0.88-0.89x at 2048, but 5 and 6
+// rows 1.11-1.18x at 1536 and 2048: no lower threshold gains at every count of rows. (AVX-512's
+// passes take 4 rows already.)
+#ifdef PRELOAD_AVX512
+constexpr int64_t kIntPassXBytes = INT64_MAX;
+#else
 constexpr int64_t kIntPassXBytes = int64_t(32) << 10;
+#endif
 
 // Rows of x a pass of the int16 GEMV takes (the last pass fewer), for m_rows rows of K elements.
 inline int64_t int16_pass_rows(int64_t m_rows, int64_t k) {
@@ -124,16 +138,19 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
   return base + full * rows * kIntLanes + j * (k - full * kIntLanes) + (e - full * kIntLanes);
 }
 
-// With AVX512-BF16 (not amx: not measured there), more than kIntMaxRows rows of x whose int16 rows
-// outgrow L1 run here too, in passes of 4 (int16_pass_rows), not on the dot product in one pass of
-// 8: a 2-core Zen 4, two threads, int8 4096xK, switched within one process, medians of 30: K = 4096
-// at 8 rows 0.83-0.92x the time in cache, 0.75-0.83x from memory, at 16 rows 0.81-0.90x; K = 8192
-// at 6-16 rows 0.80-0.90x; K = 3072 and 5 rows of 4096 within the noise (0.91-1.03x).
+// With AVX512-BF16 (not amx: not measured there), more than kIntMaxRows rows of x run here too, in
+// passes of 4, where the dot product's pass of up to 8 rows would hold at least this much of x (L1)
+// and read it from L2: a 2-core Zen 4, two threads, int8, switched within one process, medians of 30-40:
+// 8 rows of 4096x2048 0.85-0.87x the time, of 4096x4096 0.83-0.92x in cache and 0.75-0.83x from
+// memory, 16 rows 0.81-0.90x; 4096x8192 at 6-16 rows 0.80-0.90x; 4096x3072 at 5-16 rows and 5 of
+// 4096x4096 0.91-1.03x. Below it the dot product is faster: 8 rows of 960x576 to 4096x1536 took
+// 1.13-1.35x as long here.
 #if defined(PRELOAD_BF16DOT) && !defined(PRELOAD_AMX)
-constexpr bool kIntPastL1 = true;
+constexpr int64_t kIntOverDotXBytes = int64_t(32) << 10;
 #else
-constexpr bool kIntPastL1 = false;  // AVX2 and AVX-512 take every count of rows anyway
+constexpr int64_t kIntOverDotXBytes = INT64_MAX;  // AVX2 and AVX-512 take every count of rows anyway
 #endif
+constexpr int64_t kIntDotRows = 8;  // the dot product's rows a pass (qgemv_bf16dot.h's kDotMaxM)
 
 // Whether int8 weights times these rows of bfloat16 x run here (then x gets its packed copy). On amx
 // its byte tiles take 3 and 4 rows first where K is a multiple of 64 (gemv_amx and pack_amx ask them
@@ -141,7 +158,8 @@ constexpr bool kIntPastL1 = false;  // AVX2 and AVX-512 take every count of rows
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
   if (w.element != kInt8) return false;
-  return m_rows <= kIntMaxRows || (kIntPastL1 && int16_pass_rows(m_rows, w.k) < kIntMaxM);
+  return m_rows <= kIntMaxRows || lesser(m_rows, kIntDotRows) * w.k * int64_t(sizeof(int16_t)) >=
+                                      kIntOverDotXBytes;
 }
 
 // 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0
@@ -245,9 +263,9 @@ template <int M>
 void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_t begin, int64_t end, uint16_t* y,
                 int64_t y_stride) {
   // Weight rows side by side, each load of x shared by them, from 2 up to 4 rows of x; at one row and
-  // from 5 on, one at a time (AVX-512 at 8 rows of x: two side by side took 5-20% longer, a 2-core
-  // Zen 4; at one row, 4 side by side took 2-3x as long as one). On Intel's cores one at a time
-  // (above).
+  // from 5 on (AVX2), one at a time (AVX-512 at 8 rows of x, when it took them in one pass: two side by
+  // side took 5-20% longer, a 2-core Zen 4; at one row, 4 side by side took 2-3x as long as one). On
+  // Intel's cores one at a time (above).
   constexpr int R = kIntRowAtATime || M == 1 ? 1
                     : M * 4 <= kIntAccumulators ? 4 : M * 2 <= kIntAccumulators && M <= 4 ? 2 : 1;
   float sums[R * M];

@@ -191,10 +191,11 @@ def test_int8_on_integer_multiply_adds_sums_long_rows_exactly(variant, m, k):
 
 @pytest.mark.parametrize("m", [5, 8, 13])
 def test_int8_rows_of_x_past_l1_run_in_passes_of_four(variant, m):
-    """From 5 rows of x, int16 rows past 32 KiB (here 4160 elements) run on the integer multiply-adds
-    as passes of 4 rows, packed to match (qgemv_int16.h's int16_pass_rows; avx512bf16 takes them off
-    its dot product then): every row is the reference's, and each 4 rows' bits are those of the same
-    4 multiplied alone (amx's byte tiles take 3 rows and more of a K that is a multiple of 64)."""
+    """From 5 rows of x, int8 on the integer multiply-adds runs in passes of 4 rows, packed to match
+    (qgemv_int16.h): on AVX-512 at every K, on AVX2 where the int16 rows pass 32 KiB (here 4160
+    elements), and avx512bf16 takes such rows off its dot product: every row is the reference's, and
+    each 4 rows' bits are those of the same 4 multiplied alone (amx's byte tiles take 3 rows and more
+    of a K that is a multiple of 64)."""
     q, x, expected = linear_case("int8", 96, 4160, m, torch.bfloat16)
     got = quantized_linear(x, q)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
