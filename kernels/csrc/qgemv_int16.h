@@ -148,7 +148,7 @@ inline int64_t int16_index(int64_t m_rows, int64_t k, int64_t m, int64_t e) {
 #if defined(PRELOAD_BF16DOT) && !defined(PRELOAD_AMX)
 constexpr int64_t kIntOverDotXBytes = int64_t(32) << 10;
 #else
-constexpr int64_t kIntOverDotXBytes = INT64_MAX;  // AVX2 and AVX-512 take every count of rows anyway
+constexpr int64_t kIntOverDotXBytes = INT64_MAX;  // AVX2, AVX-512: every count of rows anyway; amx: its own
 #endif
 constexpr int64_t kIntDotRows = 8;  // the dot product's rows a pass (qgemv_bf16dot.h's kDotMaxM)
 
