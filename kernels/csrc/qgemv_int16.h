@@ -118,10 +118,14 @@ constexpr int64_t kIntPassXBytes = INT64_MAX;
 constexpr int64_t kIntPassXBytes = int64_t(32) << 10;
 #endif
 
+// Bytes of x's int16 copy that a pass of up to `per_pass` of m_rows rows of K elements holds.
+inline int64_t int16_pass_bytes(int64_t m_rows, int64_t per_pass, int64_t k) {
+  return lesser(m_rows, per_pass) * k * int64_t(sizeof(int16_t));
+}
+
 // Rows of x a pass of the int16 GEMV takes (the last pass fewer), for m_rows rows of K elements.
 inline int64_t int16_pass_rows(int64_t m_rows, int64_t k) {
-  const bool split = m_rows > kIntMaxM / 2 && lesser(m_rows, int64_t(kIntMaxM)) * k * int64_t(sizeof(int16_t)) >
-                                                  kIntPassXBytes;
+  const bool split = m_rows > kIntMaxM / 2 && int16_pass_bytes(m_rows, kIntMaxM, k) > kIntPassXBytes;
   return split ? kIntMaxM / 2 : kIntMaxM;
 }
 
@@ -158,8 +162,7 @@ constexpr int64_t kIntDotRows = 8;  // the dot product's rows a pass (qgemv_bf16
 inline bool int16_takes(const Weight& w, int64_t m_rows) {
   if (w.element == kE2M1) return m_rows <= kE2M1IntMaxM && w.k % (kE2M1IntGroup / 2) == 0;
   if (w.element != kInt8) return false;
-  return m_rows <= kIntMaxRows || lesser(m_rows, kIntDotRows) * w.k * int64_t(sizeof(int16_t)) >=
-                                      kIntOverDotXBytes;
+  return m_rows <= kIntMaxRows || int16_pass_bytes(m_rows, kIntDotRows, w.k) >= kIntOverDotXBytes;
 }
 
 // 2^s for a row of x: the power of two that brings its largest magnitude into [2^14, 2^15), or 0
