@@ -372,7 +372,7 @@ void block128_rows_bf16(const Weight& w, const uint16_t* xp, int64_t n, int64_t 
 template <int kElem, int kMode, int M, int R>
 inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, int64_t n, int64_t paired,
                          uint16_t* y, int64_t y_stride) {
-  float sums[R * M];
+  alignas(64) float sums[kPadded<R * M>];
   if constexpr (kElem == kE4M3 && kMode == kBlock32Scale && M > kScaleSumsMaxM) {
     for (int r = 0; r < R; ++r)
       if (!e8m0_within(w, n + r, kMxfp8Fold[0], kMxfp8Fold[1]))
@@ -385,9 +385,13 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
   } else {
     plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, paired, sums);
   }
-  for (int r = 0; r < R; ++r) {
-    const float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-    for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * scale);
+  float scales[R];
+  for (int r = 0; r < R; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
+  if constexpr (R * M >= kVectorOutputs) {
+    put_outputs_bf16<R, M>(sums, nullptr, scales, y, y_stride, n);
+  } else {
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * scales[r]);
   }
 }
 

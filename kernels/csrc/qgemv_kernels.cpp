@@ -216,12 +216,14 @@ constexpr int rows_for(int mode, int m) {
 template <int kElem, int kMode, int M>
 void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void* y, int64_t y_stride, bool bf16) {
   constexpr int R = rows_for(kMode, M);
-  float sums[R * M];
+  alignas(64) float sums[kPadded<R * M>];
   auto store = [&](int64_t n, int rows) {
-    for (int r = 0; r < rows; ++r) {
-      float scale = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scale, bf16);
-    }
+    float scales[R];
+    for (int r = 0; r < rows; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
+    if (bf16 && rows == R && R * M >= kVectorOutputs)
+      return put_outputs_bf16<R, M>(sums, nullptr, scales, static_cast<uint16_t*>(y), y_stride, n);
+    for (int r = 0; r < rows; ++r)
+      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scales[r], bf16);
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {

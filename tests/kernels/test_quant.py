@@ -204,6 +204,42 @@ def test_int8_rows_of_x_past_l1_run_in_passes_of_four(variant, m):
             assert torch.equal(got[first:first + 4], quantized_linear(x[first:first + 4], q))
 
 
+@pytest.mark.parametrize("scheme", ["none", "int8", "fp8_per_channel"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+def test_outputs_round_to_bfloat16_as_torch_rounds_them(variant, scheme, m):
+    """Whichever path a product takes (bfloat16 dot product, integer multiply-adds, float32 kernels)
+    and however it rounds its outputs (in registers from 4 outputs a step, one at a time below),
+    each output is its exact sum rounded as torch rounds float32 to bfloat16: ties to even, a
+    tie past the largest bfloat16 to infinity, a subnormal kept. Every product and sum here is exact
+    in float32."""
+    if variant == "torch" and scheme != "none":
+        pytest.skip("torch's path multiplies the weight dequantized to bfloat16, not these sums")
+    n, k = 16, 576
+    # Row 0 of x, times 2^e (e: 9 for FP8, whose kernels take the row scale times 2^8, else 0):
+    codes = torch.zeros(n, k)
+    codes[0::4, :2] = torch.tensor([1.0, 1.0])  # 2 (1 + 2^-8): a tie, to even (down)
+    codes[1::4, :2] = torch.tensor([1.0, 3.0])  # 2 (1 + 3 2^-8): a tie, to even (up)
+    codes[2::4, :3] = torch.tensor([1.0, 0.0, 3.0])  # 2 - 2^-8, times 2^(127 - e): a tie, to infinity
+    codes[3::4, :2] = torch.tensor([1.0, 1.0])  # times 2^(-131 - e): a subnormal (not for bfloat16
+    # weights, which the dot product would read as zero)
+    e = 9 if scheme == "fp8_per_channel" else 0
+    scale = torch.tensor([1.0, 1.0, 2.0 ** (126 - e), 2.0 ** (-100 if scheme == "none" else -131 - e)]).repeat(n // 4)
+    x = torch.zeros(m, k)
+    x[:, :3] = torch.tensor([2.0, 2.0 ** -7, 85 * 2.0 ** -7]) * 2.0 ** e
+    x = (x * 2.0 ** -torch.arange(m, dtype=torch.float32)[:, None]).bfloat16()  # row j: times 2^-j
+    dense = codes * scale[:, None]
+    if scheme == "none":
+        from kernels.dense import Dense
+        got = Dense()(x, dense.bfloat16())
+    else:
+        stored = codes.to(torch.int8 if scheme == "int8" else torch.float8_e4m3fn)
+        got = quantized_linear(x, quant.QuantizedWeight(scheme, stored, scale, None, (n, k)))
+    expected = (x.double() @ dense.double().T).float()
+    assert torch.equal(expected.double(), x.double() @ dense.double().T)  # exact in float32
+    assert bool(got[0, 2].isinf()) and got[0, 3].item() != 0
+    assert torch.equal(got.view(torch.int16), expected.bfloat16().view(torch.int16))
+
+
 @pytest.mark.parametrize("k", [1040, 1088])
 def test_int8_on_integer_multiply_adds_keeps_small_values_and_non_finite_rows(variant, k):
     """A row whose values span 2^16 (the small ones round to 2^-15 of its largest there), a row of
