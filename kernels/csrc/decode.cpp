@@ -94,7 +94,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache, const 
   const float s = static_cast<float>(scale);
   const bool bf16 = q.scalar_type() == at::kBFloat16;
   at::parallel_for(0, jobs, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    preload::LineVector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const preload::AttendPlan::Job& job = plan.jobs[i];
       scratch.resize(preload::attend_floats(group, job.end - job.begin, d));
@@ -148,7 +148,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& cache, const
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), jobs));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(preload::prefill_floats(group, preload::kPrefillQueries, d));
+    preload::LineVector<float> scratch(preload::prefill_floats(group, preload::kPrefillQueries, d));
     for (int64_t i = next++; i < jobs; i = next++) {
       const int64_t block = blocks - 1 - i / (batch * kv_heads), b = i % (batch * kv_heads) / kv_heads,
                     j = i % kv_heads, first = (b * t * heads + j * group) * d;

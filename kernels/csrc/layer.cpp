@@ -62,9 +62,9 @@ struct Blocks {
 
 template <typename T>
 struct Scratch {  // one set per thread that calls forward (the engine's one), sized before the region
-  std::vector<T> h, qkv, q, attn, out, gate_up, act, down, normed;
-  std::vector<float> x;                         // a product's input, in the kernels' order, zero-padded
-  std::vector<std::vector<float>> attend;  // attention's scratch, one per thread of the region
+  preload::LineVector<T> h, qkv, q, attn, out, gate_up, act, down, normed;
+  preload::LineVector<float> x;                 // a product's input, in the kernels' order, zero-padded
+  std::vector<preload::LineVector<float>> attend;  // attention's scratch, one per thread of the region
 };
 
 struct Rows {  // where each row's keys and values go: cache slot, length with the new token; the cache's layout
@@ -234,7 +234,7 @@ class DecodeLayer : public torch::CustomClassHolder {
   // columns of every row (qgemv_kernels.h: their packed layouts may interleave the rows).
   template <typename T>
   void prepare(const Kernels* kernels, int64_t phase, const T* src, int64_t batch, int64_t b0, int64_t b1,
-               std::vector<float>& x, int thread, int team, preload::Barrier& barrier) const {
+               preload::LineVector<float>& x, int thread, int team, preload::Barrier& barrier) const {
     const Weight& w = phases_[phase][0].w;
     const int64_t width = inputs(phase);
     const uint8_t* order = preload::x_order(kernels, w);

@@ -54,7 +54,8 @@ Weight checked_weight(const at::Tensor& x, const at::Tensor& weight, const at::T
 // group of 16 elements in the kernels' order for the weight's element format where they have one
 // (`order`: see qgemv_kernels.h), then their packed copy where they make one. x itself where it
 // already is all that.
-const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weight& w, std::vector<float>& buffer) {
+const float* kernel_rows(const Kernels* kernels, const at::Tensor& x, const Weight& w,
+                         preload::LineVector<float>& buffer) {
   const uint8_t* order = preload::x_order(kernels, w);
   if (x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) == w.k && !order)  // pack: bf16 x only
     return x.data_ptr<float>();
@@ -78,7 +79,7 @@ at::Tensor qgemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
                  const std::optional<at::Tensor>& global_scale, int64_t scale_kind, int64_t block_size,
                  int64_t element) {
   Weight w = checked_weight<K>(x, weight, scale, global_scale, scale_kind, block_size, element);
-  thread_local std::vector<float> buffer;
+  thread_local preload::LineVector<float> buffer;
   int64_t m_rows = x.size(0);
   if (m_rows == 0) return at::empty({0, w.n}, x.options());
   const float* xp = kernel_rows(K, x, w, buffer);
