@@ -491,7 +491,7 @@ inline Vec x_factors(const float* of_x, int i) {
 // at K = 576 (18 dot products an output) weighed on the step: a 2-core Zen 4, one thread, 1024x576
 // in L2, both builds in one process and alternated, time against one output at a time: avx512bf16
 // at 3 to 8 rows of x int8 0.86-0.92x, bfloat16 (5 to 8 rows) 0.80-0.92x, FP8 (7 and 8) 0.81-0.87x;
-// avx512 int8 0.83-0.94x, bfloat16 0.91-0.96x; AVX2 alike (0.93-1.02x). From kVectorOutputs
+// avx512 int8 0.83-0.94x, bfloat16 0.91-0.96x; AVX2 alike (0.93-1.07x). From kVectorOutputs
 // outputs a step (int16_pass: from kIntVectorOutputsM rows of x).
 template <int R, int M>
 inline void put_outputs_bf16(const float* sums, const float* of_x, const float* of_w, uint16_t* y, int64_t y_stride,

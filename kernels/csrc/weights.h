@@ -1,7 +1,8 @@
-// What the torch-facing translation units (qgemv.cpp, layer.cpp) share about weights: which kernel
-// variants this CPU runs, a weight and its scales checked into the kernels' Weight, and x laid out
-// in the order the kernels read it. Torch headers are fine here: these units are compiled for plain
-// x86-64 (see qgemv_kernels.h for the ones that must not see them).
+// What the torch-facing translation units (qgemv.cpp, layer.cpp, decode.cpp) share about weights:
+// which kernel variants this CPU runs, a weight and its scales checked into the kernels' Weight, x
+// laid out in the order the kernels read it, in cache-line-aligned buffers. Torch headers are fine
+// here: these units are compiled for plain x86-64 (see qgemv_kernels.h for the ones that must not
+// see them).
 #pragma once
 
 #include <ATen/core/Tensor.h>

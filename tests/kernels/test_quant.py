@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import formats, native, quant
+from kernels.dense import Dense
 from kernels.fp4 import E2M1_VALUES, decode_packed, e2m1_decode, e2m1_encode, pack, unpack
 from kernels.linear import LARGE_M, quantized_linear, reference_linear
 from kernels.quant import SCHEMES, dequantize, layout, narrow, quantize
@@ -223,17 +224,17 @@ def test_outputs_round_to_bfloat16_as_torch_rounds_them(variant, scheme, m):
     codes[3::4, :2] = torch.tensor([1.0, 1.0])  # times 2^(-131 - e): a subnormal (not for bfloat16
     # weights, which the dot product would read as zero)
     e = 9 if scheme == "fp8_per_channel" else 0
-    scale = torch.tensor([1.0, 1.0, 2.0 ** (126 - e), 2.0 ** (-100 if scheme == "none" else -131 - e)]).repeat(n // 4)
+    tiny = 2.0 ** (-100 if scheme == "none" else -131 - e)
+    scale = torch.tensor([1.0, 1.0, 2.0 ** (126 - e), tiny]).repeat(n // 4)
     x = torch.zeros(m, k)
     x[:, :3] = torch.tensor([2.0, 2.0 ** -7, 85 * 2.0 ** -7]) * 2.0 ** e
     x = (x * 2.0 ** -torch.arange(m, dtype=torch.float32)[:, None]).bfloat16()  # row j: times 2^-j
     dense = codes * scale[:, None]
     if scheme == "none":
-        from kernels.dense import Dense
         got = Dense()(x, dense.bfloat16())
     else:
-        stored = codes.to(torch.int8 if scheme == "int8" else torch.float8_e4m3fn)
-        got = quantized_linear(x, quant.QuantizedWeight(scheme, stored, scale, None, (n, k)))
+        narrow_codes = codes.to(torch.int8 if scheme == "int8" else torch.float8_e4m3fn)
+        got = quantized_linear(x, quant.QuantizedWeight(scheme, narrow_codes, scale, None, (n, k)))
     expected = (x.double() @ dense.double().T).float()
     assert torch.equal(expected.double(), x.double() @ dense.double().T)  # exact in float32
     assert bool(got[0, 2].isinf()) and got[0, 3].item() != 0
