@@ -387,12 +387,7 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
   }
   float scales[R];
   for (int r = 0; r < R; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-  if constexpr (R * M >= kVectorOutputs) {
-    put_outputs_bf16<R, M>(sums, nullptr, scales, y, y_stride, n);
-  } else {
-    for (int r = 0; r < R; ++r)
-      for (int m = 0; m < M; ++m) y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * scales[r]);
-  }
+  put_outputs_bf16<R, M>(sums, nullptr, scales, R, y, y_stride, n);
 }
 
 // A pass takes weight rows two at a time from 4 rows of x on, and the last one of an odd range

@@ -280,10 +280,7 @@ void int16_pass(const Weight& w, const int16_t* xq, const float* inverse, int64_
   auto store = [&](int64_t n, int rows) {
     float scales[R];
     for (int r = 0; r < rows; ++r) scales[r] = row_scale(w, n + r);
-    if (rows == R && R * M >= kVectorOutputs && M >= kIntVectorOutputsM)
-      return put_outputs_bf16<R, M>(sums, inverse, scales, y, y_stride, n);
-    for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * inverse[m] * scales[r], true);
+    put_outputs_bf16<R, M, (M >= kIntVectorOutputsM)>(sums, inverse, scales, rows, y, y_stride, n);
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {

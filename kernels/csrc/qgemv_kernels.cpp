@@ -220,10 +220,9 @@ void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void
   auto store = [&](int64_t n, int rows) {
     float scales[R];
     for (int r = 0; r < rows; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
-    if (bf16 && rows == R && R * M >= kVectorOutputs)
-      return put_outputs_bf16<R, M>(sums, nullptr, scales, static_cast<uint16_t*>(y), y_stride, n);
+    if (bf16) return put_outputs_bf16<R, M>(sums, nullptr, scales, rows, static_cast<uint16_t*>(y), y_stride, n);
     for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scales[r], bf16);
+      for (int m = 0; m < M; ++m) static_cast<float*>(y)[m * y_stride + n + r] = sums[r * M + m] * scales[r];
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {

@@ -111,7 +111,7 @@ inline Vec lane_sums(const Vec* r) {
   return vadd(vshuffle<0x88>(pairs[0], pairs[1]), vshuffle<0xDD>(pairs[0], pairs[1]));
 }
 
-// Outputs of a step from which the GEMVs round them in registers (put_outputs_bf16; fewer: to_bf16 each).
+// Outputs of a step from which put_outputs_bf16 rounds them in registers (fewer: to_bf16 each).
 constexpr int kVectorOutputs = 4;
 
 // Floats an array of N sums takes when whole registers write it (vsums) and read it (put_outputs_bf16).
@@ -484,26 +484,35 @@ inline Vec x_factors(const float* of_x, int i) {
 #endif
 }
 
-// y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * of_x[m] * of_w[r]) for r < R, m < M, bit for
-// bit (without of_x: sums[r * M + m] * of_w[r]): the products and the rounding (vround_bf16) a
-// register at a time, then each output's high half stored. sums: r-major, as vsums leaves R x M
-// sums, in kPadded<R * M> floats. One output at a time took a dozen scalar instructions each, which
-// at K = 576 (18 dot products an output) weighed on the step: a 2-core Zen 4, one thread, 1024x576
-// in L2, both builds in one process and alternated, time against one output at a time: avx512bf16
-// at 3 to 8 rows of x int8 0.86-0.92x, bfloat16 (5 to 8 rows) 0.80-0.92x, FP8 (7 and 8) 0.81-0.87x;
-// avx512 int8 0.83-0.94x, bfloat16 0.91-0.96x; AVX2 alike (0.93-1.07x). From kVectorOutputs
-// outputs a step (int16_pass: from kIntVectorOutputsM rows of x).
-template <int R, int M>
-inline void put_outputs_bf16(const float* sums, const float* of_x, const float* of_w, uint16_t* y, int64_t y_stride,
-                             int64_t n) {
-  alignas(64) uint32_t bits[kPadded<R * M>];
-  for (int i = 0; i < R * M; i += kLanes) {
-    Vec v = vload(sums + i);
-    if (of_x) v = vmul(v, x_factors<R, M>(of_x, i / kLanes));
-    vstore(reinterpret_cast<float*>(bits + i), vround_bf16(vmul(v, row_factors<R, M>(of_w, i / kLanes))));
+// y[m * y_stride + n + r] = to_bf16(sums[r * M + m] * of_x[m] * of_w[r]) for r < rows (R, or fewer
+// at the end of a range), m < M, bit for bit (without of_x: sums[r * M + m] * of_w[r]). sums:
+// r-major, as vsums leaves R x M sums, in kPadded<R * M> floats. From kVectorOutputs outputs a step
+// (and where the caller's kRegisters allows) the products and the rounding (vround_bf16) run a
+// register at a time, then each output's high half is stored; fewer, one output at a time. That
+// took a dozen scalar instructions an output, which at K = 576 (18 dot products an output) weighed
+// on the step: a 2-core Zen 4, one thread, 1024x576 in L2, both builds in one process and
+// alternated, time in registers against one at a time: avx512bf16 at 3 to 8 rows of x int8
+// 0.86-0.92x, bfloat16 (5 to 8 rows) 0.80-0.92x, FP8 (7 and 8) 0.81-0.87x; avx512 int8 0.83-0.94x,
+// bfloat16 0.91-0.96x; AVX2 alike (0.93-1.07x).
+template <int R, int M, bool kRegisters = true>
+inline void put_outputs_bf16(const float* sums, const float* of_x, const float* of_w, int rows, uint16_t* y,
+                             int64_t y_stride, int64_t n) {
+  if constexpr (kRegisters && R * M >= kVectorOutputs) {
+    if (rows == R) {
+      alignas(64) uint32_t bits[kPadded<R * M>];
+      for (int i = 0; i < R * M; i += kLanes) {
+        Vec v = vload(sums + i);
+        if (of_x) v = vmul(v, x_factors<R, M>(of_x, i / kLanes));
+        vstore(reinterpret_cast<float*>(bits + i), vround_bf16(vmul(v, row_factors<R, M>(of_w, i / kLanes))));
+      }
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) y[m * y_stride + n + r] = static_cast<uint16_t>(bits[r * M + m] >> 16);
+      return;
+    }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) y[m * y_stride + n + r] = static_cast<uint16_t>(bits[r * M + m] >> 16);
+  for (int r = 0; r < rows; ++r)
+    for (int m = 0; m < M; ++m)
+      y[m * y_stride + n + r] = to_bf16(of_x ? sums[r * M + m] * of_x[m] * of_w[r] : sums[r * M + m] * of_w[r]);
 }
 
 }  // namespace
