@@ -366,8 +366,10 @@ def test_a_client_that_leaves_a_non_streamed_request_stops_its_generation(tiny_e
         time.sleep(0.5)
         counts.append(engine_counter(tiny_engine, "requests"))
     assert time.monotonic() < deadline and counts[-1] - before < 50, counts  # a batch or two had started
-    ok = client(tiny_engine).completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=2)
-    assert ok.choices[0].finish_reason == "length"
+    # Still serving. ignore_eos: the default temperature samples, and the tiny model may pick its EOS.
+    ok = client(tiny_engine).completions.create(model="tiny-llama", prompt=[5, 6], max_tokens=2,
+                                                extra_body={"ignore_eos": True})
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 2
 
 
 def _metaspace_tokenizer():
