@@ -9,12 +9,15 @@ slow (torch's reference GEMM: no oneDNN bfloat16 on CPUs without AVX-512), 8, fa
 widened tiles below (2.5-4x on AVX2 CPUs; the avx512 kernels in two passes of 4 rows 4-7x at 6 and 8
 rows, a 2-core Zen 4); on the avx512bf16 variant, on the bfloat16 dot product, 8 (a 2-core Zen 5,
 49152x576 from memory: 0.4x oneDNN's time at 1 to 8 rows, 0.6-0.7x at 12 and 16, which take two
-passes); with the avx2 or avx512 kernels where oneDNN runs that GEMM without AMX tiles, 2 and 4 (a
-2-core Zen 4, whose oneDNN has AVX512-BF16: 0.35-0.8x its time there; the avx2 kernels at 8 rows took
-up to 1.85x it; not measured on AVX-512 CPUs without AVX512-BF16, where oneDNN converts to float32);
-where oneDNN runs it on AMX tiles, one on those kernels, and on the amx kernels 16, the most their
-tiles take (a 2-core Emerald Rapids, 49152x576 from memory at 1 to 8 rows: 0.58-0.64x oneDNN's time;
-at 16 0.74x, in cache even).
+passes); with the avx2 or avx512 kernels where oneDNN runs that GEMM without AMX tiles, 8 too (a
+2-core Zen 4, whose oneDNN has AVX512-BF16, 49152x576 from memory, medians of 21: avx2 2.0-3.0 ms
+against oneDNN's 3.8-5.6 at 4 to 8 rows, 0.46-0.54x its time, avx512 2.1-3.0 against 4.2-5.6,
+0.51-0.58x; at 12 and 16 rows, two passes, 0.71-0.92x, which oneDNN keeps; 2 and 4 rows until the
+kernels' 8-row passes caught up, so that 8 requests' lm_head ran on oneDNN: docs/benchmarks.md. Not
+measured on AVX-512 CPUs without AVX512-BF16, where oneDNN converts to float32); where oneDNN runs it
+on AMX tiles, one on those kernels, and on the amx kernels 16, the most their tiles take (a 2-core
+Emerald Rapids, 49152x576 from memory at 1 to 8 rows: 0.58-0.64x oneDNN's time; at 16 0.74x, in
+cache even).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
@@ -36,7 +39,7 @@ TILE_BYTES = 2 << 20  # a widened tile this size stays in cache while it is mult
 REDUCED = (torch.bfloat16, torch.float16)
 # variant -> most rows for the native GEMV where torch's bfloat16 GEMM is slow, where oneDNN runs it
 # without AMX tiles, where it runs on them (measured; see above).
-_NATIVE_ROWS = {"avx2": (8, 2, 1), "avx512": (8, 4, 1), "avx512bf16": (8, 8, 8), "amx": (16, 16, 16)}
+_NATIVE_ROWS = {"avx2": (8, 8, 1), "avx512": (8, 8, 1), "avx512bf16": (8, 8, 8), "amx": (16, 16, 16)}
 UNIT_SCALE = torch.ones(())  # the per-tensor scale of an unquantized weight in the native GEMV
 
 
