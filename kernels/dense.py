@@ -4,20 +4,21 @@ One activation row (a decode step) runs the native fused GEMV of kernels/csrc wi
 element format where those kernels are built: it prefetches each weight row ahead of its reads and
 streams the weight from memory about 1.5-2x faster than torch's bfloat16 GEMV (a 2-core AVX2 Zen 1
 VM: 11-15 GB/s against 6-9). A few rows (up to `native_rows()`, measured per variant and CPU) take
-the same kernel, which streams the weight once for all the rows: where torch's bfloat16 GEMM is
-slow (torch's reference GEMM: no oneDNN bfloat16 on CPUs without AVX-512), 8, far faster than the
-widened tiles below (2.5-4x on AVX2 CPUs; the avx512 kernels in two passes of 4 rows 4-7x at 6 and 8
-rows, a 2-core Zen 4); on the avx512bf16 variant, on the bfloat16 dot product, 8 (a 2-core Zen 5,
-49152x576 from memory: 0.4x oneDNN's time at 1 to 8 rows, 0.6-0.7x at 12 and 16, which take two
-passes); with the avx2 or avx512 kernels where oneDNN runs that GEMM without AMX tiles, 8 too (a
-2-core Zen 4, whose oneDNN has AVX512-BF16, 49152x576 from memory, medians of 21: avx2 2.0-3.0 ms
-against oneDNN's 3.8-5.6 at 4 to 8 rows, 0.46-0.54x its time, avx512 2.1-3.0 against 4.2-5.6,
-0.51-0.58x; at 12 and 16 rows, two passes, 0.71-0.92x, which oneDNN keeps; 2 and 4 rows until the
-kernels' 8-row passes caught up, so that 8 requests' lm_head ran on oneDNN: docs/benchmarks.md. Not
-measured on AVX-512 CPUs without AVX512-BF16, where oneDNN converts to float32); where oneDNN runs it
-on AMX tiles, one on those kernels, and on the amx kernels 16, the most their tiles take (a 2-core
-Emerald Rapids, 49152x576 from memory at 1 to 8 rows: 0.58-0.64x oneDNN's time; at 16 0.74x, in
-cache even).
+the same kernel, which streams the weight once for all the rows:
+- where torch's bfloat16 GEMM is slow (torch's reference GEMM: no oneDNN bfloat16 on CPUs without
+  AVX-512), 8, far faster than the widened tiles below (2.5-4x on AVX2 CPUs; the avx512 kernels in
+  two passes of 4 rows 4-7x at 6 and 8 rows, a 2-core Zen 4);
+- where oneDNN runs it without AMX tiles, 8 on every variant: on avx512bf16's bfloat16 dot product
+  (a 2-core Zen 5, 49152x576 from memory: 0.4x oneDNN's time at 1 to 8 rows, 0.6-0.7x at 12 and 16,
+  which take two passes), and on the avx2 and avx512 kernels (a 2-core Zen 4 whose oneDNN has
+  AVX512-BF16, 49152x576 from memory, medians of 21: avx2 2.0-3.0 ms against oneDNN's 3.8-5.6 at 4
+  to 8 rows, 0.46-0.54x its time, avx512 2.1-3.0 against 4.2-5.6, 0.51-0.58x; at 12 and 16 rows, two
+  passes, 0.71-0.92x, left to oneDNN). Those two took 2 and 4 rows until their 8-row passes caught
+  up, and 8 requests' lm_head had run on oneDNN (docs/benchmarks.md). Not measured on AVX-512 CPUs
+  without AVX512-BF16, where oneDNN converts to float32;
+- where oneDNN runs it on AMX tiles, one on the avx2 and avx512 kernels, 8 on avx512bf16's, and on
+  the amx kernels 16, the most their tiles take (a 2-core Emerald Rapids, 49152x576 from memory at 1
+  to 8 rows: 0.58-0.64x oneDNN's time; at 16 0.74x, in cache even).
 More rows, or no native kernels, on a CPU without those instructions meet torch's reference GEMM, a dot
 product per output at ~8 GFLOP/s a core; they widen the weight to float32 in tiles that stay in
 cache and run float32 GEMM on each (1.5-2x faster than torch at 8 rows; MKL's float32 GEMM
