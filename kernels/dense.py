@@ -14,8 +14,11 @@ the same kernel, which streams the weight once for all the rows:
   AVX512-BF16, 49152x576 from memory, medians of 21: avx2 2.0-3.0 ms against oneDNN's 3.8-5.6 at 4
   to 8 rows, 0.46-0.54x its time, avx512 2.1-3.0 against 4.2-5.6, 0.51-0.58x; at 12 and 16 rows, two
   passes, 0.71-0.92x, left to oneDNN). Those two took 2 and 4 rows until their 8-row passes caught
-  up, and 8 requests' lm_head had run on oneDNN (docs/benchmarks.md). Not measured on AVX-512 CPUs
-  without AVX512-BF16, where oneDNN converts to float32;
+  up, and 8 requests' lm_head had run on oneDNN (docs/benchmarks.md). Where 8 rows of float32 x
+  outgrow L1 (K of 2048 and 4096), avx2 takes them in two passes of 4 and 8 rows took 1.06-1.12x
+  oneDNN's time there (6 rows 0.86-0.89x, avx512 at 8 0.76-0.85x): left so, as the fused decode
+  layer's plain products run the same passes. Not measured on AVX-512 CPUs without AVX512-BF16,
+  where oneDNN converts to float32;
 - where oneDNN runs it on AMX tiles, one on the avx2 and avx512 kernels, 8 on avx512bf16's, and on
   the amx kernels 16, the most their tiles take (a 2-core Emerald Rapids, 49152x576 from memory at 1
   to 8 rows: 0.58-0.64x oneDNN's time; at 16 0.74x, in cache even).
