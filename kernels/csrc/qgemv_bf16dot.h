@@ -386,7 +386,7 @@ inline void bf16dot_rows(const Weight& w, const float* x, const uint16_t* xp, in
     plain_rows_bf16<kElem, kMode, M, R>(w, xp, n, paired, sums);
   }
   float scales[R];
-  for (int r = 0; r < R; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
+  for (int r = 0; r < R; ++r) scales[r] = output_scale<kElem, kMode>(w, n + r);
   put_outputs_bf16<R, M>(sums, nullptr, scales, R, y, y_stride, n);
 }
 

@@ -31,6 +31,13 @@ namespace {
 // elements (4 chunks), of 32 (a chunk) or of 16 (half a chunk).
 enum Mode : int { kRowScale, kBlock128Scale, kBlock32Scale, kBlock16Scale };
 
+// What output row n's sums are multiplied by when they are put: its scale where there is one a row
+// (or one for the tensor), times what the decoders leave out of each element (kFactor).
+template <int kElem, int kMode>
+inline float output_scale(const Weight& w, int64_t n) {
+  return (kMode == kRowScale ? row_scale(w, n) : 1.0f) * kFactor<kElem>;
+}
+
 // acc[m] += v[h] . x[m] at `at` + h vectors, for the N registers of v (one weight row).
 template <int M, int N>
 inline __attribute__((always_inline)) void madd(const Vec (&v)[N], const float* x, int64_t k, int64_t at, Vec* acc) {
@@ -219,10 +226,10 @@ void gemv_pass(const Weight& w, const float* x, int64_t begin, int64_t end, void
   alignas(64) float sums[kPadded<R * M>];
   auto store = [&](int64_t n, int rows) {
     float scales[R];
-    for (int r = 0; r < rows; ++r) scales[r] = (kMode == kRowScale ? row_scale(w, n + r) : 1.0f) * kFactor<kElem>;
+    for (int r = 0; r < rows; ++r) scales[r] = output_scale<kElem, kMode>(w, n + r);
     if (bf16) return put_outputs_bf16<R, M>(sums, nullptr, scales, rows, static_cast<uint16_t*>(y), y_stride, n);
     for (int r = 0; r < rows; ++r)
-      for (int m = 0; m < M; ++m) static_cast<float*>(y)[m * y_stride + n + r] = sums[r * M + m] * scales[r];
+      for (int m = 0; m < M; ++m) put_output(y, y_stride, m, n + r, sums[r * M + m] * scales[r], false);
   };
   int64_t n = begin;
   for (; n + R <= end; n += R) {
