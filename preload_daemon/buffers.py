@@ -3,6 +3,7 @@ and the client that maps slabs."""
 
 import contextlib
 import ctypes
+import errno
 import gc
 import mmap
 import os
@@ -107,6 +108,33 @@ def remap_readonly(path: pathlib.Path, address: int, size: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = mmap.PAGESIZE
+_populates = True  # until the kernel says it cannot
+
+
+def populate(view: memoryview) -> None:
+    """Faults in the whole pages within `view` (a writable, contiguous byte buffer) ahead of a write
+    that fills them, in one system call (MADV_POPULATE_WRITE): the kernel then allocates the pages
+    in a loop of its own, where a write into memory not yet touched traps once a page. A read from
+    the page cache into fresh private memory ran 1.2-1.45x as fast with it (2-core Zen 4 VM, 1 GiB in
+    chunks of 1-16 MiB, 1 and 2 threads; a shared-memory file 1.1x). The pages at either end, which
+    the buffer may share with its neighbours, are left to the write. Nothing where the kernel lacks
+    it (before 5.14) or the buffer is read-only: the write faults the pages in as before. Lets go of
+    the GIL (ctypes) while it runs."""
+    global _populates
+    if not _populates or len(view) < 2 * _PAGE:
+        return
+    try:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view))
+    except (TypeError, ValueError):  # read-only or not contiguous
+        return
+    start, end = -(-address // _PAGE) * _PAGE, (address + len(view)) // _PAGE * _PAGE
+    if end > start and _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) and ctypes.get_errno() == errno.EINVAL:
+        _populates = False
 
 
 def descriptors_of(path: str) -> list[int]:

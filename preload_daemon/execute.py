@@ -2,7 +2,8 @@
 the plan's tensors in order, reading each checkpoint tensor once and quantizing where planned.
 
 Reads run on a few threads, each a large pread straight from the file into the tensor's place in
-the destination (a tensor larger than READ_CHUNK is split across threads), so the disk has several
+the destination (its pages faulted in first in one system call: _fresh; a tensor larger than
+READ_CHUNK is split across threads), so the disk has several
 requests in flight and page-cache copies use every core; small tensors in a row are one job of about
 BATCH_BYTES, one preadv where they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
@@ -18,7 +19,7 @@ import os
 import torch
 
 from kernels import quant
-from preload_daemon.buffers import gc_paused
+from preload_daemon.buffers import gc_paused, populate
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
@@ -68,22 +69,24 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 group = entries[i:i + len(reads)] if reads else _group(entries, i)
                 i += len(group)
                 nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
+                span = memory[group[0].offset:group[0].offset + nbytes]
                 if reads and i < len(entries) and entries[i].quantize and nbytes < BATCH_BYTES:
                     # A quantizing load's norms between its projections: read here, as the next
                     # projection is. On the pool, beside the quantization, they left malloc's heap
                     # more fragmented: the load's peak memory 15-40 MB higher (test_quant_load).
-                    checkpoint.read_many(reads)
+                    _fresh(span, checkpoint.read_many, reads)
                     futures = []
                 elif reads:
-                    futures = [pool.submit(checkpoint.read_many, reads)]
+                    futures = [pool.submit(_fresh, span, checkpoint.read_many, reads)]
                 else:
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
+                        populate(span)
                         for job in jobs:
                             job()
                         jobs = []
-                    futures = [pool.submit(checkpoint.read_many, [read]) for read in reads]
-                    futures.extend(pool.submit(job) for job in jobs)
+                    futures = [pool.submit(_fresh, read[1], checkpoint.read_many, [read]) for read in reads]
+                    futures.extend(pool.submit(_fresh, span, job) for job in jobs)
                 pending.append((group, entries[i].offset if i < len(entries) else plan.total_bytes, futures, nbytes))
                 in_flight += nbytes
                 while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
@@ -98,6 +101,14 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 for future in futures:
                     future.cancel()
             raise
+
+
+def _fresh(span: memoryview, write, *args) -> None:
+    """write(*args), which fills `span` of the destination, after faulting in its pages in one
+    system call (buffers.populate): the destination is fresh memory, which a write would fault in a
+    page at a time."""
+    populate(span)
+    write(*args)
 
 
 def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: memoryview) -> list:

@@ -296,3 +296,28 @@ def test_gc_paused_nests_and_restores_the_collector():
             assert not gc.isenabled()
         assert not gc.isenabled()
     assert gc.isenabled()
+
+
+def _faults_writing(view: memoryview, step: int) -> int:
+    """Minor page faults of this process while one byte of every `step` of `view` is written."""
+    import resource
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for i in range(0, len(view), step):
+        view[i] = 1
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_populate_faults_in_a_fresh_buffers_whole_pages_before_it_is_written():
+    from preload_daemon import buffers
+    page, pages = mmap.PAGESIZE, 256
+    fresh, control = (mmap.mmap(-1, pages * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) for _ in range(2))
+    view = memoryview(fresh)[100:100 + (pages - 1) * page]  # its first and last pages shared with neighbours
+    buffers.populate(view)
+    if not buffers._populates:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    assert _faults_writing(memoryview(control), page) >= pages - 8  # what a write into fresh memory costs
+    assert _faults_writing(view, page) <= 8  # the two end pages, and whatever the interpreter does
+    buffers.populate(memoryview(bytes(4 * page)))  # read-only: nothing, the write (none here) would fault
+    buffers.populate(memoryview(bytearray(10))[2:5])  # within a page: nothing
+    view.release()
+    fresh.close(), control.close()
