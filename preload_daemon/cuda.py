@@ -191,6 +191,9 @@ class CudaSlab:
         self.data.zero_()
         self._handle = b""
 
+    def allocated(self, end: int) -> int:
+        return self.size  # the staging buffer is pinned and zeroed whole at creation
+
     def seal(self, digest: str) -> None:
         """Copies the staged bytes to the device, frees the staging buffer, exports the handle."""
         rt = runtime()

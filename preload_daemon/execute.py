@@ -39,10 +39,11 @@ HASH_SPAN = 1 << 20
 
 @gc_paused()
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
-            threads: int = READ_THREADS) -> None:
+            threads: int = READ_THREADS, ready=None) -> None:
     """Fills `dest` (a flat uint8 tensor of plan.total_bytes). `hasher` (hashlib-style) sees every
     byte of dest exactly once, padding included, in order, as groups complete; `on_tensor(entry)`
-    is called after each slab tensor.
+    is called after each slab tensor; `ready(end)` (Slab.allocated), if given, before anything
+    below `end` is written: it returns how far dest may be written, once that is at least `end`.
 
     The cyclic collector is held off meanwhile, as while the plan was built: each group in flight
     keeps a few objects (its futures, its slices) until it is finished, and with the headers and the
@@ -58,6 +59,7 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     entries, tensors = plan.entries, checkpoint.tensors
     hashed, in_flight, i = 0, 0, 0
+    writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
         try:
@@ -69,6 +71,9 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                 group = entries[i:i + len(reads)] if reads else _group(entries, i)
                 i += len(group)
                 nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
+                next_offset = entries[i].offset if i < len(entries) else plan.total_bytes  # padding up to it
+                if next_offset > writable:
+                    writable = ready(next_offset)
                 span = memory[group[0].offset:group[0].offset + nbytes]
                 if reads and i < len(entries) and entries[i].quantize and nbytes < BATCH_BYTES:
                     # A quantizing load's norms between its projections: read here, as the next
@@ -87,7 +92,7 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
                         jobs = []
                     futures = [pool.submit(_fresh, read[1], checkpoint.read_many, [read]) for read in reads]
                     futures.extend(pool.submit(_fresh, span, job) for job in jobs)
-                pending.append((group, entries[i].offset if i < len(entries) else plan.total_bytes, futures, nbytes))
+                pending.append((group, next_offset, futures, nbytes))
                 in_flight += nbytes
                 while len(pending) > WINDOW or in_flight > WINDOW_BYTES:
                     in_flight -= pending[0][3]

@@ -46,6 +46,8 @@ class Filler:
         try:
             for plan in plans:
                 slabs.append(self._new_slab(version, plan))
+            for slab in slabs:  # a stream writes anywhere in them: wholly backed first
+                slab.allocated(slab.size)
             fill_all(list(zip(plans, slabs)), self._progress(version, bytes_total, tensors_total))
             for slab in slabs:
                 slab.seal(slab.hash())  # written out of plan order: hashed once, whole

@@ -109,7 +109,8 @@ class ModelStore:
                 plans = unique_plans([build_plan(checkpoint, spec.with_layout(layout)) for layout in (spec.layout, *layouts)])
                 return self._fill(model, target, plans, activate, on_progress,
                                   lambda plan, slab, on_tensor, hasher: execute(plan, checkpoint, slab.data,
-                                                                                on_tensor=on_tensor, hasher=hasher),
+                                                                                on_tensor=on_tensor, hasher=hasher,
+                                                                                ready=slab.allocated),
                                   source=lambda: (str(checkpoint.path), tuple(checkpoint.identity),
                                                   json.dumps(checkpoint.config)))
             finally:
