@@ -108,11 +108,17 @@ class PerRow(Scheme):
 
     def quantize(self, w):
         n, k = w.shape
-        amax = w.abs().amax(dim=1) if self.per_row else w.abs().amax()
+        # The largest magnitude from the least and greatest value (no |w| made), and the rounding
+        # and clamping in place: a quantizing load spends its time here. (aminmax along rows is not
+        # vectorized: 1.1-1.3 ms for 1536x576 against 0.04 for amax, 2-core Zen 4.)
+        least, greatest = (w.amin(dim=1), w.amax(dim=1)) if self.per_row else torch.aminmax(w)
+        amax = torch.maximum(-least, greatest)
         scale = torch.where(amax > 0, amax / self.limit, torch.ones_like(amax))
         scaled = w / (scale[:, None] if self.per_row else scale)
-        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8) if self.integer \
-            else scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        if self.integer:
+            q = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        else:
+            q = scaled.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
         return QuantizedWeight(self.name, q, scale, None, (n, k))
 
     def dequantize(self, q, start, stop):
@@ -172,17 +178,19 @@ class Microscaled(Scheme):
         kp = _ceil_to(k, self.block_k)
         blocks = F.pad(w, (0, kp - k)).view(n, kp // self.block_k, self.block_k)
         if self.nvidia:
-            amax = w.abs().amax()
+            block_amax = torch.maximum(-blocks.amin(dim=-1), blocks.amax(dim=-1))
+            amax = block_amax.amax()
             global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.tensor(1.0, device=w.device)
-            block_scale = (blocks.abs().amax(dim=-1) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
+            block_scale = (block_amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
             total = block_scale.float() * global_scale
             scaled = torch.where(total[..., None] > 0, blocks / total[..., None], torch.zeros_like(blocks))
             return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), block_scale,
                                    global_scale.float().reshape(()), (n, k))
         # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (e4m3: 8, e2m1: 2).
-        _, exponent = torch.frexp(blocks.abs().amax(dim=-1))
+        amax = torch.maximum(-blocks.amin(dim=-1), blocks.amax(dim=-1))
+        _, exponent = torch.frexp(amax)
         emax = 2 if self.fp4 else 8
-        shared = torch.where(blocks.abs().amax(dim=-1) > 0, exponent - 1 - emax, torch.full_like(exponent, -127))
+        shared = torch.where(amax > 0, exponent - 1 - emax, torch.full_like(exponent, -127))
         shared = shared.clamp(-127, 127)
         scaled = blocks * torch.exp2(-shared.float())[..., None]
         scale = (shared + 127).to(torch.uint8).view(E8M0)
@@ -225,8 +233,11 @@ def quantize(w: torch.Tensor, name: str) -> QuantizedWeight:
     found = scheme(name)
     if w.dim() != 2:
         raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
-    bad = int((~torch.isfinite(w)).sum())
-    if bad:
+    # One pass that keeps nothing: the least and greatest value are finite only if every value is (a
+    # NaN anywhere makes both NaN). Counting non-finite values (isfinite, then a sum) had taken half
+    # of a quantizing load's time: 2.6 ms against 0.06 for a 1536x576 bfloat16 weight (2-core Zen 4).
+    if w.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(w))).all()):
+        bad = int((~torch.isfinite(w)).sum())
         raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
     return found.quantize(w.float())
 

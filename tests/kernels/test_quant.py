@@ -137,6 +137,27 @@ def test_zeros_and_non_finite_weights(scheme):
             quantize(w, scheme)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_non_finite_value_anywhere_is_found(dtype):
+    """quantize finds a NaN or an infinity in one pass (torch.aminmax): at the first and last element,
+    within and past the reductions' vector widths, beside values that dwarf it, alone or several."""
+    torch.manual_seed(0)
+    w = torch.randn(67, 131, dtype=dtype)
+    cells = [(0, 0), (66, 130), (0, 15), (1, 0), (33, 64), (66, 0), (12, 127)]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for row, column in cells:
+            x = w.clone()
+            x[0, 1], x[66, 129] = 3e4, -3e4  # a NaN is no smaller nor greater than them
+            x[row, column] = bad
+            with pytest.raises(ValueError, match="weight has 1 non-finite value"):
+                quantize(x, "int8")
+    x = w.clone()
+    x[3, 3], x[40, 100] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match="weight has 2 non-finite value"):
+        quantize(x, "int8")
+    assert quantize(w, "int8").weight.shape == (67, 131)
+
+
 @pytest.fixture(params=native.VARIANTS)
 def variant(request):
     """Runs a test on every kernel variant this machine can run (the native ones and pure torch)."""
