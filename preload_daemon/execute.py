@@ -3,9 +3,9 @@ the plan's tensors in order, reading each checkpoint tensor once and quantizing 
 
 Reads run on a few threads, each a large pread straight from the file into the tensor's place in
 the destination (its pages faulted in first in one system call: _fresh; a tensor larger than
-READ_CHUNK is split across threads), so the disk has several
-requests in flight and page-cache copies use every core; small tensors in a row are one job of about
-BATCH_BYTES, one preadv where they lie back to back in the file (Checkpoint.read_many).
+READ_CHUNK is split across threads), so the disk has several requests in flight and page-cache
+copies use every core; small tensors in a row are one job of about BATCH_BYTES, one preadv where
+they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
 row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
 thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak

@@ -129,7 +129,7 @@ class HostSlab:
             mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             slab = cls(path, size, mapping)
             slab._allocation = _Allocation(fd, size, directory)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
             path.unlink(missing_ok=True)
             raise InvalidRequestError(f"cannot allocate a {size}-byte slab in {directory}: {e}; "
                                       "free space in /dev/shm or evict a model") from e
