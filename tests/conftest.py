@@ -18,6 +18,8 @@ from preload_daemon.client import DaemonClient
 from preload_daemon.config import DaemonConfig
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError
+from preload_daemon.leases import process_start_time
+from preload_daemon.sessions import Session
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -49,6 +51,11 @@ def copy_checkpoint(source: pathlib.Path, target: pathlib.Path) -> dict:
     tensors = load_file(str(source / "model.safetensors"))
     save_file(tensors, str(target / "model.safetensors"))
     return tensors
+
+
+def me() -> Session:
+    """This process as a ModelStore session (in-process store tests attach with it)."""
+    return Session("t" * 32, os.getpid(), os.getuid(), process_start_time(os.getpid()))
 
 
 @pytest.fixture(scope="session")

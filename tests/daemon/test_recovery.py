@@ -7,15 +7,9 @@ import os
 import pytest
 
 from preload_daemon.errors import LoadingError
-from preload_daemon.leases import process_start_time
 from preload_daemon.plan import LoadSpec
-from preload_daemon.sessions import Session
 from preload_daemon.store import ModelStore
-from tests.conftest import copy_checkpoint
-
-
-def me() -> Session:
-    return Session("t" * 32, os.getpid(), os.getuid(), process_start_time(os.getpid()))
+from tests.conftest import copy_checkpoint, me
 
 
 def snapshot(store: ModelStore) -> list:

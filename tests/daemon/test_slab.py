@@ -13,16 +13,11 @@ from preload_daemon import slab as slabs
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.execute import execute
-from preload_daemon.leases import process_start_time
 from preload_daemon.plan import LoadSpec, build_plan
-from preload_daemon.sessions import Session
 from preload_daemon.store import ModelStore
+from tests.conftest import me
 
 CHUNK = 64 << 10  # a small ALLOCATE_CHUNK, so that the tiny model's slab takes several
-
-
-def me() -> Session:
-    return Session("t" * 32, os.getpid(), os.getuid(), process_start_time(os.getpid()))
 
 
 def test_execute_writes_nothing_past_what_ready_allowed(tiny_llama):
