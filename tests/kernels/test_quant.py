@@ -158,6 +158,57 @@ def test_a_non_finite_value_anywhere_is_found(dtype):
     assert quantize(w, "int8").weight.shape == (67, 131)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(scheme):
+    """quantize takes a weight of more than `chunk` elements in passes of whole rows (here 14 rows,
+    128 for fp8_block's blocks), into parts made once: the scalar reference's bits, and the whole
+    weight's in one pass. The scales that span the weight (per tensor, NVFP4's global) are the whole
+    weight's: its largest magnitude lies in the last pass."""
+    w = torch.randn(300, 70)
+    w[1] = 0
+    w[2, :40] *= 1e-30
+    w[150:170] *= 1e-3
+    w[-1, 3] = -50.0
+    in_passes = quantize(w, scheme, chunk=1000)
+    assert stored(in_passes) == quantize_reference(w, scheme)
+    for x in (w, w.to(torch.bfloat16)):
+        whole, parts = quantize(x, scheme, chunk=1 << 40), quantize(x, scheme, chunk=1000)
+        for a, b in ((whole.weight, parts.weight), (whole.scale, parts.scale),
+                     (whole.global_scale, parts.global_scale)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.dtype == b.dtype and a.shape == b.shape
+                assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _peak_rss_reset() -> int:
+    """Resets this process's peak RSS (VmHWM) to its RSS, which it returns (bytes)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError as e:
+        pytest.skip(f"cannot reset the peak RSS here: {e}")
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith(field + ":")).split()[1]) * 1024
+
+
+@pytest.mark.parametrize("scheme", ["int8", "mxfp4", "nvfp4"])
+def test_a_large_weight_is_quantized_through_small_temporaries(scheme):
+    """An 8192x4096 bfloat16 weight (128 MiB as float32) quantized in passes: the peak memory beyond
+    the weight is its quantized parts and one pass's temporaries, under three quarters of one
+    float32 copy. In one pass it took 2-6 float32 copies (a float32 copy, the scaled copy, ...)."""
+    w = torch.randn(8192, 4096).to(torch.bfloat16)
+    before = _peak_rss_reset()
+    q = quantize(w, scheme)
+    assert q.weight.shape[0] == 8192
+    excess = _status_bytes("VmHWM") - before
+    assert excess < 0.75 * 4 * w.numel(), excess
+
+
 @pytest.fixture(params=native.VARIANTS)
 def variant(request):
     """Runs a test on every kernel variant this machine can run (the native ones and pure torch)."""
