@@ -9,17 +9,20 @@ they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
 row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
 thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak
-extra memory stays one tensor's temporaries, never a second copy of the model (temporaries freed
-on one thread are reused there: on many threads, malloc's per-thread arenas would each keep some)."""
+extra memory stays one tensor and its temporaries (for quantization, those of a pass of a few rows:
+kernels.quant), never a second copy of the model (temporaries freed on one thread are reused there:
+on many threads, malloc's per-thread arenas would each keep some; a quantizing load keeps them in
+the heap between weights, buffers.heap_kept)."""
 
 import collections
 import concurrent.futures
+import contextlib
 import os
 
 import torch
 
 from kernels import quant
-from preload_daemon.buffers import gc_paused, populate
+from preload_daemon.buffers import gc_paused, heap_kept, populate
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
@@ -37,7 +40,6 @@ WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 HASH_SPAN = 1 << 20
 
 
-@gc_paused()
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
             threads: int = READ_THREADS, ready=None) -> None:
     """Fills `dest` (a flat uint8 tensor of plan.total_bytes). `hasher` (hashlib-style) sees every
@@ -49,9 +51,23 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
     keeps a few objects (its futures, its slices) until it is finished, and with the headers and the
     plan alive every pass they set off walks them all and frees nothing (20,000 tensors from the
     page cache: 181-261 against 151-182 ms). What a load makes is freed by reference counting; the
-    collector runs again when it ends."""
+    collector runs again when it ends. A quantizing load keeps its temporaries' memory (quantizing)."""
     if dest.dtype != torch.uint8 or dest.numel() != plan.total_bytes:
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
+    with gc_paused(), quantizing([plan]):
+        _execute(plan, checkpoint, dest, on_tensor, hasher, threads, ready)
+
+
+def quantizing(plans) -> contextlib.AbstractContextManager:
+    """buffers.heap_kept() where any of `plans` quantizes (each of its weights' temporaries, freed
+    before the next, then stays in the heap), else nothing."""
+    if any(plan.spec.quantization != "none" and any(entry.quantize for entry in plan.entries) for plan in plans):
+        return heap_kept()
+    return contextlib.nullcontext()
+
+
+def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor, hasher, threads: int,
+             ready) -> None:
     if checkpoint.read_ahead is not None:
         checkpoint.read_ahead.stop()  # from here the reads go ahead themselves
     checkpoint.open_files()  # before the threads share its descriptors

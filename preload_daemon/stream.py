@@ -12,7 +12,7 @@ import torch
 
 from preload_daemon.buffers import DTYPES, bytes_tensor
 from preload_daemon.errors import InvalidRequestError
-from preload_daemon.execute import TensorReader, groups, write_group
+from preload_daemon.execute import TensorReader, groups, quantizing, write_group
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import LoadPlan
 from preload_daemon.safetensors_file import TensorInfo
@@ -78,6 +78,11 @@ def fill(table: StreamedCheckpoint, targets: list[tuple[LoadPlan, torch.Tensor]]
     """Consumes `chunks` (TensorData messages) and writes every plan's entries into its destination
     (a zero-filled slab: padding needs no writing). Raises InvalidRequestError on a chunk out of
     order, a tensor that overflows or a stream that ends early."""
+    with quantizing([plan for plan, _ in targets]):
+        _fill(table, targets, chunks, on_tensor)
+
+
+def _fill(table: StreamedCheckpoint, targets: list[tuple[LoadPlan, torch.Tensor]], chunks, on_tensor) -> None:
     by_source: dict[str, list[_Target]] = {}
     for plan, dest in targets:
         for group in groups(plan):
