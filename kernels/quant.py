@@ -55,6 +55,10 @@ class Scheme:
     """torch._weight_int8pack_mm multiplies it on CPU (weight-only int8)."""
     cuda_fp8_mm = False
     """torch._scaled_mm multiplies it on CUDA GPUs of SM 8.9 and newer (W8A8 with dynamic activations)."""
+    weight_scale = False
+    """A scale of the whole weight's largest magnitude (FP8 per tensor, NVFP4's global scale)."""
+    row_scale = False
+    """One scale per row, of all its K (INT8, FP8 per channel)."""
 
     def __init__(self, name: str):
         self.format: Format = format_of(name)
@@ -99,6 +103,7 @@ class PerRow(Scheme):
     def __init__(self, name: str, per_row: bool, integer: bool):
         super().__init__(name)
         self.per_row, self.integer = per_row, integer
+        self.row_scale, self.weight_scale = per_row, not per_row
         self.element = torch.int8 if integer else E4M3
         self.limit = INT8_MAX if integer else E4M3_MAX
         self.native = (PER_ROW if per_row else PER_TENSOR, 0, INT8_ELEMENTS if integer else E4M3_ELEMENTS)
@@ -163,6 +168,7 @@ class Microscaled(Scheme):
     def __init__(self, name: str, fp4: bool, nvidia: bool):
         super().__init__(name)
         self.fp4, self.nvidia = fp4, nvidia
+        self.weight_scale = nvidia
         self.block_k = self.format.block[1]
         element = E2M1_ELEMENTS if fp4 else E4M3_ELEMENTS
         self.native = (E4M3_PER_BLOCK if nvidia else E8M0_PER_BLOCK, self.block_k, element)
@@ -235,24 +241,45 @@ def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK) -> Quantiz
     `chunk` elements is quantized a few whole rows (of the scheme's blocks) at a time, each through
     float32 temporaries of about `chunk` elements, into parts made once: the same bits."""
     found = scheme(name)
+    return _quantize(w, found, _largest_magnitude(w), chunk)
+
+
+def quantize_part(w: torch.Tensor, name: str, dim: int, start: int, length: int,
+                  chunk: int = QUANTIZE_CHUNK) -> QuantizedWeight:
+    """narrow(quantize(w, name), dim, start, length), the same bits, for a TP rank's shard: only the
+    slice is quantized, with the whole weight's largest magnitude for the scales that span it,
+    except a slice along K of a scheme with one scale per row (whose scales are whole rows')."""
+    found = scheme(name)
+    amax = _largest_magnitude(w)  # the whole weight's non-finite values refused, as quantize refuses them
+    if dim == 1 and found.row_scale:
+        return narrow(_quantize(w, found, amax, chunk), dim, start, length)
+    _check_slice(found, tuple(w.shape), dim, start, length)
+    return _quantize(w.narrow(dim, start, length), found, amax, chunk)
+
+
+def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
+    """The largest |value| of a 2-D weight (float32, 0-dim); ValueError if any value is not finite."""
     if w.dim() != 2:
         raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
-    amax = torch.zeros((), device=w.device)
-    if w.numel():
-        # One pass that keeps nothing: the least and greatest value are finite only if every value
-        # is (a NaN anywhere makes both NaN), and they give the largest magnitude. Counting
-        # non-finite values (isfinite, then a sum) had taken half of a quantizing load's time: 2.6
-        # ms against 0.06 for a 1536x576 bfloat16 weight (2-core Zen 4).
-        least, greatest = torch.aminmax(w)
-        if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
-            bad = int((~torch.isfinite(w)).sum())
-            raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
-        amax = torch.maximum(-least, greatest).float()
+    if not w.numel():
+        return torch.zeros((), device=w.device)
+    # One pass that keeps nothing: the least and greatest value are finite only if every value is (a
+    # NaN anywhere makes both NaN), and they give the largest magnitude. Counting non-finite values
+    # (isfinite, then a sum) had taken half of a quantizing load's time: 2.6 ms against 0.06 for a
+    # 1536x576 bfloat16 weight (2-core Zen 4).
+    least, greatest = torch.aminmax(w)
+    if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+    return torch.maximum(-least, greatest).float()
+
+
+def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int) -> QuantizedWeight:
     n, k = w.shape
     block = found.format.block[0]
     step = max(block, chunk // max(k, 1) // block * block)
     if step >= n or w.device.type != "cpu":
-        return found.quantize(w.float(), amax)
+        return found.quantize(w.float().contiguous(), amax)
     # Each pass's temporaries stay in the caches, and in memory the allocator already has. A whole
     # 11008x4096 bfloat16 weight (a 7B model's MLP projection; 180 MB as float32) made temporaries
     # of 0.4-0.9 GB and took 2-4x as long (2-core Zen 4, medians: int8 152 -> 39-86 ms, fp8_block
@@ -261,12 +288,13 @@ def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK) -> Quantiz
     parts = {part: torch.empty(shape, dtype=dtype) for part, (dtype, shape) in found.layout(n, k).items()}
     for start in range(0, n, step):
         length = min(step, n - start)
-        q = found.quantize(w[start:start + length].float(), amax)
+        q = found.quantize(w[start:start + length].float().contiguous(), amax)
         parts["weight"][start:start + length].copy_(q.weight)
         found.narrow_scale(parts["weight_scale"], 0, start, length).copy_(q.scale)
         if q.global_scale is not None:
             parts["weight_global_scale"].copy_(q.global_scale)
-    return QuantizedWeight(name, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"), (n, k))
+    return QuantizedWeight(found.name, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"),
+                           (n, k))
 
 
 def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:
@@ -274,20 +302,24 @@ def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWe
     parts a quantization of that slice alone would have if it used the whole weight's scales: the
     slice must fall on the scheme's block boundaries (128 for fp8_block, 32 for MX, 16 for NVFP4)."""
     n, k = q.shape
-    if dim not in (0, 1) or not (0 <= start and length > 0 and start + length <= q.shape[dim]):
-        raise ValueError(f"bad slice [{start}, {start + length}) of dim {dim} of a {list(q.shape)} weight")
     found = scheme(q.scheme)
+    _check_slice(found, q.shape, dim, start, length)
     if start == 0 and length == q.shape[dim]:
         return q
-    block = found.format.block[dim]
-    if start % block or length % block:
-        raise ValueError(f"slice [{start}, {start + length}) of dim {dim} does not fall on {q.scheme}'s "
-                         f"{block}-element blocks")
     packed = found.format.elements_per_byte
     weight = q.weight[start:start + length] if dim == 0 else q.weight[:, start // packed:(start + length) // packed]
     scale = found.narrow_scale(q.scale, dim, start, length)
     shape = (length, k) if dim == 0 else (n, length)
     return QuantizedWeight(q.scheme, weight.contiguous(), scale.contiguous(), q.global_scale, shape)
+
+
+def _check_slice(found: Scheme, shape: tuple[int, int], dim: int, start: int, length: int) -> None:
+    if dim not in (0, 1) or not (0 <= start and length > 0 and start + length <= shape[dim]):
+        raise ValueError(f"bad slice [{start}, {start + length}) of dim {dim} of a {list(shape)} weight")
+    block = found.format.block[dim]
+    if (start % block or length % block) and not (start == 0 and length == shape[dim]):
+        raise ValueError(f"slice [{start}, {start + length}) of dim {dim} does not fall on {found.name}'s "
+                         f"{block}-element blocks")
 
 
 def dequantize(q: QuantizedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:

@@ -245,13 +245,20 @@ class TensorReader:
 
 
 def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
-    first = group[0]
+    first, shard = group[0], group[0].shard
     try:
-        # The whole weight, then this rank's slice: scales that span the slice (per tensor, per row
-        # of a row-parallel shard) are the whole weight's, so TP ranks hold exactly TP=1's parts.
-        q = quant.quantize(reader.read(first.source, None), first.quant_scheme)
-        if first.shard is not None:
-            q = quant.narrow(q, first.shard.dim, first.shard.start, first.shard.length)
+        # A TP rank holds exactly TP=1's parts of its shard, and quantizes only its shard. Where the
+        # shard's scales lie within it (a row's, a block's) it is all the rank reads; scales that
+        # span it (per tensor, NVFP4's global, a whole row's of a shard along K) need the whole
+        # weight read.
+        found = quant.scheme(first.quant_scheme)
+        if shard is None:
+            q = quant.quantize(reader.read(first.source, None), first.quant_scheme)
+        elif not found.weight_scale and not (shard.dim == 1 and found.row_scale):
+            q = quant.quantize(reader.read(first.source, shard), first.quant_scheme)
+        else:
+            q = quant.quantize_part(reader.read(first.source, None), first.quant_scheme, shard.dim, shard.start,
+                                    shard.length)
     except ValueError as e:
         raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
     parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}
@@ -287,8 +294,18 @@ class _Reader:
                                          entry.shard.length * size, info.nbytes // info.shape[0])
 
     def read(self, name: str, shard) -> torch.Tensor:
-        """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read."""
+        """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read.
+        Only the shard's bytes are read: its rows, or a column shard's piece of each row."""
         info = self.checkpoint.tensors[name]
+        if shard is not None and shard.dim == 1 and len(info.shape) == 2:
+            rows, size = info.shape[0], info.dtype.itemsize
+            length = rows * shard.length * size
+            if self.scratch.numel() < length:
+                self.scratch = torch.empty(length, dtype=torch.uint8)
+            if length:
+                self.checkpoint.read_strided(name, memoryview(self.scratch[:length].numpy()), shard.start * size,
+                                             shard.length * size, info.nbytes // rows)
+            return self.scratch[:length].view(info.dtype).view(rows, shard.length)
         rows, skip, length = _row_range(info, shard)
         if self.scratch.numel() < length:
             self.scratch = torch.empty(length, dtype=torch.uint8)

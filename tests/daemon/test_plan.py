@@ -51,6 +51,17 @@ def test_padding_is_zeroed_so_cold_bytes_are_deterministic(tiny_llama):
     assert torch.equal(a, b)
 
 
+def test_tp_shards_converted_to_another_dtype_reassemble_the_converted_tensors(tiny_llama):
+    """Shards converted on the way (float32 stored, bfloat16 asked): a row shard's pieces are read
+    row by row into the scratch buffer, then converted."""
+    ref = load_file(str(tiny_llama / "model.safetensors"))
+    shards = [materialise(tiny_llama, tp_size=2, tp_rank=r, dtype="bfloat16")[1] for r in range(2)]
+    for name, dim in (("model.layers.0.self_attn.o_proj.weight", 1), ("model.layers.1.mlp.down_proj.weight", 1),
+                      ("model.layers.0.self_attn.q_proj.weight", 0), ("model.layers.1.mlp.up_proj.weight", 0)):
+        assert shards[0][name].dtype == torch.bfloat16
+        assert torch.equal(torch.cat([s[name] for s in shards], dim=dim), ref[name].to(torch.bfloat16)), name
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_shards_reassemble_the_full_tensors(tiny_llama, tp):
     """Column shards concatenate along rows, row shards along columns; with 2 kv heads and TP 4,

@@ -7,13 +7,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels.quant import SCHEMES, quantize
+from kernels.quant import SCHEMES, QuantizedWeight, narrow, quantize, scheme as scheme_of
 from preload_cli.models import synthetic_checkpoint, tiny_model
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
 from preload_daemon.plan import LoadSpec, build_plan
 from tests.conftest import run_python
-from worker.loader import LoadRequest, load_ipc_cache, load_safetensors
+from worker.loader import LoadRequest, load_ipc_cache, load_safetensors, read_cold
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +59,62 @@ def test_warm_slab_equals_cold_bytes(daemon, wide_model, scheme):
             for a, b in ((w.weight, tensor.weight), (w.scale, tensor.scale), (w.global_scale, tensor.global_scale)):
                 if a is not None:
                     assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    """Every scheme fits TP=2: each shard of every projection is whole 128x128 blocks."""
+    return tiny_model("llama", tmp_path_factory.mktemp("tp") / "tp", dtype=torch.bfloat16, hidden_size=512,
+                      intermediate_size=1024, vocab_size=64, num_attention_heads=8, num_key_value_heads=4)
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar")).split()[1])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_tp_rank_quantizes_its_shard_into_tp1s_parts_and_reads_only_what_its_scales_need(tp_model, scheme):
+    """Each rank of TP=2 holds TP=1's quantized parts narrowed to its shard, bit for bit, and reads
+    only its shard where the shard's scales lie within it: with block scales (fp8_block, MX) about
+    half the checkpoint; with one scale per row (int8, FP8 per channel) its rows of the
+    column-parallel weights (q, k, v, gate, up), but the row-parallel ones (o, down) whole; with a
+    scale of the whole weight (FP8 per tensor, NVFP4's global scale) every weight whole."""
+    checkpoint = Checkpoint(tp_model)
+    _, whole, _ = read_cold(LoadSpec(path=str(tp_model), quantization=scheme))
+    full = build_plan(checkpoint, LoadSpec(path=str(tp_model), quantization=scheme))
+    tp1: dict = {}
+    for e in full.entries:
+        if e.quantize:
+            tp1.setdefault(e.source, {})[e.part] = whole[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+    column_parallel = sum(info.nbytes for name, info in checkpoint.tensors.items()
+                          if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                                            "up_proj.weight")))
+    for rank in range(2):
+        before = _bytes_read()
+        plan, slab, _ = read_cold(LoadSpec(path=str(tp_model), quantization=scheme, tp_size=2, tp_rank=rank))
+        read = _bytes_read() - before
+        shards = {e.source: e.shard for e in plan.entries if e.quantize}
+        assert len(shards) == 14  # 7 projections in each of 2 layers
+        for source, shard in shards.items():
+            parts = tp1[source]
+            q = QuantizedWeight(scheme, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"),
+                                tuple(checkpoint.tensors[source].shape))
+            expected = narrow(q, shard.dim, shard.start, shard.length)
+            expected = {"weight": expected.weight, "weight_scale": expected.scale,
+                        "weight_global_scale": expected.global_scale}
+            for e in plan.entries:
+                if e.source == source:
+                    got = slab[e.offset:e.offset + e.nbytes]
+                    assert torch.equal(got, expected[e.part].reshape(-1).view(torch.uint8)), (rank, source, e.part)
+        found = scheme_of(scheme)
+        if found.weight_scale:
+            assert read >= 0.95 * checkpoint.nbytes, (read, checkpoint.nbytes)
+        elif found.row_scale:
+            assert checkpoint.nbytes - 0.6 * column_parallel < read < checkpoint.nbytes - 0.4 * column_parallel, \
+                (read, checkpoint.nbytes, column_parallel)
+        else:
+            assert read < 0.6 * checkpoint.nbytes, (read, checkpoint.nbytes)
 
 
 def make_prequantized(source, target):

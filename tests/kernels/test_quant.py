@@ -9,7 +9,7 @@ from kernels import formats, native, quant
 from kernels.dense import Dense
 from kernels.fp4 import E2M1_VALUES, decode_packed, e2m1_decode, e2m1_encode, pack, unpack
 from kernels.linear import LARGE_M, quantized_linear, reference_linear
-from kernels.quant import SCHEMES, dequantize, layout, narrow, quantize
+from kernels.quant import SCHEMES, dequantize, layout, narrow, quantize, quantize_part
 from kernels.quant_reference import quantize_reference, stored
 
 
@@ -179,6 +179,40 @@ def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(sc
             if a is not None:
                 assert a.dtype == b.dtype and a.shape == b.shape
                 assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_part_quantized_alone_is_that_part_of_the_whole_weight(scheme):
+    """quantize_part (a TP rank's shard) gives narrow(quantize(w)) bit for bit, in one pass or a few
+    rows at a time, for rows and for columns on the scheme's blocks, the whole weight's largest
+    magnitude in another part (per tensor and NVFP4's global scales span the weight). Slices off the
+    blocks, and non-finite values anywhere in the weight, are refused as narrow and quantize refuse
+    them."""
+    w = torch.randn(512, 512).to(torch.bfloat16)
+    w[450, 7] = 40.0  # the largest magnitude: in the last rows, the first columns
+    w[10:20] *= 1e-3
+    block = formats.format_of(scheme).block
+    for dim in (0, 1):
+        for start, length in ((0, 128), (128, 256), (384, 128)):
+            whole = narrow(quantize(w, scheme), dim, start, length)
+            for chunk in (1 << 40, 2000):
+                part = quantize_part(w, scheme, dim, start, length, chunk=chunk)
+                assert part.shape == whole.shape
+                for a, b in ((whole.weight, part.weight), (whole.scale, part.scale),
+                             (whole.global_scale, part.global_scale)):
+                    assert (a is None) == (b is None)
+                    if a is not None:
+                        assert a.dtype == b.dtype and a.shape == b.shape, (dim, start)
+                        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), \
+                            (dim, start, chunk)
+        if block[dim] > 1:
+            with pytest.raises(ValueError, match="does not fall on"):
+                quantize_part(w, scheme, dim, block[dim] // 2, block[dim])
+    with pytest.raises(ValueError, match="bad slice"):
+        quantize_part(w, scheme, 0, 400, 128)
+    w[0, 0] = float("nan")  # outside the part
+    with pytest.raises(ValueError, match="1 non-finite value"):
+        quantize_part(w, scheme, 0, 256, 128)
 
 
 def _peak_rss_reset() -> int:
