@@ -17,7 +17,7 @@ def cmd_daemon(args) -> int:
     from preload_daemon import daemon
     return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir, http_port=args.http_port,
                                    max_sessions=args.max_sessions, allow_external_links=args.allow_external_links,
-                                   load_timeout_s=args.load_timeout))
+                                   load_timeout_s=args.load_timeout, threads=args.threads))
 
 
 def cmd_serve(args) -> int:

@@ -81,6 +81,9 @@ def _daemon(sub) -> list:
                    help="attached processes beyond which new sessions are refused (default 1024)")
     p.add_argument("--load-timeout", type=argtypes.seconds, default=3600.0, metavar="S",
                    help="a load or publish still running after S seconds fails and frees what it made (default 3600)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="compute threads for conversions and quantization (default 0: every core; preload serve "
+                        "gives each of its daemons its share)")
     add_external_links(p)
     p.set_defaults(func=dc.cmd_daemon)
     return [p]

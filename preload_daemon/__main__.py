@@ -22,6 +22,8 @@ def main(argv=None) -> int:
                         help="also serve HTTP /health, /ready and /metrics on this port")
     parser.add_argument("--max-sessions", type=int, default=1024, help="attached processes at most (default 1024)")
     parser.add_argument("--load-timeout", type=float, default=3600.0, help="seconds a load may take (default 3600)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="compute threads for conversions and quantization (default 0: every core)")
     parser.add_argument("--allow-external-links", action="store_true",
                         help="load checkpoint files that link outside their directory (Hugging Face cache snapshots)")
     args = parser.parse_args(argv)
@@ -30,7 +32,7 @@ def main(argv=None) -> int:
         return daemon.run(DaemonConfig(device=args.device, runtime_dir=args.runtime_dir or default_runtime_dir(),
                                        http_port=args.http_port, max_sessions=args.max_sessions,
                                        load_timeout_s=args.load_timeout,
-                                       allow_external_links=args.allow_external_links)) or 0
+                                       allow_external_links=args.allow_external_links, threads=args.threads)) or 0
     except PreloadError as e:
         print(f"preload daemon: {e}", file=sys.stderr)
         return 1

@@ -372,20 +372,26 @@ class DaemonConfig:
     """Concurrent RPCs beyond which new ones are refused with RESOURCE_EXHAUSTED."""
     publish_stall_s: float = 60.0
     """A publishing client that sends no tensor data for this long is dropped (its slabs freed)."""
+    threads: int = 0
+    """torch's compute threads for conversions and quantization; 0 leaves torch's default (every core).
+    Daemons of one host loading at once share its cores: `preload serve` gives each its share."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", parse_device(self.device))
         object.__setattr__(self, "runtime_dir", pathlib.Path(self.runtime_dir))
-        # Before the slab directory is made: a runtime dir too long for the daemon's own sockets had
-        # left an empty /dev/shm/preload-* behind each refused start.
-        check_socket_room(self.runtime_dir, DAEMON_SOCKET_TAIL)
-        if self.shm_dir is None:
-            object.__setattr__(self, "shm_dir", shm_dir_for(self.runtime_dir))
+        # Everything checked before the slab directory is made: a runtime dir too long for the
+        # daemon's own sockets, or a bad flag, had left an empty /dev/shm/preload-* behind each
+        # refused start.
         if self.reap_interval_s <= 0:
             raise InvalidRequestError(f"reap_interval_s must be positive, got {self.reap_interval_s}")
+        if self.threads < 0:
+            raise InvalidRequestError(f"--threads must be >= 0 (0: every core), got {self.threads}")
         if not self.load_timeout_s > 0 or self.max_sessions < 1 or self.max_rpcs < 1:
             raise InvalidRequestError(f"--load-timeout must be positive and --max-sessions at least 1; got "
                                       f"{self.load_timeout_s:g} and {self.max_sessions}")
+        check_socket_room(self.runtime_dir, DAEMON_SOCKET_TAIL)
+        if self.shm_dir is None:
+            object.__setattr__(self, "shm_dir", shm_dir_for(self.runtime_dir))
 
     @property
     def socket_path(self) -> pathlib.Path:

@@ -33,6 +33,9 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
         where = f": {e.filename}" if e.filename else ""
         raise InvalidRequestError(f"cannot start the daemon for {config.device}: {e.strerror or e}{where}; remove "
                                   f"what is in the way, or set PRELOAD_RUNTIME_DIR to a directory of your own") from None
+    if config.threads:
+        import torch  # the server has imported it already
+        torch.set_num_threads(config.threads)
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -42,8 +45,8 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
     if probes:
         _serve_http(probes, server)
     http_port = probes.server_address[1] if probes else None
-    log.info("daemon for %s serving on %s (pid %d%s)", config.device, config.socket_path, os.getpid(),
-             f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
+    log.info("daemon for %s serving on %s (pid %d, %s%s)", config.device, config.socket_path, os.getpid(),
+             _compute_threads(), f", HTTP probes on 127.0.0.1:{http_port}" if probes else "")
     on_started(server, http_port)
     # With a timeout: a signal the kernel hands to another thread (the main one just continued from
     # SIGSTOP, say) runs its Python handler only when this thread next runs Python; a wait without
@@ -55,6 +58,12 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
         probes.shutdown()
     server.stop()
     return 0
+
+
+def _compute_threads() -> str:
+    import torch
+    count = torch.get_num_threads()
+    return f"{count} compute thread{'s' if count != 1 else ''}"
 
 
 def _reap_loop(server: DaemonServer, stop: threading.Event, interval: float) -> None:

@@ -109,6 +109,19 @@ def test_serve_bad_input_is_one_clear_line(runtime_dir, tiny_llama, tmp_path):
         os.kill(pid, signal.SIGTERM)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--threads", "-1"], "--threads must be >= 0 (0: every core), got -1"),
+    (["--load-timeout", "0"], "--load-timeout must be positive"),
+    (["--max-sessions", "0"], "--max-sessions at least 1"),
+])
+def test_daemon_bad_flags_are_one_clear_line_and_leave_no_shared_memory(tmp_path, flags, message):
+    """Refused before anything is made: no /dev/shm/preload-* directory (nor its record)."""
+    runtime_dir = tmp_path / "rt"
+    out = run_cli("daemon", *flags, runtime_dir=runtime_dir)
+    assert out.returncode == 1 and message in out.stderr, out.stderr
+    assert not (runtime_dir / "shm-dir").exists()  # written beside the directory it names
+
+
 def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny_llama):
     """serve --tp-size 2 starts two daemons, loads both ranks and watches them; a killed daemon ends
     serve with exit code 1, and Ctrl-C on a healthy serve stops the daemons it started."""
@@ -128,6 +141,9 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     assert sum("ready: tiny-llama v1" in line for line in lines) == 2
     pids = daemon_pids(runtime_dir)
     assert len(pids) == 2
+    share = max(1, (os.cpu_count() or 1) // 2)  # each daemon its share of the cores, as it reports at start
+    for device in ("cpu-0", "cpu-1"):
+        assert f"{share} compute thread" in (runtime_dir / f"daemon-{device}.log").read_text()
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
     wait_until(lambda: all(map(exited, pids)), 10, what="serve's daemons to exit (serve left them running)")
