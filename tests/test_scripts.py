@@ -53,6 +53,14 @@ def test_bench_restart_and_attach_produce_json(tiny_llama, tmp_path):
         assert small[f"cold_share_{cache}"] > 0 and small[f"cold_share_fresh_{cache}"] > 0
         assert small[f"fresh_{cache}_GBps"] > 0
     assert "kernels" in result["machine"]["machine"] and result["machine"]["memory_bandwidth_bytes_per_s"] > 0
+    # With --quantization every load quantizes, the TP=2 ranks too: each reads its rows of the
+    # column-parallel weights only (int8's row scales need o's and down's whole rows).
+    out = run_preload("bench", "attach", "--sizes-gb", "0.01", "--tensors", "0", "--tp-gb", "0.01", "--quantization",
+                      "int8", "--repeats", "1", "--json", timeout=600, env_extra={"PRELOAD_BENCH_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["quantization"] == "int8" and result["rows"][0]["cold_share_cached"] > 0
+    assert all(0.5 < share < 0.8 for share in result["tp2"]["read_share_per_rank"]), result["tp2"]
 
 
 def test_machine_read_bandwidth_reads_at_most_its_bound(tmp_path, monkeypatch):

@@ -11,9 +11,12 @@ throughput; each TP=2 rank reads about half of the files. Beside the raw read in
 buffer (the targets' reference) stands one into a new mapping of the files' whole size ("fresh"),
 from disk and from the page cache: a load writes into memory no one has touched yet, and what
 faulting that in costs varies widely between machines (on VMs whose host takes freed memory back
-it can exceed the read itself).
+it can exceed the read itself). With --quantization, every load (the daemon's, the cold path's,
+both TP ranks') quantizes its projections with that scheme, and the attaches map the quantized
+slabs; the cold load's GB/s are always of the checkpoint's files, as the raw read's are.
 
-    preload bench attach [--sizes-gb 0.1,1,4] [--tensors 20000] [--tp-gb 1] [--repeats 5] [--json]
+    preload bench attach [--sizes-gb 0.1,1,4] [--tensors 20000] [--tp-gb 1] [--quantization none]
+                         [--repeats 5] [--json]
 """
 
 import argparse
@@ -28,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from preload_daemon.arch import SCHEMES
 from preload_cli.bench import machine
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -47,16 +51,21 @@ def child_attach(socket_path: str, model: str) -> dict:
     return {"seconds": elapsed, "all_views_seconds": every, "num_tensors": views, "first": float(first)}
 
 
-def child_cold(path: str, cache: str, tp_size: str = "1", tp_rank: str = "0", start_on_go: str = "") -> dict:
+def child_cold(path: str, cache: str, quantization: str = "none", tp_size: str = "1", tp_rank: str = "0",
+               start_on_go: str = "") -> dict:
+    import torch
     from preload_daemon.plan import LoadSpec
     from worker.loader import read_cold
     _set_cache(pathlib.Path(path), cache)
+    if int(tp_size) > 1:  # each rank its share of the cores, as an engine's ranks and serve's daemons have
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(tp_size)))
     if start_on_go:  # the ranks of a TP sample start together, once both have imported torch
         print("ready", flush=True)
         sys.stdin.readline()
     read_before = _bytes_read()
     start = time.perf_counter()
-    plan, _, _ = read_cold(LoadSpec(path=path, tp_size=int(tp_size), tp_rank=int(tp_rank)))  # the engine's cold path
+    spec = LoadSpec(path=path, quantization=quantization, tp_size=int(tp_size), tp_rank=int(tp_rank))
+    plan, _, _ = read_cold(spec)  # the engine's cold path
     return {"seconds": time.perf_counter() - start, "bytes": plan.tensor_bytes, "read": _bytes_read() - read_before}
 
 
@@ -123,11 +132,11 @@ class _child:
         return out.strip().splitlines()[-1]
 
 
-def tp2_sample(path: str, cache: str) -> dict:
+def tp2_sample(path: str, cache: str, quantization: str) -> dict:
     """Both ranks of a TP=2 cold load at once, each in its own process: wall time from the common
     start to the last rank done, and the bytes each read."""
     _set_cache(pathlib.Path(path), cache)
-    children = [_child("cold", path, "as-is", "2", str(rank), "go") for rank in range(2)]
+    children = [_child("cold", path, "as-is", quantization, "2", str(rank), "go") for rank in range(2)]
     for child in children:
         if child.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"benchmark child {child.args} failed:\n{child.proc.communicate()[1]}")
@@ -178,9 +187,12 @@ def run(args) -> int:
             if not (path / "config.json").exists():
                 print(f"building {name} in {path} ...", file=sys.stderr)
                 synthetic_checkpoint(path, gb, num_tensors=num_tensors)
-            info = client.load(LoadSpec(path=str(path), name=name))
+            spec = LoadSpec(path=str(path), name=name, quantization=args.quantization)
+            info = client.load(spec)
+            files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             attach = [sample("attach", str(socket_path), info.name) for _ in range(args.repeats)]
-            row = {"name": name, "size_gb": info.slab_bytes / 1e9, "num_tensors": info.num_tensors,
+            row = {"name": name, "size_gb": info.slab_bytes / 1e9, "files_gb": files / 1e9,
+                   "num_tensors": info.num_tensors,
                    "daemon_load_s": info.load_seconds, "attach_ms": [s["seconds"] * 1e3 for s in attach],
                    "all_views_ms": [s["all_views_seconds"] * 1e3 for s in attach]}
             row["attach_ms_median"] = statistics.median(row["attach_ms"])
@@ -189,7 +201,7 @@ def run(args) -> int:
             loads = [info.load_seconds]
             for _ in range(args.repeats - 1):  # the daemon's load again (the files now in the page cache)
                 client.evict(info.name, force=True)
-                loads.append(client.load(LoadSpec(path=str(path), name=name)).load_seconds)
+                loads.append(client.load(spec).load_seconds)
             row["daemon_load_s_median"] = statistics.median(loads)
             client.evict(info.name, force=True)
             for cache in ("disk", "cached"):
@@ -197,13 +209,13 @@ def run(args) -> int:
                 # 2x between minutes) falls on the three alike.
                 cold, raw, fresh = [], [], []
                 for _ in range(args.repeats):
-                    cold.append(sample("cold", str(path), cache))
+                    cold.append(sample("cold", str(path), cache, args.quantization))
                     raw.append(sample("raw", str(path), cache))
                     fresh.append(sample("raw", str(path), cache, "fresh"))
                 row[f"cold_{cache}_s"] = [s["seconds"] for s in cold]
                 row[f"raw_{cache}_s"] = [s["seconds"] for s in raw]
                 row[f"fresh_{cache}_s"] = [s["seconds"] for s in fresh]
-                row[f"cold_{cache}_GBps"] = info.slab_bytes / _median(cold) / 1e9
+                row[f"cold_{cache}_GBps"] = files / _median(cold) / 1e9
                 row[f"raw_{cache}_GBps"] = raw[0]["bytes"] / _median(raw) / 1e9
                 row[f"fresh_{cache}_GBps"] = fresh[0]["bytes"] / _median(fresh) / 1e9
                 row[f"cold_share_{cache}"] = row[f"cold_{cache}_GBps"] / row[f"raw_{cache}_GBps"]
@@ -211,12 +223,13 @@ def run(args) -> int:
             row["cold_over_attach"] = statistics.median(row["cold_disk_s"]) * 1e3 / row["attach_ms_median"]
             rows.append(row)
             if args.tp_gb and gb == args.tp_gb:
-                tp_row = tp2(path, args.repeats, row)
+                tp_row = tp2(path, args.repeats, row, args.quantization)
     finally:
         daemon.terminate()  # a graceful stop: the daemon frees its slabs and removes its /dev/shm directory
         daemon.wait()
         shutil.rmtree(runtime, ignore_errors=True)
-    result = {"machine": machine.measure(), "repeats": args.repeats, "rows": rows, "tp2": tp_row,
+    result = {"machine": machine.measure(), "repeats": args.repeats, "quantization": args.quantization,
+              "rows": rows, "tp2": tp_row,
               "targets": {"attach_ms": f"{ATTACH_FIXED_MS:g} + {ATTACH_PER_TENSOR_MS * 1e3:g} us x tensors",
                           "cold_share": COLD_SHARE}, "digest_GBps": digest_throughput()}
     if args.json:
@@ -226,21 +239,22 @@ def run(args) -> int:
     return 0
 
 
-def tp2(path: pathlib.Path, repeats: int, row: dict) -> dict:
+def tp2(path: pathlib.Path, repeats: int, row: dict, quantization: str) -> dict:
     """The TP=2 row: both ranks loading at once against one raw read of all the files."""
     files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     out = {"name": path.name, "file_bytes": files}
     for cache in ("disk", "cached"):
-        samples = [tp2_sample(str(path), cache) for _ in range(repeats)]
+        samples = [tp2_sample(str(path), cache, quantization) for _ in range(repeats)]
         out[f"{cache}_s"] = [s["seconds"] for s in samples]
-        out[f"{cache}_GBps"] = row["size_gb"] / _median(samples)
+        out[f"{cache}_GBps"] = files / 1e9 / _median(samples)
         out[f"share_{cache}"] = out[f"{cache}_GBps"] / row[f"raw_{cache}_GBps"]
         out["read_share_per_rank"] = [r / files for r in samples[-1]["read"]]
     return out
 
 
 def report(result: dict) -> None:
-    print(f"preload bench attach — median of {result['repeats']}, each sample a new process")
+    quantized = "" if result["quantization"] == "none" else f", every load quantized to {result['quantization']}"
+    print(f"preload bench attach — median of {result['repeats']}, each sample a new process{quantized}")
     print(machine.line(result["machine"]))
     print(f"{'':>61} │ {'from disk (GB/s)':^33} │ {'from the page cache (GB/s)':^33} │")
     print(f"{'checkpoint':>24} {'tensors':>7} {'attach':>9} {'target':>8} {'+views':>9} │ "
@@ -257,7 +271,7 @@ def report(result: dict) -> None:
           "the files into one reused buffer; fresh: the same into new memory of the files' size (what faulting "
           "memory in costs here), and the cold load's share of it")
     print("the daemon's load into a slab, hashed (median; the first from whatever the page cache held): " + ", ".join(
-        f"{r['name']} {r['daemon_load_s_median'] * 1e3:.0f} ms ({r['size_gb'] / r['daemon_load_s_median']:.2f} GB/s)"
+        f"{r['name']} {r['daemon_load_s_median'] * 1e3:.0f} ms ({r['files_gb'] / r['daemon_load_s_median']:.2f} GB/s)"
         for r in result["rows"]))
     tp = result["tp2"]
     if tp:
@@ -271,6 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-gb", default="0.1,1,4", help="checkpoint sizes, comma-separated")
     parser.add_argument("--tensors", type=int, default=20000, help="tensors of the many-tensor row (0: none)")
     parser.add_argument("--tp-gb", type=float, default=1.0, help="size whose TP=2 row to add (0: none)")
+    parser.add_argument("--quantization", default="none", choices=SCHEMES,
+                        help="quantize every load's projections with this scheme")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
 
