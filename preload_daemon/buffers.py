@@ -144,6 +144,8 @@ HEAP_TRIM_THRESHOLD = 64 << 20  # free memory the heap keeps at its top between 
 _heap_lock = threading.Lock()
 _heap_users = 0
 _heap_set = False
+if hasattr(_libc, "malloc_trim"):
+    _libc.malloc_trim.argtypes = (ctypes.c_size_t,)
 
 
 @contextlib.contextmanager

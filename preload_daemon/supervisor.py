@@ -127,9 +127,9 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     started: list[DaemonProcess] = []
     stop, loading = threading.Event(), []
     # The ranks load at once, each converting and quantizing on torch's threads: each daemon gets its
-    # share of the cores, as each rank of a TP engine does (two daemons of all the cores each, loading
-    # TP=2 of a 1 GB model with int8 on a 2-core VM: 1.3-2.5 s against 0.6 s with one thread each,
-    # their threads waiting on each other's cores).
+    # share of the cores, as each rank of a TP engine does (with every core each, two daemons loading
+    # TP=2 of a 1 GB model with int8 on a 2-core VM took 4.7-15.6 s a rank against 0.6 s, their
+    # OpenMP threads spinning on each other's cores).
     threads = max(1, (os.cpu_count() or 1) // len(device_list)) if len(device_list) > 1 else 0
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:  # while loading: end the command (watch() sets `stop` instead)

@@ -31,8 +31,8 @@ import sys
 import tempfile
 import time
 
-from preload_daemon.arch import SCHEMES
 from preload_cli.bench import machine
+from preload_daemon.arch import SCHEMES
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ATTACH_FIXED_MS, ATTACH_PER_TENSOR_MS, COLD_SHARE = 5.0, 0.005, 0.85
