@@ -1,5 +1,5 @@
 """Builds the optional native CPU kernels (kernels/csrc) into kernels/_native/libpreload_kernels.so on
-any x86-64 machine with g++: the torch ops (qgemv.cpp, decode.cpp and layer.cpp, plain x86-64) and
+any x86-64 machine with g++: the torch ops (qgemv.cpp, decode.cpp, layer.cpp and quantize.cpp, plain x86-64) and
 the SIMD kernels (qgemv_kernels.cpp) four times, for AVX2, for AVX-512, for AVX-512 with AVX512-BF16
 (and VNNI and VBMI) and for that with AMX, all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; kernels/native.py picks at
 run time what this CPU can run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
@@ -28,6 +28,7 @@ UNITS = {
     "ops": ("qgemv.cpp", ["-fopenmp"]),  # at::parallel_for is OpenMP, compiled into the caller
     "decode": ("decode.cpp", ["-fopenmp"]),
     "layer": ("layer.cpp", ["-fopenmp"]),
+    "quantize": ("quantize.cpp", ["-fopenmp"]),
     "avx2": ("qgemv_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"]),
     "avx512": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
     "avx512bf16": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl",

@@ -38,6 +38,25 @@ def test_fp4_packing_puts_the_first_element_in_the_low_nibble():
     assert torch.equal(decode_packed(pack(codes)), e2m1_decode(codes))
 
 
+def test_native_e2m1_packing_is_the_torch_encoders_bit_for_bit(variant):
+    """The native op (kernels/csrc/quantize.cpp) that MXFP4 and NVFP4 pack with on the CPU gives
+    pack(e2m1_encode(x)): at every midpoint, a float either side of it, both zeros, subnormals,
+    the grid's values, past 6, the largest float, either sign; in rows and blocks of any length."""
+    if native.e2m1_pack is None:
+        pytest.skip("the pure torch variant packs in torch")
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    edges = torch.cat([midpoints, torch.nextafter(midpoints, torch.zeros(7)), torch.nextafter(midpoints, torch.full((7,), 9.0)),
+                       torch.tensor([0.0, 1e-45, 1e-40, 1e-38, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.5, 1e30, 3.4e38])])
+    values = torch.cat([edges, -edges])
+    for x in (values, values.flip(0).view(5, -1), torch.randn(3, 1030) * 4, torch.randn(257, 1024) * 3,
+              torch.randn(2, 0)):
+        assert torch.equal(native.e2m1_pack(x.contiguous()), pack(e2m1_encode(x))), x.shape
+    with pytest.raises(RuntimeError, match="last dimension is even"):
+        native.e2m1_pack(torch.randn(3, 5))
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        native.e2m1_pack(torch.randn(4, 4).to(torch.bfloat16))
+
+
 def awkward_weight() -> torch.Tensor:
     """K not a multiple of any block; a zero row; tiny and huge magnitudes side by side."""
     w = torch.randn(6, 70) * 3
