@@ -46,7 +46,8 @@ at::Tensor e2m1_pack(const at::Tensor& x) {
       const int64_t bytes = std::min(kBlock, end - first);
       const float* values = in + 2 * first;
       for (int64_t j = 0; j < 2 * bytes; ++j) codes[j] = e2m1_code(values[j]);
-      for (int64_t j = 0; j < bytes; ++j) packed[first + j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+      for (int64_t j = 0; j < bytes; ++j)
+        packed[first + j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
     }
   });
   return out;

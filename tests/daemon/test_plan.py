@@ -52,8 +52,8 @@ def test_padding_is_zeroed_so_cold_bytes_are_deterministic(tiny_llama):
 
 
 def test_tp_shards_converted_to_another_dtype_reassemble_the_converted_tensors(tiny_llama):
-    """Shards converted on the way (float32 stored, bfloat16 asked): a row shard's pieces are read
-    row by row into the scratch buffer, then converted."""
+    """Shards converted on the way (float32 stored, bfloat16 asked): a shard along K (o, down) is
+    read as its piece of each row into the scratch buffer, then converted."""
     ref = load_file(str(tiny_llama / "model.safetensors"))
     shards = [materialise(tiny_llama, tp_size=2, tp_rank=r, dtype="bfloat16")[1] for r in range(2)]
     for name, dim in (("model.layers.0.self_attn.o_proj.weight", 1), ("model.layers.1.mlp.down_proj.weight", 1),

@@ -45,7 +45,8 @@ def test_native_e2m1_packing_is_the_torch_encoders_bit_for_bit(variant):
     if native.e2m1_pack is None:
         pytest.skip("the pure torch variant packs in torch")
     midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    edges = torch.cat([midpoints, torch.nextafter(midpoints, torch.zeros(7)), torch.nextafter(midpoints, torch.full((7,), 9.0)),
+    below, above = torch.nextafter(midpoints, torch.zeros(7)), torch.nextafter(midpoints, torch.full((7,), 9.0))
+    edges = torch.cat([midpoints, below, above,
                        torch.tensor([0.0, 1e-45, 1e-40, 1e-38, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.5, 1e30, 3.4e38])])
     values = torch.cat([edges, -edges])
     for x in (values, values.flip(0).view(5, -1), torch.randn(3, 1030) * 4, torch.randn(257, 1024) * 3,
