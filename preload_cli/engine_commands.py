@@ -19,9 +19,10 @@ import sys
 
 from preload_cli import argtypes
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
-from preload_daemon.config import check_socket_room, ensure_private_dir, parse_device, resolve_devices
+from preload_daemon.config import parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
+from preload_daemon.runtime_dir import check_socket_room, ensure_private_dir
 
 MAX_DP = 64  # replicas of one engine: each is a whole engine process (or N of them)
 EPILOG_ENGINE = """examples:

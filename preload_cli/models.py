@@ -75,9 +75,9 @@ def bench_dir() -> pathlib.Path:
     """Where the benchmarks keep the synthetic checkpoints they build once and reuse: $PRELOAD_BENCH_DIR
     (made 0700 if missing), else the cache directory's bench/; either must be ours and only ours to
     write (a checkpoint a stranger planted at a fixed /tmp path was benchmarked as ours)."""
-    from preload_daemon.config import check_ancestors, check_trusted_dir
     from preload_daemon.default_model import cache_subdir
     from preload_daemon.errors import PreloadError
+    from preload_daemon.runtime_dir import check_ancestors, check_trusted_dir
     if not os.environ.get("PRELOAD_BENCH_DIR"):
         return cache_subdir("bench")
     path, fix = pathlib.Path(os.environ["PRELOAD_BENCH_DIR"]), "set PRELOAD_BENCH_DIR to a directory of your own"

@@ -28,10 +28,11 @@ import torch
 
 from preload_daemon.attached import AttachedModel
 from preload_daemon.buffers import dtype_name
-from preload_daemon.config import check_daemon_socket, default_runtime_dir, parse_device, socket_path
+from preload_daemon.config import default_runtime_dir, parse_device
 from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, InvalidRequestError, PreloadError,
                                    from_details, from_rpc_error)
 from preload_daemon.plan import Layout, LoadSpec
+from preload_daemon.runtime_dir import check_daemon_socket, socket_path
 from preload_daemon.safetensors_file import FileIdentity
 from preload_daemon.session_client import SessionAnswerError, SessionError, open_session, request
 from preload_daemon.sessions import ATTACH, session_path

@@ -9,8 +9,10 @@ import threading
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from preload_daemon.config import DaemonConfig, check_socket_room
+from preload_daemon.config import DaemonConfig
+
 from preload_daemon.errors import InvalidRequestError
+from preload_daemon.runtime_dir import check_socket_room
 from preload_daemon.server import DaemonServer
 
 log = logging.getLogger(__name__)

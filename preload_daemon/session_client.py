@@ -5,8 +5,8 @@ import errno
 import pathlib
 import socket
 
-from preload_daemon.config import check_daemon_socket
 from preload_daemon.errors import InvalidRequestError
+from preload_daemon.runtime_dir import check_daemon_socket
 from preload_daemon.sessions import ERROR, FRAME, MAX_LINE, MAX_REQUEST, MAX_RESPONSE
 
 

@@ -17,8 +17,9 @@ from typing import Protocol
 import torch
 
 from preload_daemon.buffers import bytes_tensor, map_readonly
-from preload_daemon.config import cuda_ordinal, ensure_private_dir
+from preload_daemon.config import cuda_ordinal
 from preload_daemon.errors import DeviceError, InvalidRequestError, NotFoundError
+from preload_daemon.runtime_dir import ensure_private_dir
 from protos import preload_pb2 as pb
 
 DIGEST_ALGORITHM = "xxh3_128"

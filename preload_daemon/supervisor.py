@@ -15,11 +15,12 @@ import time
 
 from preload_daemon.arch import ArchSpec
 from preload_daemon.client import DaemonClient
-from preload_daemon.config import DaemonConfig, ensure_private_dir, resolve_devices
+from preload_daemon.config import DaemonConfig, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
+from preload_daemon.runtime_dir import ensure_private_dir
 from preload_daemon.versions import Target, publish_dir
 
 log = logging.getLogger(__name__)

@@ -14,9 +14,10 @@ import threading
 from collections.abc import Callable
 
 from preload_daemon.client import DaemonClient
-from preload_daemon.config import check_runtime_dir, default_runtime_dir, socket_abandoned
+from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import AccessDeniedError, DaemonUnavailableError, NotFoundError, PreloadError
 from preload_daemon.plan import Layout, LoadSpec
+from preload_daemon.runtime_dir import check_runtime_dir, socket_abandoned
 from protos import preload_pb2 as pb
 
 log = logging.getLogger(__name__)

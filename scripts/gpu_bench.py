@@ -52,7 +52,7 @@ def checkpoint(gb: float) -> pathlib.Path:
 
 
 def attach_rows(gb: float, repeats: int) -> dict:
-    from preload_daemon.config import socket_path
+    from preload_daemon.runtime_dir import socket_path
     from preload_daemon.supervisor import DaemonProcess
     from preload_daemon.versions import Target, publish_dir
     from preload_daemon.plan import Layout

@@ -16,7 +16,7 @@ import select
 import socket
 import struct
 
-from preload_daemon.config import ensure_private_dir
+from preload_daemon.runtime_dir import ensure_private_dir
 
 MAX_MESSAGE = 1 << 20
 MAX_FDS = 3

@@ -9,8 +9,8 @@ import re
 import secrets
 import stat
 
-from preload_daemon.config import check_ancestors, socket_path
 from preload_daemon.errors import InvalidRequestError
+from preload_daemon.runtime_dir import check_ancestors, socket_path
 from worker.criu import SnapshotError, host_facts
 from worker.snapshot_images import IMAGES
 

@@ -101,8 +101,8 @@ def test_a_group_writable_cache_dir_of_the_users_own_group_is_trusted(tmp_path, 
     """umask 002 systems (RHEL, Fedora) give each user a group of their own and directories 0775."""
     import grp
     import pwd
-    from preload_daemon.config import check_trusted_dir
     from preload_daemon.errors import InvalidRequestError
+    from preload_daemon.runtime_dir import check_trusted_dir
     mine = tmp_path / "mine"
     mine.mkdir()
     os.chmod(mine, 0o775)

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 
-from preload_daemon.config import SHM_RECORD, ensure_private_dir, shm_dir_for
 from preload_daemon.errors import InvalidRequestError
+from preload_daemon.runtime_dir import SHM_RECORD, ensure_private_dir, shm_dir_for
 
 NOBODY = 65534
 
@@ -210,7 +210,7 @@ def test_a_client_refuses_a_strangers_runtime_dir_and_its_sockets(tmp_path):
     """Clients (status, evict, attach, engines) trusted any runtime dir: a stranger who made
     /tmp/preload-$UID first, with links to their own daemon's sockets, named the slabs we mapped."""
     from preload_daemon.client import DaemonClient
-    from preload_daemon.config import check_daemon_socket
+    from preload_daemon.runtime_dir import check_daemon_socket
     from preload_daemon.session_client import open_session
     from preload_daemon.versions import daemon_sockets
     ours = tmp_path / "ours"
