@@ -7,10 +7,10 @@ import os
 import signal
 import threading
 
+import torch
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from preload_daemon.config import DaemonConfig
-
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.runtime_dir import check_socket_room
 from preload_daemon.server import DaemonServer
@@ -36,7 +36,6 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
         raise InvalidRequestError(f"cannot start the daemon for {config.device}: {e.strerror or e}{where}; remove "
                                   f"what is in the way, or set PRELOAD_RUNTIME_DIR to a directory of your own") from None
     if config.threads:
-        import torch  # the server has imported it already
         torch.set_num_threads(config.threads)
     server.start()
     stop = threading.Event()
@@ -63,7 +62,6 @@ def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
 
 
 def _compute_threads() -> str:
-    import torch
     count = torch.get_num_threads()
     return f"{count} compute thread{'s' if count != 1 else ''}"
 

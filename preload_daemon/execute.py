@@ -252,9 +252,7 @@ def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> 
         # span it (per tensor, NVFP4's global, a whole row's of a shard along K) need the whole
         # weight read.
         found = quant.scheme(first.quant_scheme)
-        if shard is None:
-            q = quant.quantize(reader.read(first.source, None), first.quant_scheme)
-        elif not found.weight_scale and not (shard.dim == 1 and found.row_scale):
+        if shard is None or not (found.weight_scale or (shard.dim == 1 and found.row_scale)):
             q = quant.quantize(reader.read(first.source, shard), first.quant_scheme)
         else:
             q = quant.quantize_part(reader.read(first.source, None), first.quant_scheme, shard.dim, shard.start,
@@ -287,33 +285,36 @@ class _Reader:
 
     def read_columns(self, entry: PlanEntry, out: torch.Tensor) -> None:
         """A column shard of a 2-D tensor, one read per row from the file to its place in `out`."""
-        info = self.checkpoint.tensors[entry.source]
+        self._read_columns(entry.source, entry.shard, memoryview(out.numpy()))
+
+    def _read_columns(self, name: str, shard, out: memoryview) -> None:
+        info = self.checkpoint.tensors[name]
         size = info.dtype.itemsize
-        if entry.shard.length and info.shape[0]:
-            self.checkpoint.read_strided(entry.source, memoryview(out.numpy()), entry.shard.start * size,
-                                         entry.shard.length * size, info.nbytes // info.shape[0])
+        if shard.length and info.shape[0]:
+            self.checkpoint.read_strided(name, out, shard.start * size, shard.length * size,
+                                         info.nbytes // info.shape[0])
 
     def read(self, name: str, shard) -> torch.Tensor:
         """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read.
         Only the shard's bytes are read: its rows, or a column shard's piece of each row."""
         info = self.checkpoint.tensors[name]
         if shard is not None and shard.dim == 1 and len(info.shape) == 2:
-            rows, size = info.shape[0], info.dtype.itemsize
-            length = rows * shard.length * size
-            if self.scratch.numel() < length:
-                self.scratch = torch.empty(length, dtype=torch.uint8)
-            if length:
-                self.checkpoint.read_strided(name, memoryview(self.scratch[:length].numpy()), shard.start * size,
-                                             shard.length * size, info.nbytes // rows)
-            return self.scratch[:length].view(info.dtype).view(rows, shard.length)
+            scratch = self._scratch(info.shape[0] * shard.length * info.dtype.itemsize)
+            self._read_columns(name, shard, memoryview(scratch.numpy()))
+            return scratch.view(info.dtype).view(info.shape[0], shard.length)
         rows, skip, length = _row_range(info, shard)
-        if self.scratch.numel() < length:
-            self.scratch = torch.empty(length, dtype=torch.uint8)
-        self.checkpoint.read_into(name, self.scratch[:length], skip)
-        src = self.scratch[:length].view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
+        scratch = self._scratch(length)
+        self.checkpoint.read_into(name, scratch, skip)
+        src = scratch.view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
         if shard is not None and rows is None:
             src = src.narrow(shard.dim, shard.start, shard.length)
         return src
+
+    def _scratch(self, length: int) -> torch.Tensor:
+        """The scratch buffer's first `length` bytes, grown to hold them if needed."""
+        if self.scratch.numel() < length:
+            self.scratch = torch.empty(length, dtype=torch.uint8)
+        return self.scratch[:length]
 
 
 def _row_range(info, shard):
