@@ -79,9 +79,14 @@ class Scheme:
         raise NotImplementedError
 
     def quantize(self, w: torch.Tensor, amax: torch.Tensor) -> "QuantizedWeight":
-        """A finite float32 [N, K] weight (or whole rows of one), quantized; `amax` (float32, 0-dim)
-        is the whole weight's largest magnitude, for the scales that span it."""
+        """A finite float32 [N, K] weight (or whole rows of one), quantized in torch; `amax` (float32,
+        0-dim) is the whole weight's largest magnitude, for the scales that span it."""
         raise NotImplementedError
+
+    def tensor_scale(self, amax: torch.Tensor) -> torch.Tensor | None:
+        """The scale of the whole weight (float32, 0-dim) from its largest magnitude: FP8 per tensor's,
+        NVFP4's global scale; None for the other schemes."""
+        return None
 
     def dequantize(self, q: "QuantizedWeight", start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the weight, float32."""
@@ -113,14 +118,19 @@ class PerRow(Scheme):
     def layout(self, n, k):
         return {"weight": (self.element, (n, k)), "weight_scale": (torch.float32, (n,) if self.per_row else ())}
 
+    def tensor_scale(self, amax):
+        return None if self.per_row else _scale_of(amax, self.limit)
+
     def quantize(self, w, amax):
         n, k = w.shape
         # A row's largest magnitude from its least and greatest value (no |w| made), and the rounding
-        # and clamping in place: a quantizing load spends its time here. (aminmax along rows is not
-        # vectorized: 1.1-1.3 ms for 1536x576 against 0.04 for amax, 2-core Zen 4.)
-        if self.per_row:
-            amax = torch.maximum(-w.amin(dim=1), w.amax(dim=1))
-        scale = torch.where(amax > 0, amax / self.limit, torch.ones_like(amax))
+        # and clamping in place. (aminmax along rows is not vectorized: 1.1-1.3 ms for 1536x576
+        # against 0.04 for amax, 2-core Zen 4.)
+        if self.per_row:  # (rows of no elements: a scale of 1, as a row of zeros)
+            rows = torch.maximum(-w.amin(dim=1), w.amax(dim=1)) if k else torch.zeros(n, device=w.device)
+            scale = _scale_of(rows, self.limit)
+        else:
+            scale = self.tensor_scale(amax)
         scaled = w / (scale[:, None] if self.per_row else scale)
         if self.integer:
             q = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -145,8 +155,7 @@ class Fp8Block(Scheme):
         n, k = w.shape
         nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
         blocks = F.pad(w, (0, kb * FP8_BLOCK - k, 0, nb * FP8_BLOCK - n)).view(nb, FP8_BLOCK, kb, FP8_BLOCK)
-        block_amax = blocks.abs().amax(dim=(1, 3))
-        scale = torch.where(block_amax > 0, block_amax / E4M3_MAX, torch.ones_like(block_amax))
+        scale = _scale_of(blocks.abs().amax(dim=(1, 3)), E4M3_MAX)
         q = (blocks / scale[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
         return QuantizedWeight(self.name, q.view(nb * FP8_BLOCK, kb * FP8_BLOCK)[:n, :k].contiguous(), scale, None,
                                (n, k))
@@ -181,18 +190,21 @@ class Microscaled(Scheme):
             parts["weight_global_scale"] = (torch.float32, ())
         return parts
 
+    def tensor_scale(self, amax):
+        return _scale_of(amax, E4M3_MAX * E2M1_MAX) if self.nvidia else None
+
     def quantize(self, w, amax):
         n, k = w.shape
         kp = _ceil_to(k, self.block_k)
         blocks = F.pad(w, (0, kp - k)).view(n, kp // self.block_k, self.block_k)
         if self.nvidia:
             block_amax = blocks.abs().amax(dim=-1)  # (amin and amax over blocks this short: 1.5-2x its time)
-            global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.tensor(1.0, device=w.device)
+            global_scale = self.tensor_scale(amax)
             block_scale = (block_amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
             total = block_scale.float() * global_scale
             scaled = torch.where(total[..., None] > 0, blocks / total[..., None], torch.zeros_like(blocks))
-            return QuantizedWeight(self.name, _e2m1_packed(scaled.view(n, kp)), block_scale,
-                                   global_scale.float().reshape(()), (n, k))
+            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), block_scale, global_scale,
+                                   (n, k))
         # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (e4m3: 8, e2m1: 2).
         block_amax = blocks.abs().amax(dim=-1)
         _, exponent = torch.frexp(block_amax)
@@ -202,7 +214,7 @@ class Microscaled(Scheme):
         scaled = blocks * torch.exp2(-shared.float())[..., None]
         scale = (shared + 127).to(torch.uint8).view(E8M0)
         if self.fp4:
-            return QuantizedWeight(self.name, _e2m1_packed(scaled.view(n, kp)), scale, None, (n, k))
+            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), scale, None, (n, k))
         return QuantizedWeight(self.name, scaled.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(n, kp), scale, None, (n, k))
 
     def dequantize(self, q, start, stop):
@@ -215,14 +227,9 @@ class Microscaled(Scheme):
         return out[:, :q.shape[1]]
 
 
-def _e2m1_packed(x: torch.Tensor) -> torch.Tensor:
-    """pack(e2m1_encode(x)) of float32 x: in one pass by the native op where the library runs (the
-    same bits; the torch path's dozen passes had taken most of a 4-bit quantizing load: 1536x576
-    2.3-2.6 ms against 0.7-0.9, 2-core Zen 4), else in torch."""
-    from kernels import native  # loaded on first use: a daemon that never packs FP4 never loads the library
-    if native.e2m1_pack is not None and x.device.type == "cpu":
-        return native.e2m1_pack(x.contiguous())
-    return pack(e2m1_encode(x))
+def _scale_of(amax: torch.Tensor, limit: float) -> torch.Tensor:
+    """amax / limit, or 1 where amax is 0 (a zero block, row or weight)."""
+    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
 
 
 _SCHEMES = {s.name: s for s in (
@@ -246,25 +253,29 @@ def layout(name: str, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int,
     return scheme(name).layout(n, k)
 
 
-def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK) -> QuantizedWeight:
-    """w ([N, K], any float dtype), quantized with scheme `name`. On the CPU a weight of more than
-    `chunk` elements is quantized a few whole rows (of the scheme's blocks) at a time, each through
-    float32 temporaries of about `chunk` elements, into parts made once: the same bits."""
+def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK,
+             out: dict[str, torch.Tensor] | None = None) -> QuantizedWeight:
+    """w ([N, K], any float dtype), quantized with scheme `name`. `out` ({part: tensor} of the
+    scheme's layout, e.g. a slab's bytes) receives the parts if given, and is then what the result
+    holds. On the CPU the native op (kernels/csrc/quantize.cpp) quantizes it in one pass where the
+    library runs; in torch, a weight of more than `chunk` elements is quantized a few whole rows (of
+    the scheme's blocks) at a time, each through float32 temporaries of about `chunk` elements, into
+    parts made once. Every path gives the same bits."""
     found = scheme(name)
-    return _quantize(w, found, _largest_magnitude(w), chunk)
+    return _quantize(w, found, _largest_magnitude(w), chunk, out)
 
 
 def quantize_part(w: torch.Tensor, name: str, dim: int, start: int, length: int,
-                  chunk: int = QUANTIZE_CHUNK) -> QuantizedWeight:
+                  chunk: int = QUANTIZE_CHUNK, out: dict[str, torch.Tensor] | None = None) -> QuantizedWeight:
     """narrow(quantize(w, name), dim, start, length), the same bits, for a TP rank's shard: only the
     slice is quantized, with the whole weight's largest magnitude for the scales that span it,
     except a slice along K of a scheme with one scale per row (whose scales are whole rows')."""
     found = scheme(name)
     amax = _largest_magnitude(w)  # the whole weight's non-finite values refused, as quantize refuses them
     if dim == 1 and found.row_scale:
-        return narrow(_quantize(w, found, amax, chunk), dim, start, length)
+        return _into(narrow(_quantize(w, found, amax, chunk, None), dim, start, length), out)
     _check_slice(found, tuple(w.shape), dim, start, length)
-    return _quantize(w.narrow(dim, start, length), found, amax, chunk)
+    return _quantize(w.narrow(dim, start, length), found, amax, chunk, out)
 
 
 def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
@@ -284,18 +295,31 @@ def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     return torch.maximum(-least, greatest).float()
 
 
-def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int) -> QuantizedWeight:
+def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int,
+              out: dict[str, torch.Tensor] | None) -> QuantizedWeight:
     n, k = w.shape
+    on_cpu = w.device.type == "cpu" and all(t.device.type == "cpu" for t in (out or {}).values())
+    native = _native() if on_cpu else None
+    if native is not None:
+        parts = out if out is not None else _empty_parts(found, n, k)
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (k > 1 and w.stride(1) != 1):
+            w = w.float().contiguous()
+        scale = found.tensor_scale(amax)
+        native.quantize(w, *found.native, 1.0 if scale is None else float(scale), parts["weight"],
+                        parts["weight_scale"], native.variant_index())
+        if scale is not None:  # FP8 per tensor's scale, or NVFP4's global one
+            parts["weight_global_scale" if "weight_global_scale" in parts else "weight_scale"].copy_(scale)
+        return _result(found, parts, n, k)
     block = found.format.block[0]
     step = max(block, chunk // max(k, 1) // block * block)
     if step >= n or w.device.type != "cpu":
-        return found.quantize(w.float().contiguous(), amax)
+        return _into(found.quantize(w.float().contiguous(), amax), out)
     # Each pass's temporaries stay in the caches, and in memory the allocator already has. A whole
     # 11008x4096 bfloat16 weight (a 7B model's MLP projection; 180 MB as float32) made temporaries
     # of 0.4-0.9 GB and took 2-4x as long (2-core Zen 4, medians: int8 152 -> 39-86 ms, fp8_block
     # 313 -> 98-122, mxfp4 653-667 -> 192, nvfp4 789-802 -> 253-263). Passes of 2^19 to 2^21
     # elements timed alike, of 2^22 (16 MiB of float32) 2-3x slower.
-    parts = {part: torch.empty(shape, dtype=dtype) for part, (dtype, shape) in found.layout(n, k).items()}
+    parts = out if out is not None else _empty_parts(found, n, k)
     for start in range(0, n, step):
         length = min(step, n - start)
         q = found.quantize(w[start:start + length].float().contiguous(), amax)
@@ -303,8 +327,33 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int) ->
         found.narrow_scale(parts["weight_scale"], 0, start, length).copy_(q.scale)
         if q.global_scale is not None:
             parts["weight_global_scale"].copy_(q.global_scale)
+    return _result(found, parts, n, k)
+
+
+def _native():
+    """kernels.native where its quantize op runs here (a native variant in use), else None."""
+    from kernels import native  # on first use: a process that never quantizes never loads the library
+    return native if native.quantize is not None else None
+
+
+def _empty_parts(found: Scheme, n: int, k: int) -> dict[str, torch.Tensor]:
+    return {part: torch.empty(shape, dtype=dtype) for part, (dtype, shape) in found.layout(n, k).items()}
+
+
+def _result(found: Scheme, parts: dict[str, torch.Tensor], n: int, k: int) -> QuantizedWeight:
     return QuantizedWeight(found.name, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"),
                            (n, k))
+
+
+def _into(q: QuantizedWeight, out: dict[str, torch.Tensor] | None) -> QuantizedWeight:
+    """q, its parts copied into `out` (and then held there) if given."""
+    if out is None:
+        return q
+    out["weight"].copy_(q.weight)
+    out["weight_scale"].copy_(q.scale)
+    if q.global_scale is not None:
+        out["weight_global_scale"].copy_(q.global_scale)
+    return _result(scheme(q.scheme), out, *q.shape)
 
 
 def narrow(q: QuantizedWeight, dim: int, start: int, length: int) -> QuantizedWeight:

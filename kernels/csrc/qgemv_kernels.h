@@ -83,6 +83,24 @@ inline int64_t prefill_floats(int64_t group, int64_t positions, int64_t d) {
   return positions * group * (d + 2) + kPrefillChunk / 2 * d;
 }
 
+// A weight quantized into its parts (quantize_kernels.h): w [n, k] as stored, rows `stride` elements
+// apart; weight [n, stored columns] (k, or k padded to whole blocks for the per-block kinds, half
+// that for e2m1); scale float32 [n] (kPerRow), [ceil(n/128), ceil(k/128)] (kBlock128), or one byte
+// per block (kE8M0Per32, kE4M3Per16 with `block` 32 or 16). `tensor_scale` is kPerTensor's scale, or
+// NVFP4's global scale.
+enum Source : int { kSourceFloat32 = 0, kSourceBFloat16 = 1, kSourceFloat16 = 2 };
+struct QuantizeJob {
+  const void* w;
+  Source source;
+  int64_t n, k, stride;
+  ScaleKind kind;
+  int64_t block;
+  Element element;
+  float tensor_scale;
+  uint8_t* weight;
+  void* scale;
+};
+
 // Entry points of one instruction set. Rows [begin, end) of the output; begin and end need not
 // fall on any step, so callers may split N between threads however they like.
 struct Kernels {
@@ -110,6 +128,8 @@ struct Kernels {
   void (*prefill)(const PrefillJob& job);
   // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
   void (*silu_mul)(const void* gate, const void* up, void* out, int64_t n, bool bf16);
+  // Rows [begin, end) of a QuantizeJob's weight; for kBlock128, bands of 128 rows [begin, end).
+  void (*quantize)(const QuantizeJob& job, int64_t begin, int64_t end);
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2 + m_rows; }

@@ -1,64 +1,90 @@
-// The loading path's op: float32 values -> FP4 E2M1 codes packed two a byte (kernels/fp4.py's
-// e2m1_encode then pack, the same bits), for MXFP4's and NVFP4's quantization (kernels/quant.py).
-// In torch the encoding is seven comparisons and sums over the weight, plus its sign and the packing:
-// a dozen passes that took most of a 4-bit quantizing load's time (the default model's MXFP4 cold
-// load: the comparisons alone about 170 ms of 480, 2-core Zen 4). Here it is one pass, plain C++
-// (any x86-64, vectorized by the compiler), the rows shared out with at::parallel_for.
-//
-// Rounding: to the nearest of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to the even code (the one whose
-// mantissa bit is 0), so the midpoints alternate between rounding down (0.25, 1.25, 2.5, 5) and up
-// (0.75, 1.75, 3.5); magnitudes above 6 saturate. The sign is the input's sign bit (-0 is code 8).
-// Finite inputs only (quantize refuses a weight with a NaN or an infinity before it gets here).
+// The loading path's op: preload::quantize, a weight quantized in one pass straight into its parts,
+// for kernels/quant.py (whose torch code is the reference: the same bits). In torch a scheme is a
+// dozen passes over float32 temporaries of the weight (its float32 copy, the scaled copy, the
+// clamped copy, the codes), which bounded a quantizing cold load below the disk's rate. Here the
+// chosen variant's Kernels::quantize (quantize_kernels.h, vectorized for its instruction set) reads
+// each row as stored, float32, bfloat16 or float16, and writes its scale and elements; the rows are
+// shared out with at::parallel_for. This file is compiled for plain x86-64.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstdint>
+#include <atomic>
+
+#include "qgemv_kernels.h"
+#include "weights.h"
 
 namespace {
 
-constexpr int64_t kBlock = 512;  // bytes packed a step
+constexpr int64_t kGrain = 1 << 16;  // elements a thread takes at least
 
-inline uint8_t e2m1_code(float v) {
-  const float a = std::fabs(v);
-  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
-  return static_cast<uint8_t>(code | (std::signbit(v) ? 8 : 0));
-}
-
-// [..., 2m] float32 -> [..., m] uint8, element 2i in the low nibble of byte i.
-at::Tensor e2m1_pack(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1 && x.size(-1) % 2 == 0,
-              "e2m1_pack takes a contiguous float32 tensor whose last dimension is even, got ", x.scalar_type(), " ",
-              x.sizes());
-  auto sizes = x.sizes().vec();
-  sizes.back() /= 2;
-  at::Tensor out = at::empty(sizes, x.options().dtype(at::kByte));
-  const float* in = x.data_ptr<float>();
-  uint8_t* packed = out.data_ptr<uint8_t>();
-  at::parallel_for(0, out.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    // The codes of a block of elements in one loop over contiguous floats (which the compiler
-    // vectorizes; reading the pairs of each byte directly, it did not), then paired up.
-    uint8_t codes[2 * kBlock];
-    for (int64_t first = begin; first < end; first += kBlock) {
-      const int64_t bytes = std::min(kBlock, end - first);
-      const float* values = in + 2 * first;
-      for (int64_t j = 0; j < 2 * bytes; ++j) codes[j] = e2m1_code(values[j]);
-      for (int64_t j = 0; j < bytes; ++j)
-        packed[first + j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
-    }
-  });
-  return out;
+// w [N, K] (float32, bfloat16 or float16; rows any stride, each row contiguous) quantized into
+// `weight` and `scale`, contiguous, in the scheme's layout (kernels/quant.py; scale_kind, block and
+// element as the GEMV takes them: kernels/formats.py). `tensor_scale` is the per-tensor scale or
+// NVFP4's global scale, which the caller stores.
+void quantize(const at::Tensor& w, int64_t scale_kind, int64_t block, int64_t element, double tensor_scale,
+              at::Tensor& weight, at::Tensor& scale, int64_t variant) {
+  const preload::Kernels* kernels = preload::variant_kernels(variant);
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && (w.size(1) <= 1 || w.stride(1) == 1) &&
+                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              "quantize takes a float32, bfloat16 or float16 [N, K] CPU weight whose rows are contiguous, got ",
+              w.scalar_type(), " ", w.sizes(), " strides ", w.strides());
+  using preload::kE2M1;
+  const bool blocked = scale_kind == preload::kE8M0Per32 || scale_kind == preload::kE4M3Per16;
+  TORCH_CHECK(scale_kind >= preload::kPerTensor && scale_kind <= preload::kE4M3Per16 && element >= preload::kE4M3 &&
+                  element <= preload::kInt8 && (element != kE2M1 || blocked),
+              "no such scheme: scale kind ", scale_kind, ", element ", element);
+  TORCH_CHECK(scale_kind != preload::kE8M0Per32 || block == 32, "MX blocks are 32 elements, got ", block);
+  TORCH_CHECK(scale_kind != preload::kE4M3Per16 || block == 16, "NVFP4 blocks are 16 elements, got ", block);
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t padded = blocked ? (k + block - 1) / block * block : k;
+  const int64_t columns = element == kE2M1 ? padded / 2 : padded;
+  TORCH_CHECK(weight.device().is_cpu() && weight.is_contiguous() && weight.element_size() == 1 &&
+                  weight.numel() == n * columns,
+              "weight must be ", n * columns, " contiguous bytes, got ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t bands = (n + 127) / 128, band_blocks = (k + 127) / 128;
+  const int64_t scales = scale_kind == preload::kPerTensor ? 1
+                         : scale_kind == preload::kPerRow  ? n
+                         : scale_kind == preload::kBlock128 ? bands * band_blocks
+                                                            : n * padded / block;
+  TORCH_CHECK(scale.device().is_cpu() && scale.is_contiguous() && scale.numel() == scales &&
+                  scale.element_size() == (blocked ? 1 : 4),
+              "scale must be ", scales, " contiguous values of ", blocked ? 1 : 4, " bytes, got ", scale.sizes(),
+              " ", scale.scalar_type());
+  if (!n) return;  // (rows of no elements get a scale of 1, as a row of zeros)
+  const preload::Source source = w.scalar_type() == at::kFloat      ? preload::kSourceFloat32
+                                 : w.scalar_type() == at::kBFloat16 ? preload::kSourceBFloat16
+                                                                    : preload::kSourceFloat16;
+  const preload::QuantizeJob job{w.data_ptr(), source, n, k, w.stride(0), static_cast<preload::ScaleKind>(scale_kind),
+                                 block, static_cast<preload::Element>(element), static_cast<float>(tensor_scale),
+                                 static_cast<uint8_t*>(weight.data_ptr()), scale.data_ptr()};
+  // Chunks of about kGrain elements handed out from a counter, not one share a thread: a load reads
+  // the next weight on another thread meanwhile, and the thread that shares its core with that read
+  // takes fewer chunks instead of holding the others up at the end.
+  const bool by_band = scale_kind == preload::kBlock128;
+  const int64_t units = by_band ? bands : n, unit_elements = by_band ? 128 * k : k;
+  const int64_t chunk = std::max<int64_t>(1, kGrain / std::max<int64_t>(1, unit_elements));
+  std::atomic<int64_t> next{0};
+  const auto work = [&] {
+    for (int64_t begin; (begin = next.fetch_add(chunk)) < units;)
+      kernels->quantize(job, begin, std::min(units, begin + chunk));
+  };
+  if (units <= chunk) {
+    work();
+    return;
+  }
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), (units + chunk - 1) / chunk), 1,
+                   [&](int64_t, int64_t) { work(); });
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(preload, m) {
-  m.def("e2m1_pack(Tensor x) -> Tensor");
+  m.def("quantize(Tensor w, int scale_kind, int block, int element, float tensor_scale, Tensor(a!) weight, "
+        "Tensor(b!) scale, int variant) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(preload, CPU, m) {
-  m.impl("e2m1_pack", &e2m1_pack);
+  m.impl("quantize", &quantize);
 }

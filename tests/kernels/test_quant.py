@@ -38,24 +38,77 @@ def test_fp4_packing_puts_the_first_element_in_the_low_nibble():
     assert torch.equal(decode_packed(pack(codes)), e2m1_decode(codes))
 
 
-def test_native_e2m1_packing_is_the_torch_encoders_bit_for_bit(variant):
-    """The native op (kernels/csrc/quantize.cpp) that MXFP4 and NVFP4 pack with on the CPU gives
-    pack(e2m1_encode(x)): at every midpoint, a float either side of it, both zeros, subnormals,
-    the grid's values, past 6, the largest float, either sign; in rows and blocks of any length."""
-    if native.e2m1_pack is None:
-        pytest.skip("the pure torch variant packs in torch")
-    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-    below, above = torch.nextafter(midpoints, torch.zeros(7)), torch.nextafter(midpoints, torch.full((7,), 9.0))
-    edges = torch.cat([midpoints, below, above,
-                       torch.tensor([0.0, 1e-45, 1e-40, 1e-38, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 6.5, 1e30, 3.4e38])])
-    values = torch.cat([edges, -edges])
-    for x in (values, values.flip(0).view(5, -1), torch.randn(3, 1030) * 4, torch.randn(257, 1024) * 3,
-              torch.randn(2, 0)):
-        assert torch.equal(native.e2m1_pack(x.contiguous()), pack(e2m1_encode(x))), x.shape
-    with pytest.raises(RuntimeError, match="last dimension is even"):
-        native.e2m1_pack(torch.randn(3, 5))
-    with pytest.raises(RuntimeError, match="contiguous float32"):
-        native.e2m1_pack(torch.randn(4, 4).to(torch.bfloat16))
+def _bits(q: quant.QuantizedWeight) -> list:
+    return [None if t is None else (t.dtype, tuple(t.shape), t.reshape(-1).view(torch.uint8).tolist())
+            for t in (q.weight, q.scale, q.global_scale)]
+
+
+def _ties() -> list[torch.Tensor]:
+    """Weights whose every row and block holds its format's largest value, so that the scale is 1 (NVFP4:
+    1 up to a rounding) and the other elements are the format's ties: int8's halves, the midpoints
+    between neighbouring E4M3 values (subnormals included), and E2M1's; each a float either side too."""
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[torch.isfinite(e4m3) & (e4m3 >= 0)].unique()
+    grids = [(torch.arange(0, 127).float() + 0.5, 127.0), ((e4m3[1:] + e4m3[:-1]) / 2, 448.0),
+             (torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 1e-30]), 6.0)]
+    weights = []
+    for midpoints, largest in grids:
+        values = torch.cat([midpoints, torch.nextafter(midpoints, torch.zeros(())),
+                            torch.nextafter(midpoints, torch.full((), 1e9))])
+        values = torch.cat([values, -values])
+        values = torch.cat([values, torch.zeros(-len(values) % 15)]).view(-1, 15)
+        rows = torch.cat([torch.full((len(values), 1), largest), values], dim=1)  # 16: every block's first
+        weights.append(rows.reshape(-1, 64) if rows.numel() % 64 == 0 else rows)
+    return weights
+
+
+def test_native_quantization_is_the_torch_codes_bit_for_bit(variant):
+    """The native op (kernels/csrc/quantize_kernels.h) that quantizes every scheme on the CPU gives the
+    torch code's bits: at the formats' ties, with subnormals, both zeros, tiny and huge rows side by
+    side, K ragged against every block and past a span of 4096 elements, fp8_block's last band short,
+    float32, bfloat16 and float16 weights, a column slice (rows strided), rows of no elements; and
+    written in place into parts it is given (a slab's bytes)."""
+    if native.quantize is None:
+        pytest.skip("the pure torch variant quantizes in torch")
+    generator = torch.Generator().manual_seed(3)
+    mixed = torch.randn(130, 300, generator=generator) * 0.05
+    mixed[0], mixed[1, :7] = 0.0, -0.0
+    mixed[2] *= 1e-39  # subnormal floats
+    mixed[3, ::5] *= 1e-6
+    mixed[4] *= 3e30
+    long_rows = torch.randn(3, 4100, generator=generator)
+    long_rows[1, 4096:] *= 100  # the largest magnitudes in a row's second span
+    cases = [*_ties(), mixed, mixed[:, 64:192], long_rows, torch.randn(1, 5), torch.zeros(0, 5), torch.zeros(3, 0)]
+    for w in cases:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = w.to(dtype) if dtype != torch.float16 else w.clamp(-6e4, 6e4).to(dtype)
+            for scheme in SCHEMES:
+                got = quantize(x, scheme)
+                with native.using("torch"):
+                    want = quantize(x, scheme)
+                assert _bits(got) == _bits(want), (scheme, tuple(x.shape), dtype)
+    for scheme in SCHEMES:
+        parts = layout(scheme, *mixed.shape)
+        slab, out, at = torch.zeros(1 << 20, dtype=torch.uint8), {}, 64
+        for part, (dtype, shape) in parts.items():  # each on 64 bytes, as a load plan lays them out
+            size = torch.Size(shape).numel() * dtype.itemsize
+            out[part], at = slab[at:at + size].view(dtype).view(shape), -(-(at + size) // 64) * 64
+        q = quantize(mixed, scheme, out=out)
+        assert q.weight.data_ptr() == out["weight"].data_ptr() and q.scale.data_ptr() == out["weight_scale"].data_ptr()
+        assert _bits(q) == _bits(quantize(mixed, scheme)), scheme
+    weight = torch.empty(4, 4, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="weight must be 20 contiguous bytes"):
+        native.quantize(torch.randn(4, 5), *quant.scheme("int8").native, 1.0, weight, torch.empty(4),
+                        native.variant_index())
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request):
+    """Runs a test on the native quantization (the best variant here) and on the torch code."""
+    if request.param == "native" and native.quantize is None:
+        pytest.skip("no native kernels here")
+    with native.using(native.VARIANT if request.param == "native" else "torch"):
+        yield request.param
 
 
 def awkward_weight() -> torch.Tensor:
@@ -69,7 +122,7 @@ def awkward_weight() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_kernel_matches_scalar_reference_bit_for_bit(scheme):
+def test_kernel_matches_scalar_reference_bit_for_bit(path, scheme):
     w = awkward_weight()
     assert stored(quantize(w, scheme)) == quantize_reference(w, scheme)
 
@@ -148,7 +201,7 @@ def test_quantization_error_is_what_the_format_allows(scheme, tolerance):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_zeros_and_non_finite_weights(scheme):
+def test_zeros_and_non_finite_weights(path, scheme):
     assert torch.equal(dequantize(quantize(torch.zeros(4, 64), scheme)), torch.zeros(4, 64))
     for bad in (float("inf"), float("nan")):
         w = torch.randn(4, 64)
@@ -179,7 +232,7 @@ def test_a_non_finite_value_anywhere_is_found(dtype):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(scheme):
+def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(path, scheme):
     """quantize takes a weight of more than `chunk` elements in passes of whole rows (here 14 rows,
     128 for fp8_block's blocks), into parts made once: the scalar reference's bits, and the whole
     weight's in one pass. The scales that span the weight (per tensor, NVFP4's global) are the whole
@@ -202,7 +255,7 @@ def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(sc
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_a_part_quantized_alone_is_that_part_of_the_whole_weight(scheme):
+def test_a_part_quantized_alone_is_that_part_of_the_whole_weight(path, scheme):
     """quantize_part (a TP rank's shard) gives narrow(quantize(w)) bit for bit, in one pass or a few
     rows at a time, for rows and for columns on the scheme's blocks, the whole weight's largest
     magnitude in another part (per tensor and NVFP4's global scales span the weight). Slices off the
@@ -251,7 +304,7 @@ def _status_bytes(field: str) -> int:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "mxfp4", "nvfp4"])
-def test_a_large_weight_is_quantized_through_small_temporaries(scheme):
+def test_a_large_weight_is_quantized_through_small_temporaries(path, scheme):
     """An 8192x4096 bfloat16 weight (128 MiB as float32) quantized in passes: the peak memory beyond
     the weight is its quantized parts and one pass's temporaries, under three quarters of one
     float32 copy. In one pass it took 2-6 float32 copies (a float32 copy, the scaled copy, ...)."""

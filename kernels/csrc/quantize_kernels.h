@@ -1,0 +1,241 @@
+// A weight's quantization (Kernels::quantize, for kernels/csrc/quantize.cpp's op): plain C++ loops
+// that the compiler vectorizes for each instruction set this file is compiled for (included by
+// qgemv_kernels.cpp inside its namespace). Each row (or fp8_block's band of 128 rows) is read from the
+// weight as stored, its scale found, and its elements written while it is in cache.
+//
+// The arithmetic is kernels/quant.py's torch code, operation for operation, in float32, so the bits
+// are the same: scale = largest magnitude / the format's largest value (1 where it is 0), each
+// element divided by it (not multiplied by its inverse) and rounded to nearest, ties to even: int8
+// after a clamp to +-127, E4M3 by c10's rounding after a clamp to +-448, E2M1 to the nearest of 0,
+// 0.5, 1, 1.5, 2, 3, 4, 6 (the even code at a tie, 6 past it; the sign is the input's sign bit). MX: a
+// power-of-two E8M0 scale per 32 elements (the block's largest exponent less the element format's:
+// e4m3 8, e2m1 2), multiplied in. NVFP4: an E4M3 scale per 16 elements of the block's largest
+// magnitude / 6 / the global scale, divided out together with the global scale. Finite weights only.
+
+constexpr float kQuantE4M3Max = 448.0f, kQuantInt8Max = 127.0f, kQuantE2M1Max = 6.0f;
+constexpr int64_t kQuantSpan = 4096;  // elements of a row widened to float32 at a time (16 KiB, in L1)
+
+// src[0, count) as float32 into dst (a float32 source is read in place instead).
+inline void widen(const uint16_t* src, int64_t count, float* dst) {  // bfloat16: the high half of a float32
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) vstore(dst + i, widen_bf16(src + i));
+  for (; i < count; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
+}
+inline void widen(const _Float16* src, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < count; ++i) dst[i] = _cvtsh_ss(std::bit_cast<uint16_t>(src[i]));
+}
+
+inline Vec vabs(Vec v) {
+#ifdef PRELOAD_AVX512
+  return _mm512_abs_ps(v);
+#else
+  return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v);
+#endif
+}
+
+inline float vmax_of(Vec v) {  // the largest lane
+#ifdef PRELOAD_AVX512
+  return _mm512_reduce_max_ps(v);
+#else
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#endif
+}
+
+// The largest |value| of p[0, count).
+inline float largest(const float* p, int64_t count) {
+  Vec m0 = vzero(), m1 = vzero();
+  int64_t i = 0;
+  for (; i + 2 * kLanes <= count; i += 2 * kLanes) {
+    m0 = vmax(m0, vabs(vload(p + i)));
+    m1 = vmax(m1, vabs(vload(p + i + kLanes)));
+  }
+  for (; i + kLanes <= count; i += kLanes) m0 = vmax(m0, vabs(vload(p + i)));
+  float amax = vmax_of(vmax(m0, m1));
+  for (; i < count; ++i) amax = std::max(amax, std::fabs(p[i]));
+  return amax;
+}
+
+// c10's float -> E4M3 rounding (c10::detail::fp8e4m3fn_from_fp32_value) without its branches, so that
+// it vectorizes; |f| <= 448 (clamped before), so the result is never NaN.
+inline uint8_t e4m3_code(float f) {
+  const uint32_t bits = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (bits >> 24) & 0x80u, a = bits & 0x7fffffffu;
+  constexpr uint32_t kDenormMask = 141u << 23;  // below 2^-6 this sum rounds to the subnormal's code
+  const uint32_t subnormal =
+      std::bit_cast<uint32_t>(std::bit_cast<float>(a) + std::bit_cast<float>(kDenormMask)) - kDenormMask;
+  const uint32_t normal = (a + (uint32_t(7 - 127) << 23) + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+  return static_cast<uint8_t>((a < (121u << 23) ? subnormal : normal) | sign);
+}
+
+inline uint8_t e2m1_code(float v) {
+  const float a = std::fabs(v);
+  const int code = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return static_cast<uint8_t>(code | (std::signbit(v) ? 8 : 0));
+}
+
+inline float clamped(float v, float limit) { return std::min(std::max(v, -limit), limit); }
+
+// torch's round then clamp to +-127: rounding is monotonic and +-127 are integers, so clamping first
+// is the same; then adding and taking away 1.5 * 2^23 rounds to nearest, ties to even.
+inline uint8_t int8_code(float v) {
+  constexpr float kRound = 12582912.0f;
+  const float c = clamped(v, kQuantInt8Max);
+  return static_cast<uint8_t>(static_cast<int8_t>(static_cast<int32_t>((c + kRound) - kRound)));
+}
+
+inline float clamp_e4m3(float v) { return clamped(v, kQuantE4M3Max); }
+inline float scale_of(float amax, float limit) { return amax > 0.0f ? amax / limit : 1.0f; }
+
+// p[0, count), each divided by `scale`, into int8 or E4M3 codes.
+inline void divided(const float* p, int64_t count, float scale, Element element, uint8_t* out) {
+  if (element == kInt8) {
+    for (int64_t i = 0; i < count; ++i) out[i] = int8_code(p[i] / scale);
+  } else {
+    for (int64_t i = 0; i < count; ++i) out[i] = e4m3_code(clamp_e4m3(p[i] / scale));
+  }
+}
+
+// Row r's elements [start, start + count) as float32: in place, or widened into `buffer`.
+template <typename T>
+const float* row_span(const QuantizeJob& job, const T* w, int64_t r, int64_t start, int64_t count, float* buffer) {
+  if constexpr (std::is_same_v<T, float>) {
+    return w + r * job.stride + start;
+  } else {
+    widen(w + r * job.stride + start, count, buffer);
+    return buffer;
+  }
+}
+
+template <typename T>
+void rows_scaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer) {
+  float* scales = static_cast<float*>(job.scale);
+  for (int64_t r = begin; r < end; ++r) {
+    float scale = job.tensor_scale;
+    if (job.kind == kPerRow) {
+      float amax = 0.0f;
+      for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+        const int64_t count = std::min(kQuantSpan, job.k - at);
+        amax = std::max(amax, largest(row_span(job, w, r, at, count, buffer), count));
+      }
+      scales[r] = scale = scale_of(amax, job.element == kInt8 ? kQuantInt8Max : kQuantE4M3Max);
+    }
+    for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+      const int64_t count = std::min(kQuantSpan, job.k - at);
+      divided(row_span(job, w, r, at, count, buffer), count, scale, job.element, job.weight + r * job.k + at);
+    }
+  }
+}
+
+// fp8_block: rows [band * 128, ...) as one band of 128x128 blocks.
+template <typename T>
+void band_scaled(const QuantizeJob& job, const T* w, int64_t band, float* buffer) {
+  constexpr int64_t kSide = 128;
+  const int64_t blocks = (job.k + kSide - 1) / kSide;
+  const int64_t first = band * kSide, last = std::min(job.n, first + kSide);
+  float* scales = static_cast<float*>(job.scale) + band * blocks;
+  std::fill(scales, scales + blocks, 0.0f);
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+      const int64_t count = std::min(kQuantSpan, job.k - at);
+      const float* p = row_span(job, w, r, at, count, buffer);
+      for (int64_t b = at / kSide; b * kSide < at + count; ++b)
+        scales[b] = std::max(scales[b], largest(p + b * kSide - at, std::min(kSide, job.k - b * kSide)));
+    }
+  for (int64_t b = 0; b < blocks; ++b) scales[b] = scale_of(scales[b], kQuantE4M3Max);
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+      const int64_t count = std::min(kQuantSpan, job.k - at);
+      const float* p = row_span(job, w, r, at, count, buffer);
+      for (int64_t b = at / kSide; b * kSide < at + count; ++b)
+        divided(p + b * kSide - at, std::min(kSide, job.k - b * kSide), scales[b], job.element,
+                job.weight + r * job.k + b * kSide);
+    }
+}
+
+// MX's shared exponent of a block whose largest magnitude is amax: floor(log2(amax)) - emax, from the
+// float's exponent field (a subnormal or zero amax gives -127, as frexp's exponent would after the
+// clamp), and the power of two 2^-shared that scales the block (2^-127 is a subnormal).
+inline int shared_exponent(float amax, int emax) {
+  const int field = static_cast<int>(std::bit_cast<uint32_t>(amax) >> 23);
+  return field ? std::clamp(field - 127 - emax, -127, 127) : -127;
+}
+inline float power_of_two(int exponent) {  // -127 <= exponent <= 127
+  return std::bit_cast<float>(exponent > -127 ? static_cast<uint32_t>(exponent + 127) << 23 : 0x00400000u);
+}
+
+// MX (kBlock 32) and NVFP4 (kBlock 16): each row's blocks along K, the last zero-padded. A span of a
+// row at a time: each block's scale, its elements scaled into `scaled`, then the whole span's
+// elements encoded in one loop (in loops of one block the compiler vectorized the encoding of none).
+template <int64_t kBlock, typename T>
+void rows_microscaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer,
+                      float* scaled) {
+  const int64_t blocks = (job.k + kBlock - 1) / kBlock;
+  const bool fp4 = job.element == kE2M1;
+  const int emax = fp4 ? 2 : 8;
+  alignas(64) float padded[kBlock];
+  for (int64_t r = begin; r < end; ++r) {
+    uint8_t* out = job.weight + r * (fp4 ? blocks * kBlock / 2 : blocks * kBlock);
+    uint8_t* scales = static_cast<uint8_t*>(job.scale) + r * blocks;
+    for (int64_t at = 0; at < job.k; at += kQuantSpan) {  // kQuantSpan is whole blocks
+      const int64_t count = std::min(kQuantSpan, job.k - at), stored = (count + kBlock - 1) / kBlock * kBlock;
+      const float* span = row_span(job, w, r, at, count, buffer);
+      for (int64_t start = 0; start < stored; start += kBlock) {
+        const float* p = span + start;
+        if (count - start < kBlock) {
+          std::fill(std::copy(p, p + (count - start), padded), padded + kBlock, 0.0f);
+          p = padded;
+        }
+        const float amax = largest(p, kBlock);
+        float* q = scaled + start;
+        if constexpr (kBlock == 32) {
+          const int shared = shared_exponent(amax, emax);
+          scales[(at + start) / kBlock] = static_cast<uint8_t>(shared + 127);
+          const float multiplier = power_of_two(-shared);
+          for (int64_t i = 0; i < kBlock; ++i) q[i] = p[i] * multiplier;
+        } else {
+          const uint8_t code = e4m3_code(std::min(amax / kQuantE2M1Max / job.tensor_scale, kQuantE4M3Max));
+          scales[(at + start) / kBlock] = code;
+          // (qgemv_simd.h's e4m3_value decodes 2^-8 of the value)
+          const float total = e4m3_value(code) * 256.0f * job.tensor_scale;
+          for (int64_t i = 0; i < kBlock; ++i) q[i] = total > 0.0f ? p[i] / total : 0.0f;
+        }
+      }
+      if (fp4) {
+        uint8_t* packed = out + at / 2;
+        for (int64_t i = 0; i < stored / 2; ++i)
+          packed[i] = static_cast<uint8_t>(e2m1_code(scaled[2 * i]) | (e2m1_code(scaled[2 * i + 1]) << 4));
+      } else {
+        for (int64_t i = 0; i < stored; ++i) out[at + i] = e4m3_code(clamp_e4m3(scaled[i]));
+      }
+    }
+  }
+}
+
+template <typename T>
+void quantize_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t end) {
+  alignas(64) float buffer[kQuantSpan], scaled[kQuantSpan];
+  if (job.kind == kBlock128) {
+    for (int64_t band = begin; band < end; ++band) band_scaled(job, w, band, buffer);
+  } else if (job.kind == kPerTensor || job.kind == kPerRow) {
+    rows_scaled(job, w, begin, end, buffer);
+  } else {
+    if (job.block == 16)
+      rows_microscaled<16>(job, w, begin, end, buffer, scaled);
+    else
+      rows_microscaled<32>(job, w, begin, end, buffer, scaled);
+  }
+}
+
+void quantize(const QuantizeJob& job, int64_t begin, int64_t end) {
+  if (job.source == kSourceFloat32)
+    quantize_typed(job, static_cast<const float*>(job.w), begin, end);
+  else if (job.source == kSourceBFloat16)
+    quantize_typed(job, static_cast<const uint16_t*>(job.w), begin, end);
+  else
+    quantize_typed(job, static_cast<const _Float16*>(job.w), begin, end);
+}
