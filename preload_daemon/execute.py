@@ -8,11 +8,13 @@ copies use every core; small tensors in a row are one job of about BATCH_BYTES, 
 they lie back to back in the file (Checkpoint.read_many).
 A TP shard reads only its own bytes: a row shard is one byte range, a column shard one range per
 row. Conversion and quantization need a scratch copy of the source tensor; they run on the calling
-thread, one at a time (torch spreads each across the cores), while the reads go on, so the peak
-extra memory stays one tensor and its temporaries (for quantization, those of a pass of a few rows:
-kernels.quant), never a second copy of the model (temporaries freed on one thread are reused there:
-on many threads, malloc's per-thread arenas would each keep some; a quantizing load keeps them in
-the heap between weights, buffers.heap_kept)."""
+thread, one at a time (torch, and the native quantization, spread each across the cores), while the
+reads go on; quantization writes its parts straight into their places. The next large quantized
+source is read into a second scratch buffer on the pool meanwhile (READ_AHEAD_BYTES). So the peak
+extra memory stays two source tensors (and, where torch quantizes, the temporaries of a pass of a
+few rows: kernels.quant), never a second copy of the model (temporaries freed on one thread are
+reused there: on many threads, malloc's per-thread arenas would each keep some; a quantizing load
+keeps them in the heap between weights, buffers.heap_kept)."""
 
 import collections
 import concurrent.futures
@@ -38,6 +40,12 @@ BATCH_BYTES = 1 << 20
 WINDOW = 4096  # groups in flight ahead of the oldest unfinished one ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 HASH_SPAN = 1 << 20
+# A quantized source at least this large is read ahead on the pool while the one before it is
+# quantized. Smaller ones are read when their turn comes: a hand-off to the pool costs about as much
+# as their read from the page cache, and the kernel's own readahead already runs ahead of such short
+# reads from disk (the default model's int8 load, page-cached: 196 ms read in turn, 222 read ahead;
+# a 1 GB checkpoint of 10 MB weights from disk: see docs/benchmarks.md).
+READ_AHEAD_BYTES = 4 << 20
 
 
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
@@ -71,13 +79,14 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
     if checkpoint.read_ahead is not None:
         checkpoint.read_ahead.stop()  # from here the reads go ahead themselves
     checkpoint.open_files()  # before the threads share its descriptors
-    reader = _Reader(checkpoint)
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     entries, tensors = plan.entries, checkpoint.tensors
+    sources = _quantized_sources(entries)  # (first entry's index, source to read) of each quantized group
     hashed, in_flight, i = 0, 0, 0
     writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
+        reader = _Reader(checkpoint, pool)
         try:
             while i < len(entries):
                 # A run of small tensors read straight into place is one job and one item (tiny
@@ -100,6 +109,11 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                 elif reads:
                     futures = [pool.submit(_fresh, span, checkpoint.read_many, reads)]
                 else:
+                    if group[0].quantize:  # the next quantized source is read on the pool meanwhile
+                        while sources and sources[0][0] < i:  # (i: past this group)
+                            sources.popleft()
+                        if sources and tensors[sources[0][1][0]].nbytes >= READ_AHEAD_BYTES:
+                            reader.upcoming = sources[0][1]
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
                         populate(span)
@@ -165,6 +179,23 @@ def groups(plan: LoadPlan):
         group = _group(plan.entries, i)
         i += len(group)
         yield group
+
+
+def _quantized_sources(entries: tuple[PlanEntry, ...]) -> collections.deque:
+    """(index, (name, shard)) of the first entry of each quantized group, and what it reads."""
+    return collections.deque((k, _quantized_read(entry)) for k, entry in enumerate(entries)
+                             if entry.quantize and not (k and entries[k - 1].quantize
+                                                        and entries[k - 1].source == entry.source))
+
+
+def _quantized_read(entry: PlanEntry) -> tuple:
+    """(name, shard) of what quantizing `entry` reads: a TP rank reads its shard where the shard's
+    scales lie within it (a row's, a block's); scales that span it (per tensor, NVFP4's global, a
+    whole row's of a shard along K) need the whole weight."""
+    found, shard = quant.scheme(entry.quant_scheme), entry.shard
+    if shard is None or not (found.weight_scale or (shard.dim == 1 and found.row_scale)):
+        return entry.source, shard
+    return entry.source, None
 
 
 def _group(entries: tuple[PlanEntry, ...], i: int) -> tuple[PlanEntry, ...]:
@@ -245,33 +276,34 @@ class TensorReader:
 
 
 def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
+    """Quantizes one source into its parts' places in dest (kernels.quant writes them there, or
+    copies them there where it quantizes in torch). A TP rank holds exactly TP=1's parts of its
+    shard, and quantizes only its shard, from what _quantized_read says it reads."""
     first, shard = group[0], group[0].shard
+    out = {entry.part: dest[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
+           for entry in group}
+    name, read = _quantized_read(first)
     try:
-        # A TP rank holds exactly TP=1's parts of its shard, and quantizes only its shard. Where the
-        # shard's scales lie within it (a row's, a block's) it is all the rank reads; scales that
-        # span it (per tensor, NVFP4's global, a whole row's of a shard along K) need the whole
-        # weight read.
-        found = quant.scheme(first.quant_scheme)
-        if shard is None or not (found.weight_scale or (shard.dim == 1 and found.row_scale)):
-            q = quant.quantize(reader.read(first.source, shard), first.quant_scheme)
+        if read is shard:
+            quant.quantize(reader.read(name, shard), first.quant_scheme, out=out)
         else:
-            q = quant.quantize_part(reader.read(first.source, None), first.quant_scheme, shard.dim, shard.start,
-                                    shard.length)
+            quant.quantize_part(reader.read(name, None), first.quant_scheme, shard.dim, shard.start, shard.length,
+                                out=out)
     except ValueError as e:
         raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
-    parts = {"weight": q.weight, "weight_scale": q.scale, "weight_global_scale": q.global_scale}
-    for entry in group:
-        out = dest[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
-        out.copy_(parts[entry.part].view(entry.shape))
 
 
 class _Reader:
-    """Reads checkpoint tensors (or TP slices of them) through one reusable scratch buffer, which
-    only the thread running execute() uses."""
+    """Reads checkpoint tensors (or TP slices of them) through two reusable scratch buffers, which
+    only the thread running execute() hands out. Where `upcoming` names the next quantized source, the
+    read after it is set starts reading that on the pool into the other buffer, while the caller
+    quantizes what it read; reading that source then waits for it."""
 
-    def __init__(self, checkpoint: Checkpoint):
-        self.checkpoint = checkpoint
-        self.scratch = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, checkpoint: Checkpoint, pool: concurrent.futures.Executor | None = None):
+        self.checkpoint, self.pool = checkpoint, pool
+        self.scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
+        self.upcoming = None  # (name, shard) to read ahead once read() next returns
+        self.ahead = None  # (name, shard, scratch index, future) of the read ahead in flight
 
     def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
         """Writes one planned tensor, converting its dtype if needed, into `out` (its slab bytes)."""
@@ -295,26 +327,39 @@ class _Reader:
                                          info.nbytes // info.shape[0])
 
     def read(self, name: str, shard) -> torch.Tensor:
-        """The stored tensor (or its shard) as a view of the scratch buffer, valid until the next read.
+        """The stored tensor (or its shard) as a view of a scratch buffer, valid until the next read.
         Only the shard's bytes are read: its rows, or a column shard's piece of each row."""
+        ahead = self.ahead
+        if ahead is not None and ahead[:2] == (name, shard):
+            self.ahead = None
+            index, src = ahead[2], ahead[3].result()
+        else:  # into the buffer no read ahead is filling
+            index = ahead[2] ^ 1 if ahead is not None else 0
+            src = self._read(name, shard, index)
+        upcoming, self.upcoming = self.upcoming, None
+        if upcoming is not None and self.ahead is None and self.pool is not None:
+            self.ahead = (*upcoming, index ^ 1, self.pool.submit(self._read, *upcoming, index ^ 1))
+        return src
+
+    def _read(self, name: str, shard, index: int) -> torch.Tensor:
         info = self.checkpoint.tensors[name]
         if shard is not None and shard.dim == 1 and len(info.shape) == 2:
-            scratch = self._scratch(info.shape[0] * shard.length * info.dtype.itemsize)
+            scratch = self._scratch(index, info.shape[0] * shard.length * info.dtype.itemsize)
             self._read_columns(name, shard, memoryview(scratch.numpy()))
             return scratch.view(info.dtype).view(info.shape[0], shard.length)
         rows, skip, length = _row_range(info, shard)
-        scratch = self._scratch(length)
+        scratch = self._scratch(index, length)
         self.checkpoint.read_into(name, scratch, skip)
         src = scratch.view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
         if shard is not None and rows is None:
             src = src.narrow(shard.dim, shard.start, shard.length)
         return src
 
-    def _scratch(self, length: int) -> torch.Tensor:
-        """The scratch buffer's first `length` bytes, grown to hold them if needed."""
-        if self.scratch.numel() < length:
-            self.scratch = torch.empty(length, dtype=torch.uint8)
-        return self.scratch[:length]
+    def _scratch(self, index: int, length: int) -> torch.Tensor:
+        """Scratch buffer `index`'s first `length` bytes, grown to hold them if needed."""
+        if self.scratch[index].numel() < length:
+            self.scratch[index] = torch.empty(length, dtype=torch.uint8)
+        return self.scratch[index][:length]
 
 
 def _row_range(info, shard):

@@ -1,6 +1,7 @@
 """Quantizing while loading: slab sizes, warm == cold bytes and tokens, pre-quantized checkpoints."""
 
 import json
+import threading
 
 import psutil
 import pytest
@@ -115,6 +116,48 @@ def test_a_tp_rank_quantizes_its_shard_into_tp1s_parts_and_reads_only_what_its_s
                 (read, checkpoint.nbytes, column_parallel)
         else:
             assert read < 0.6 * checkpoint.nbytes, (read, checkpoint.nbytes)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8_block", "nvfp4"])
+def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, monkeypatch):
+    """A load that reads the next quantized source on its pool while it quantizes one (every source
+    here: the size threshold set to 0) writes the same bytes as one that reads each in its turn, at
+    TP=1 and on each TP=2 rank (row shards, column shards, weights read whole for the scales that span
+    them); it did read ahead. A read ahead that fails fails the load with its error, and the pool
+    winds down."""
+    from preload_daemon import execute
+    readers = []
+    real_read = execute._Reader._read
+
+    def spy(self, name, shard, index):
+        readers.append(threading.current_thread().name)
+        return real_read(self, name, shard, index)
+
+    monkeypatch.setattr(execute._Reader, "_read", spy)
+    for tp_size, tp_rank in ((1, 0), (2, 0), (2, 1)):
+        spec = LoadSpec(path=str(tp_model), quantization=scheme, tp_size=tp_size, tp_rank=tp_rank)
+        monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 1 << 62)
+        readers.clear()
+        _, in_turn, _ = read_cold(spec)
+        assert readers and not any(name.startswith("load") for name in readers)
+        monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 0)
+        readers.clear()
+        _, ahead, _ = read_cold(spec)
+        assert sum(name.startswith("load") for name in readers) == 13, readers  # all 14 sources but the first
+        assert torch.equal(in_turn, ahead), (tp_size, tp_rank)
+
+    real_read_into = Checkpoint.read_into
+
+    def failing(self, name, out, skip=0):
+        if name.endswith("layers.1.mlp.up_proj.weight") and threading.current_thread().name.startswith("load"):
+            raise CheckpointError(f"{name}: the disk went away")
+        return real_read_into(self, name, out, skip)
+
+    monkeypatch.setattr(Checkpoint, "read_into", failing)
+    before = threading.active_count()
+    with pytest.raises(CheckpointError, match="up_proj.weight: the disk went away"):
+        read_cold(LoadSpec(path=str(tp_model), quantization=scheme))
+    assert threading.active_count() == before
 
 
 def make_prequantized(source, target):
