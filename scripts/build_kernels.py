@@ -1,7 +1,8 @@
 """Builds the optional native CPU kernels (kernels/csrc) into kernels/_native/libpreload_kernels.so on
 any x86-64 machine with g++: the torch ops (qgemv.cpp, decode.cpp, layer.cpp and quantize.cpp, plain x86-64) and
 the SIMD kernels (qgemv_kernels.cpp) four times, for AVX2, for AVX-512, for AVX-512 with AVX512-BF16
-(and VNNI and VBMI) and for that with AMX, all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; kernels/native.py picks at
+(and VNNI and VBMI) and for that with AMX, and the quantization's (quantize_kernels.cpp) for AVX2 and
+AVX-512, all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; kernels/native.py picks at
 run time what this CPU can run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
 scripts/setup.sh runs this.
 
@@ -23,23 +24,23 @@ CSRC = ROOT / "kernels" / "csrc"
 TARGET = ROOT / "kernels" / "_native" / "libpreload_kernels.so"
 # -Wno-*uninitialized: g++ 12 warns about its own AVX-512 intrinsic headers.
 COMMON = ["-O3", "-std=c++20", "-fPIC", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
-# The SIMD units assume no FP traps (no code reads the FP flags): the compiler then turns the clamps
-# and selects of quantize_kernels.h's per-element loops into vector blends, where with traps it
-# vectorized none of them. Results are unchanged (no reassociation, no contraction).
-SIMD = ["-fno-trapping-math"]
 # object name -> (source, flags of its own)
 UNITS = {
     "ops": ("qgemv.cpp", ["-fopenmp"]),  # at::parallel_for is OpenMP, compiled into the caller
     "decode": ("decode.cpp", ["-fopenmp"]),
     "layer": ("layer.cpp", ["-fopenmp"]),
     "quantize": ("quantize.cpp", ["-fopenmp"]),
-    "avx2": ("qgemv_kernels.cpp", [*SIMD, "-mavx2", "-mfma", "-mf16c"]),
-    "avx512": ("qgemv_kernels.cpp", [*SIMD, "-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
-    "avx512bf16": ("qgemv_kernels.cpp", [*SIMD, "-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl",
+    "avx2": ("qgemv_kernels.cpp", ["-mavx2", "-mfma", "-mf16c"]),
+    "avx512": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", "-mf16c"]),
+    "avx512bf16": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                          "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi"]),
-    "amx": ("qgemv_kernels.cpp", [*SIMD, "-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-DPRELOAD_AMX", "-mavx512f", "-mavx512bw",
+    "amx": ("qgemv_kernels.cpp", ["-DPRELOAD_AVX512", "-DPRELOAD_BF16DOT", "-DPRELOAD_AMX", "-mavx512f", "-mavx512bw",
                                   "-mavx512vl", "-mfma", "-mf16c", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi",
                                   "-mamx-tile", "-mamx-bf16", "-mamx-int8"]),
+    # The quantization's loops (quantize_kernels.cpp): no FP traps, so that they vectorize.
+    "quantize_avx2": ("quantize_kernels.cpp", ["-fno-trapping-math", "-mavx2", "-mfma", "-mf16c"]),
+    "quantize_avx512": ("quantize_kernels.cpp", ["-fno-trapping-math", "-DPRELOAD_AVX512", "-mavx512f", "-mavx512bw",
+                                                 "-mavx512vl", "-mfma", "-mf16c"]),
 }
 
 

@@ -18,10 +18,8 @@
 #include "qgemv_kernels.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 
 #include "qgemv_simd.h"
@@ -326,7 +324,6 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 }
 
 #include "decode_kernels.h"  // in this namespace, compiled for this instruction set
-#include "quantize_kernels.h"  // likewise
 
 #include "qgemv_int16.h"  // in this namespace: it calls the kernels above for what it does not take
 
@@ -342,16 +339,16 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 
 #if defined(PRELOAD_AMX)
 extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend, &prefill,
-                           &silu_mul, &quantize};
+                           &silu_mul, &quantize_avx512};
 #elif defined(PRELOAD_BF16DOT)
 extern const Kernels kAvx512Bf16 = {&gemv_bf16dot, &dequantize, kE2M1Order, kBF16Order, &pack_bf16dot, 4, &attend,
-                                    &prefill, &silu_mul, &quantize};
+                                    &prefill, &silu_mul, &quantize_avx512};
 #elif defined(PRELOAD_AVX512)
 extern const Kernels kAvx512 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
-                                &silu_mul, &quantize};
+                                &silu_mul, &quantize_avx512};
 #else
 extern const Kernels kAvx2 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
-                              &silu_mul, &quantize};
+                              &silu_mul, &quantize_avx2};
 #endif
 
 }  // namespace preload

@@ -83,7 +83,7 @@ inline int64_t prefill_floats(int64_t group, int64_t positions, int64_t d) {
   return positions * group * (d + 2) + kPrefillChunk / 2 * d;
 }
 
-// A weight quantized into its parts (quantize_kernels.h): w [n, k] as stored, rows `stride` elements
+// A weight quantized into its parts (quantize_kernels.cpp): w [n, k] as stored, rows `stride` elements
 // apart; weight [n, stored columns] (k, or k padded to whole blocks for the per-block kinds, half
 // that for e2m1); scale float32 [n] (kPerRow), [ceil(n/128), ceil(k/128)] (kBlock128), or one byte
 // per block (kE8M0Per32, kE4M3Per16 with `block` 32 or 16). `tensor_scale` is kPerTensor's scale, or
@@ -140,6 +140,10 @@ inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
   const int64_t groups = (k + 63) / 64;
   return {std::min(k, groups * part / parts * 64), std::min(k, groups * (part + 1) / parts * 64)};
 }
+
+// quantize_kernels.cpp's, for AVX2 (kAvx2) and AVX-512 (the others): Kernels::quantize.
+void quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end);
+void quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end);
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C

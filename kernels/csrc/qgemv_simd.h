@@ -1,7 +1,7 @@
-// The vector layer of the quantized GEMV kernels (qgemv_kernels.cpp, its only includer): registers
-// of 8 (AVX2) or 16 (AVX-512, with -DPRELOAD_AVX512) floats, the element decoders that fill them,
-// the scale lookups, and bfloat16 rounding. Everything here is inline, in an unnamed namespace: each
-// of the two compilations of qgemv_kernels.cpp gets its own copy, compiled for its instruction set.
+// The vector layer of the quantized GEMV kernels (qgemv_kernels.cpp; quantize_kernels.cpp uses a few
+// of its pieces): registers of 8 (AVX2) or 16 (AVX-512, with -DPRELOAD_AVX512) floats, the element
+// decoders that fill them, the scale lookups, and bfloat16 rounding. Everything here is inline, in an
+// unnamed namespace: each compilation gets its own copy, compiled for its instruction set.
 #pragma once
 
 #include <immintrin.h>

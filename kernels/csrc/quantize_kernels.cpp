@@ -1,7 +1,11 @@
 // A weight's quantization (Kernels::quantize, for kernels/csrc/quantize.cpp's op): plain C++ loops
-// that the compiler vectorizes for each instruction set this file is compiled for (included by
-// qgemv_kernels.cpp inside its namespace). Each row (or fp8_block's band of 128 rows) is read from the
-// weight as stored, its scale found, and its elements written while it is in cache.
+// that the compiler vectorizes, compiled twice by scripts/build_kernels.py: for AVX2 into
+// quantize_avx2 (the avx2 variant's), with -DPRELOAD_AVX512 and AVX-512 flags into quantize_avx512
+// (the other variants'). Both with -fno-trapping-math (no code here reads the FP flags): with traps
+// kept, the compiler turned none of the per-element loops' clamps and selects into vector blends. A
+// unit of its own, so that flag leaves the GEMV kernels' code as it was. Each row (or fp8_block's
+// band of 128 rows) is read from the weight as stored, its scale found, and its elements written
+// while it is in cache.
 //
 // The arithmetic is kernels/quant.py's torch code, operation for operation, in float32, so the bits
 // are the same: scale = largest magnitude / the format's largest value (1 where it is 0), each
@@ -11,6 +15,17 @@
 // power-of-two E8M0 scale per 32 elements (the block's largest exponent less the element format's:
 // e4m3 8, e2m1 2), multiplied in. NVFP4: an E4M3 scale per 16 elements of the block's largest
 // magnitude / 6 / the global scale, divided out together with the global scale. Finite weights only.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "qgemv_kernels.h"
+#include "qgemv_simd.h"
+
+namespace preload {
+namespace {
 
 constexpr float kQuantE4M3Max = 448.0f, kQuantInt8Max = 127.0f, kQuantE2M1Max = 6.0f;
 constexpr int64_t kQuantSpan = 4096;  // elements of a row widened to float32 at a time (16 KiB, in L1)
@@ -231,7 +246,7 @@ void quantize_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t e
   }
 }
 
-void quantize(const QuantizeJob& job, int64_t begin, int64_t end) {
+void quantize_rows(const QuantizeJob& job, int64_t begin, int64_t end) {
   if (job.source == kSourceFloat32)
     quantize_typed(job, static_cast<const float*>(job.w), begin, end);
   else if (job.source == kSourceBFloat16)
@@ -239,3 +254,13 @@ void quantize(const QuantizeJob& job, int64_t begin, int64_t end) {
   else
     quantize_typed(job, static_cast<const _Float16*>(job.w), begin, end);
 }
+
+}  // namespace
+
+#ifdef PRELOAD_AVX512
+void quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end) { quantize_rows(job, begin, end); }
+#else
+void quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end) { quantize_rows(job, begin, end); }
+#endif
+
+}  // namespace preload
