@@ -228,8 +228,10 @@ class Microscaled(Scheme):
 
 
 def _scale_of(amax: torch.Tensor, limit: float) -> torch.Tensor:
-    """amax / limit, or 1 where amax is 0 (a zero block, row or weight)."""
-    return torch.where(amax > 0, amax / limit, torch.ones_like(amax))
+    """amax / limit, or 1 where that is 0 (a zero block, row or weight, or magnitudes below about
+    1e-42, whose quotient underflows: dividing by it made NaN codes)."""
+    scale = amax / limit
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 _SCHEMES = {s.name: s for s in (
@@ -262,7 +264,11 @@ def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK,
     the scheme's blocks) at a time, each through float32 temporaries of about `chunk` elements, into
     parts made once. Every path gives the same bits."""
     found = scheme(name)
-    return _quantize(w, found, _largest_magnitude(w), chunk, out)
+    _check_2d(w)
+    # The native op finds non-finite values as it goes: the pass for the largest magnitude is only
+    # needed first for the scales that span the weight (and by the torch code).
+    amax = None if _native(w, out) is not None and not found.weight_scale else _largest_magnitude(w)
+    return _quantize(w, found, amax, chunk, out)
 
 
 def quantize_part(w: torch.Tensor, name: str, dim: int, start: int, length: int,
@@ -280,8 +286,7 @@ def quantize_part(w: torch.Tensor, name: str, dim: int, start: int, length: int,
 
 def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     """The largest |value| of a 2-D weight (float32, 0-dim); ValueError if any value is not finite."""
-    if w.dim() != 2:
-        raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
+    _check_2d(w)
     if not w.numel():
         return torch.zeros((), device=w.device)
     # One pass that keeps nothing: the least and greatest value are finite only if every value is (a
@@ -290,23 +295,34 @@ def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     # 1536x576 bfloat16 weight (2-core Zen 4).
     least, greatest = torch.aminmax(w)
     if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
-        bad = int((~torch.isfinite(w)).sum())
-        raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+        _refuse_non_finite(w)
     return torch.maximum(-least, greatest).float()
 
 
-def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int,
+def _check_2d(w: torch.Tensor) -> None:
+    if w.dim() != 2:
+        raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
+
+
+def _refuse_non_finite(w: torch.Tensor):
+    bad = int((~torch.isfinite(w)).sum())
+    raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+
+
+def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: int,
               out: dict[str, torch.Tensor] | None) -> QuantizedWeight:
+    """w quantized; `amax`, its largest magnitude (or the whole weight's, for a part of it), may be
+    None where the native op runs and the scheme has no scale that spans the weight."""
     n, k = w.shape
-    on_cpu = w.device.type == "cpu" and all(t.device.type == "cpu" for t in (out or {}).values())
-    native = _native() if on_cpu else None
+    native = _native(w, out)
     if native is not None:
         parts = out if out is not None else _empty_parts(found, n, k)
-        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16) or (k > 1 and w.stride(1) != 1):
-            w = w.float().contiguous()
-        scale = found.tensor_scale(amax)
-        native.quantize(w, *found.native, 1.0 if scale is None else float(scale), parts["weight"],
-                        parts["weight_scale"], native.variant_index())
+        source = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) and (k <= 1 or w.stride(1) == 1) \
+            else w.float().contiguous()
+        scale = found.tensor_scale(amax) if found.weight_scale else None
+        if not native.quantize(source, *found.native, 1.0 if scale is None else float(scale), parts["weight"],
+                               parts["weight_scale"], native.variant_index()):
+            _refuse_non_finite(w)
         if scale is not None:  # FP8 per tensor's scale, or NVFP4's global one
             parts["weight_global_scale" if "weight_global_scale" in parts else "weight_scale"].copy_(scale)
         return _result(found, parts, n, k)
@@ -330,8 +346,11 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor, chunk: int,
     return _result(found, parts, n, k)
 
 
-def _native():
-    """kernels.native where its quantize op runs here (a native variant in use), else None."""
+def _native(w: torch.Tensor, out: dict[str, torch.Tensor] | None):
+    """kernels.native where its quantize op takes w into `out` (on the CPU, a native variant in use),
+    else None."""
+    if w.device.type != "cpu" or any(t.device.type != "cpu" for t in (out or {}).values()):
+        return None
     from kernels import native  # on first use: a process that never quantizes never loads the library
     return native if native.quantize is not None else None
 

@@ -42,6 +42,12 @@ def e4m3(x: float) -> float:
     return math.copysign(value, x)
 
 
+def _scale(amax: float, limit: float) -> float:
+    """amax / limit in float32, or 1 where that is 0 (amax 0, or so small that the quotient underflows)."""
+    s = float(torch.tensor(amax, dtype=torch.float32) / limit)
+    return s if s > 0 else 1.0
+
+
 def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
     """{"weight": nested lists of stored element values or codes, "scale": ..., "global_scale": ...}."""
     rows = w.double().tolist()
@@ -53,7 +59,7 @@ def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
         out = []
         for r in rows:
             amax = amax_all if scheme == "fp8_per_tensor" else max(abs(v) for v in r)
-            s = float(torch.tensor(amax, dtype=torch.float32) / limit) if amax > 0 else 1.0
+            s = _scale(amax, limit)
             scales.append(s)
             if scheme == "int8":
                 out.append([max(-127, min(127, round(float(torch.tensor(v, dtype=torch.float32) / s)))) for v in r])
@@ -68,7 +74,7 @@ def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
             for bk in range(0, k, 128):
                 cells = [(i, j) for i in range(bi, min(bi + 128, n)) for j in range(bk, min(bk + 128, k))]
                 amax = max(abs(rows[i][j]) for i, j in cells)
-                s = float(torch.tensor(amax, dtype=torch.float32) / 448.0) if amax > 0 else 1.0
+                s = _scale(amax, 448.0)
                 row_scales.append(s)
                 for i, j in cells:
                     out[i][j] = e4m3(float(torch.tensor(rows[i][j], dtype=torch.float32) / s))
@@ -93,7 +99,7 @@ def quantize_reference(w: torch.Tensor, scheme: str) -> dict:
         return {"weight": codes, "scale": exps}
     if scheme == "nvfp4":
         amax_all = float(torch.tensor(max(abs(v) for r in rows for v in r), dtype=torch.float32))
-        g = float(torch.tensor(amax_all, dtype=torch.float32) / (448.0 * 6.0)) if amax_all > 0 else 1.0
+        g = _scale(amax_all, 448.0 * 6.0)
         codes, scales = [], []
         for r in rows:
             r = r + [0.0] * (-k % 16)

@@ -128,8 +128,9 @@ struct Kernels {
   void (*prefill)(const PrefillJob& job);
   // out[i] = silu(gate[i]) * up[i], i < n, float32 or (bf16) bfloat16 storage, silu rounded to it.
   void (*silu_mul)(const void* gate, const void* up, void* out, int64_t n, bool bf16);
-  // Rows [begin, end) of a QuantizeJob's weight; for kBlock128, bands of 128 rows [begin, end).
-  void (*quantize)(const QuantizeJob& job, int64_t begin, int64_t end);
+  // Rows [begin, end) of a QuantizeJob's weight (for kBlock128, bands of 128 rows); false where any
+  // element read was not finite (kPerTensor reads none for that), and its codes then mean nothing.
+  bool (*quantize)(const QuantizeJob& job, int64_t begin, int64_t end);
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2 + m_rows; }
@@ -142,8 +143,8 @@ inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
 }
 
 // quantize_kernels.cpp's, for AVX2 (kAvx2) and AVX-512 (the others): Kernels::quantize.
-void quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end);
-void quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end);
+bool quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end);
+bool quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end);
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C

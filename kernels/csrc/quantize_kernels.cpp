@@ -36,11 +36,14 @@ inline void widen(const uint16_t* src, int64_t count, float* dst) {  // bfloat16
   for (; i + kLanes <= count; i += kLanes) vstore(dst + i, widen_bf16(src + i));
   for (; i < count; ++i) dst[i] = std::bit_cast<float>(static_cast<uint32_t>(src[i]) << 16);
 }
-inline void widen(const _Float16* src, int64_t count, float* dst) {
+struct Float16 {  // float16 bits (not _Float16, which g++ takes in C++ from version 12 only)
+  uint16_t bits;
+};
+inline void widen(const Float16* src, int64_t count, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8)
     _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  for (; i < count; ++i) dst[i] = _cvtsh_ss(std::bit_cast<uint16_t>(src[i]));
+  for (; i < count; ++i) dst[i] = _cvtsh_ss(src[i].bits);
 }
 
 inline Vec vabs(Vec v) {
@@ -75,6 +78,22 @@ inline float largest(const float* p, int64_t count) {
   return amax;
 }
 
+// Whether every element of p[0, count) is finite: x - x is 0 for a finite x and NaN for an infinity
+// or a NaN, and a NaN stays in a sum. (The weight's one check for them, where its largest magnitude
+// is not needed before it is quantized.)
+inline bool all_finite(const float* p, int64_t count) {
+  const Vec minus = vset(-1.0f);
+  Vec sum = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    const Vec x = vload(p + i);
+    sum = vadd(sum, vfma(x, minus, x));
+  }
+  float rest = vsum(sum);
+  for (; i < count; ++i) rest += p[i] - p[i];
+  return rest == 0.0f;
+}
+
 // c10's float -> E4M3 rounding (c10::detail::fp8e4m3fn_from_fp32_value) without its branches, so that
 // it vectorizes; |f| <= 448 (clamped before), so the result is never NaN.
 inline uint8_t e4m3_code(float f) {
@@ -104,7 +123,10 @@ inline uint8_t int8_code(float v) {
 }
 
 inline float clamp_e4m3(float v) { return clamped(v, kQuantE4M3Max); }
-inline float scale_of(float amax, float limit) { return amax > 0.0f ? amax / limit : 1.0f; }
+inline float scale_of(float amax, float limit) {  // 1 where the quotient is 0 (kernels/quant.py's _scale_of)
+  const float scale = amax / limit;
+  return scale > 0.0f ? scale : 1.0f;
+}
 
 // p[0, count), each divided by `scale`, into int8 or E4M3 codes.
 inline void divided(const float* p, int64_t count, float scale, Element element, uint8_t* out) {
@@ -126,16 +148,21 @@ const float* row_span(const QuantizeJob& job, const T* w, int64_t r, int64_t sta
   }
 }
 
+// Each of these returns whether every element it read was finite (FP8 per tensor: not looked at;
+// its caller found the weight's largest magnitude, and so that, first).
 template <typename T>
-void rows_scaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer) {
+bool rows_scaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer) {
   float* scales = static_cast<float*>(job.scale);
+  bool finite = true;
   for (int64_t r = begin; r < end; ++r) {
     float scale = job.tensor_scale;
     if (job.kind == kPerRow) {
       float amax = 0.0f;
       for (int64_t at = 0; at < job.k; at += kQuantSpan) {
         const int64_t count = std::min(kQuantSpan, job.k - at);
-        amax = std::max(amax, largest(row_span(job, w, r, at, count, buffer), count));
+        const float* p = row_span(job, w, r, at, count, buffer);
+        finite &= all_finite(p, count);
+        amax = std::max(amax, largest(p, count));
       }
       scales[r] = scale = scale_of(amax, job.element == kInt8 ? kQuantInt8Max : kQuantE4M3Max);
     }
@@ -144,20 +171,23 @@ void rows_scaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end,
       divided(row_span(job, w, r, at, count, buffer), count, scale, job.element, job.weight + r * job.k + at);
     }
   }
+  return finite;
 }
 
 // fp8_block: rows [band * 128, ...) as one band of 128x128 blocks.
 template <typename T>
-void band_scaled(const QuantizeJob& job, const T* w, int64_t band, float* buffer) {
+bool band_scaled(const QuantizeJob& job, const T* w, int64_t band, float* buffer) {
   constexpr int64_t kSide = 128;
   const int64_t blocks = (job.k + kSide - 1) / kSide;
   const int64_t first = band * kSide, last = std::min(job.n, first + kSide);
   float* scales = static_cast<float*>(job.scale) + band * blocks;
   std::fill(scales, scales + blocks, 0.0f);
+  bool finite = true;
   for (int64_t r = first; r < last; ++r)
     for (int64_t at = 0; at < job.k; at += kQuantSpan) {
       const int64_t count = std::min(kQuantSpan, job.k - at);
       const float* p = row_span(job, w, r, at, count, buffer);
+      finite &= all_finite(p, count);
       for (int64_t b = at / kSide; b * kSide < at + count; ++b)
         scales[b] = std::max(scales[b], largest(p + b * kSide - at, std::min(kSide, job.k - b * kSide)));
     }
@@ -170,6 +200,7 @@ void band_scaled(const QuantizeJob& job, const T* w, int64_t band, float* buffer
         divided(p + b * kSide - at, std::min(kSide, job.k - b * kSide), scales[b], job.element,
                 job.weight + r * job.k + b * kSide);
     }
+  return finite;
 }
 
 // MX's shared exponent of a block whose largest magnitude is amax: floor(log2(amax)) - emax, from the
@@ -187,18 +218,20 @@ inline float power_of_two(int exponent) {  // -127 <= exponent <= 127
 // row at a time: each block's scale, its elements scaled into `scaled`, then the whole span's
 // elements encoded in one loop (in loops of one block the compiler vectorized the encoding of none).
 template <int64_t kBlock, typename T>
-void rows_microscaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer,
+bool rows_microscaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* buffer,
                       float* scaled) {
   const int64_t blocks = (job.k + kBlock - 1) / kBlock;
   const bool fp4 = job.element == kE2M1;
   const int emax = fp4 ? 2 : 8;
   alignas(64) float padded[kBlock];
+  bool finite = true;
   for (int64_t r = begin; r < end; ++r) {
     uint8_t* out = job.weight + r * (fp4 ? blocks * kBlock / 2 : blocks * kBlock);
     uint8_t* scales = static_cast<uint8_t*>(job.scale) + r * blocks;
     for (int64_t at = 0; at < job.k; at += kQuantSpan) {  // kQuantSpan is whole blocks
       const int64_t count = std::min(kQuantSpan, job.k - at), stored = (count + kBlock - 1) / kBlock * kBlock;
       const float* span = row_span(job, w, r, at, count, buffer);
+      finite &= all_finite(span, count);
       for (int64_t start = 0; start < stored; start += kBlock) {
         const float* p = span + start;
         if (count - start < kBlock) {
@@ -229,38 +262,34 @@ void rows_microscaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t
       }
     }
   }
+  return finite;
 }
 
 template <typename T>
-void quantize_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t end) {
+bool quantize_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t end) {
   alignas(64) float buffer[kQuantSpan], scaled[kQuantSpan];
   if (job.kind == kBlock128) {
-    for (int64_t band = begin; band < end; ++band) band_scaled(job, w, band, buffer);
-  } else if (job.kind == kPerTensor || job.kind == kPerRow) {
-    rows_scaled(job, w, begin, end, buffer);
-  } else {
-    if (job.block == 16)
-      rows_microscaled<16>(job, w, begin, end, buffer, scaled);
-    else
-      rows_microscaled<32>(job, w, begin, end, buffer, scaled);
+    bool finite = true;
+    for (int64_t band = begin; band < end; ++band) finite &= band_scaled(job, w, band, buffer);
+    return finite;
   }
+  if (job.kind == kPerTensor || job.kind == kPerRow) return rows_scaled(job, w, begin, end, buffer);
+  if (job.block == 16) return rows_microscaled<16>(job, w, begin, end, buffer, scaled);
+  return rows_microscaled<32>(job, w, begin, end, buffer, scaled);
 }
 
-void quantize_rows(const QuantizeJob& job, int64_t begin, int64_t end) {
-  if (job.source == kSourceFloat32)
-    quantize_typed(job, static_cast<const float*>(job.w), begin, end);
-  else if (job.source == kSourceBFloat16)
-    quantize_typed(job, static_cast<const uint16_t*>(job.w), begin, end);
-  else
-    quantize_typed(job, static_cast<const _Float16*>(job.w), begin, end);
+bool quantize_rows(const QuantizeJob& job, int64_t begin, int64_t end) {
+  if (job.source == kSourceFloat32) return quantize_typed(job, static_cast<const float*>(job.w), begin, end);
+  if (job.source == kSourceBFloat16) return quantize_typed(job, static_cast<const uint16_t*>(job.w), begin, end);
+  return quantize_typed(job, static_cast<const Float16*>(job.w), begin, end);
 }
 
 }  // namespace
 
 #ifdef PRELOAD_AVX512
-void quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end) { quantize_rows(job, begin, end); }
+bool quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
 #else
-void quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end) { quantize_rows(job, begin, end); }
+bool quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
 #endif
 
 }  // namespace preload

@@ -63,11 +63,12 @@ def _ties() -> list[torch.Tensor]:
 
 
 def test_native_quantization_is_the_torch_codes_bit_for_bit(variant):
-    """The native op (kernels/csrc/quantize_kernels.h) that quantizes every scheme on the CPU gives the
-    torch code's bits: at the formats' ties, with subnormals, both zeros, tiny and huge rows side by
-    side, K ragged against every block and past a span of 4096 elements, fp8_block's last band short,
-    float32, bfloat16 and float16 weights, a column slice (rows strided), rows of no elements; and
-    written in place into parts it is given (a slab's bytes)."""
+    """The native op (kernels/csrc/quantize_kernels.cpp) that quantizes every scheme on the CPU gives
+    the torch code's bits: at the formats' ties, with subnormals, both zeros, tiny and huge rows side
+    by side, magnitudes whose scale underflows, K ragged against every block and past a span of 4096
+    elements, fp8_block's last band short, a weight the threads share in many chunks, float32,
+    bfloat16 and float16 weights, a column slice (rows strided), rows of no elements; and written in
+    place into parts it is given (a slab's bytes). Parts of the wrong dtype or size are refused."""
     if native.quantize is None:
         pytest.skip("the pure torch variant quantizes in torch")
     generator = torch.Generator().manual_seed(3)
@@ -78,15 +79,21 @@ def test_native_quantization_is_the_torch_codes_bit_for_bit(variant):
     mixed[4] *= 3e30
     long_rows = torch.randn(3, 4100, generator=generator)
     long_rows[1, 4096:] *= 100  # the largest magnitudes in a row's second span
-    cases = [*_ties(), mixed, mixed[:, 64:192], long_rows, torch.randn(1, 5), torch.zeros(0, 5), torch.zeros(3, 0)]
+    underflowing = torch.full((3, 64), 1e-44)  # (float32 only: amax / 127 is 0)
+    cases = [*_ties(), mixed, long_rows, torch.randn(700, 2000, generator=generator), torch.randn(1, 5),
+             torch.zeros(0, 5), torch.zeros(3, 0), underflowing]
+    inputs = []
     for w in cases:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            x = w.to(dtype) if dtype != torch.float16 else w.clamp(-6e4, 6e4).to(dtype)
-            for scheme in SCHEMES:
-                got = quantize(x, scheme)
-                with native.using("torch"):
-                    want = quantize(x, scheme)
-                assert _bits(got) == _bits(want), (scheme, tuple(x.shape), dtype)
+            inputs.append(w.to(dtype) if dtype != torch.float16 else w.clamp(-6e4, 6e4).to(dtype))
+            if w is mixed:
+                inputs.append(inputs[-1][:, 64:192])  # its rows 300 elements apart
+    for x in inputs:
+        for scheme in SCHEMES:
+            got = quantize(x, scheme)
+            with native.using("torch"):
+                want = quantize(x, scheme)
+            assert _bits(got) == _bits(want), (scheme, tuple(x.shape), x.stride(), x.dtype)
     for scheme in SCHEMES:
         parts = layout(scheme, *mixed.shape)
         slab, out, at = torch.zeros(1 << 20, dtype=torch.uint8), {}, 64
@@ -96,9 +103,16 @@ def test_native_quantization_is_the_torch_codes_bit_for_bit(variant):
         q = quantize(mixed, scheme, out=out)
         assert q.weight.data_ptr() == out["weight"].data_ptr() and q.scale.data_ptr() == out["weight_scale"].data_ptr()
         assert _bits(q) == _bits(quantize(mixed, scheme)), scheme
-    weight = torch.empty(4, 4, dtype=torch.int8)
+    operands = (*quant.scheme("int8").native, 1.0)
     with pytest.raises(RuntimeError, match="weight must be 20 contiguous bytes"):
-        native.quantize(torch.randn(4, 5), *quant.scheme("int8").native, 1.0, weight, torch.empty(4),
+        native.quantize(torch.randn(4, 5), *operands, torch.empty(4, 4, dtype=torch.int8), torch.empty(4),
+                        native.variant_index())
+    with pytest.raises(RuntimeError, match="the parts must be Char and Float"):
+        native.quantize(torch.randn(4, 5), *operands, torch.empty(4, 5, dtype=torch.uint8), torch.empty(4),
+                        native.variant_index())
+    with pytest.raises(RuntimeError, match="no such scheme"):
+        native.quantize(torch.randn(4, 64), formats.E8M0_PER_BLOCK, 32, formats.INT8_ELEMENTS, 1.0,
+                        torch.empty(4, 64, dtype=torch.int8), torch.empty(4, 2, dtype=torch.float8_e8m0fnu),
                         native.variant_index())
 
 
@@ -202,7 +216,10 @@ def test_quantization_error_is_what_the_format_allows(scheme, tolerance):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_zeros_and_non_finite_weights(path, scheme):
+    """Zeros come back zeros, and so do magnitudes so small that a scale of them underflows (it is 1
+    there: dividing by 0 had made NaN codes); a NaN or an infinity is refused."""
     assert torch.equal(dequantize(quantize(torch.zeros(4, 64), scheme)), torch.zeros(4, 64))
+    assert torch.equal(dequantize(quantize(torch.full((4, 64), -1e-44), scheme)), torch.zeros(4, 64))
     for bad in (float("inf"), float("nan")):
         w = torch.randn(4, 64)
         w[2, 3] = bad
@@ -211,31 +228,34 @@ def test_zeros_and_non_finite_weights(path, scheme):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_non_finite_value_anywhere_is_found(dtype):
-    """quantize finds a NaN or an infinity in one pass (torch.aminmax): at the first and last element,
-    within and past the reductions' vector widths, beside values that dwarf it, alone or several."""
+def test_a_non_finite_value_anywhere_is_found(path, dtype):
+    """quantize finds a NaN or an infinity in one pass (torch.aminmax, or the native op as it
+    quantizes; NVFP4 needs the largest magnitude first either way): at the first and last element,
+    within and past the reductions' vector widths and a span of 4096, beside values that dwarf it,
+    alone or several."""
     torch.manual_seed(0)
-    w = torch.randn(67, 131, dtype=dtype)
-    cells = [(0, 0), (66, 130), (0, 15), (1, 0), (33, 64), (66, 0), (12, 127)]
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        for row, column in cells:
-            x = w.clone()
-            x[0, 1], x[66, 129] = 3e4, -3e4  # a NaN is no smaller nor greater than them
-            x[row, column] = bad
-            with pytest.raises(ValueError, match="weight has 1 non-finite value"):
-                quantize(x, "int8")
-    x = w.clone()
-    x[3, 3], x[40, 100] = float("nan"), float("inf")
-    with pytest.raises(ValueError, match="weight has 2 non-finite value"):
-        quantize(x, "int8")
-    assert quantize(w, "int8").weight.shape == (67, 131)
+    w = torch.randn(67, 4200, dtype=dtype)
+    cells = [(0, 0), (66, 4199), (0, 15), (1, 0), (33, 64), (66, 0), (12, 127), (5, 4100)]
+    for scheme in ("int8", "fp8_block", "mxfp4", "nvfp4"):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for row, column in cells:
+                x = w.clone()
+                x[0, 1], x[66, 129] = 3e4, -3e4  # a NaN is no smaller nor greater than them
+                x[row, column] = bad
+                with pytest.raises(ValueError, match="weight has 1 non-finite value"):
+                    quantize(x, scheme)
+        x = w.clone()
+        x[3, 3], x[40, 100] = float("nan"), float("inf")
+        with pytest.raises(ValueError, match="weight has 2 non-finite value"):
+            quantize(x, scheme)
+        assert quantize(w, scheme).weight.shape[0] == 67
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_a_weight_quantized_a_few_rows_at_a_time_is_the_reference_bit_for_bit(path, scheme):
-    """quantize takes a weight of more than `chunk` elements in passes of whole rows (here 14 rows,
-    128 for fp8_block's blocks), into parts made once: the scalar reference's bits, and the whole
-    weight's in one pass. The scales that span the weight (per tensor, NVFP4's global) are the whole
+    """The torch code takes a weight of more than `chunk` elements in passes of whole rows (here 14
+    rows, 128 for fp8_block's blocks), into parts made once: the scalar reference's bits, and the
+    whole weight's in one pass (the native op, which takes any weight whole, gives them too). The scales that span the weight (per tensor, NVFP4's global) are the whole
     weight's: its largest magnitude lies in the last pass."""
     w = torch.randn(300, 70)
     w[1] = 0
