@@ -112,7 +112,7 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                     if group[0].quantize:  # the next quantized source is read on the pool meanwhile
                         while sources and sources[0][0] < i:  # (i: past this group)
                             sources.popleft()
-                        if sources and tensors[sources[0][1][0]].nbytes >= READ_AHEAD_BYTES:
+                        if sources and reader.length(*sources[0][1]) >= READ_AHEAD_BYTES:
                             reader.upcoming = sources[0][1]
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
@@ -135,6 +135,8 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
             for _, _, futures, _ in pending:
                 for future in futures:
                     future.cancel()
+            if reader.ahead is not None:
+                reader.ahead[3].cancel()
             raise
 
 
@@ -338,13 +340,21 @@ class _Reader:
             src = self._read(name, shard, index)
         upcoming, self.upcoming = self.upcoming, None
         if upcoming is not None and self.ahead is None and self.pool is not None:
+            self._scratch(index ^ 1, self.length(*upcoming))  # grown here: malloc's arena of this thread
             self.ahead = (*upcoming, index ^ 1, self.pool.submit(self._read, *upcoming, index ^ 1))
         return src
+
+    def length(self, name: str, shard) -> int:
+        """The bytes read() of `name` (or its shard) reads."""
+        info = self.checkpoint.tensors[name]
+        if shard is not None and shard.dim == 1 and len(info.shape) == 2:
+            return info.shape[0] * shard.length * info.dtype.itemsize
+        return _row_range(info, shard)[2]
 
     def _read(self, name: str, shard, index: int) -> torch.Tensor:
         info = self.checkpoint.tensors[name]
         if shard is not None and shard.dim == 1 and len(info.shape) == 2:
-            scratch = self._scratch(index, info.shape[0] * shard.length * info.dtype.itemsize)
+            scratch = self._scratch(index, self.length(name, shard))
             self._read_columns(name, shard, memoryview(scratch.numpy()))
             return scratch.view(info.dtype).view(info.shape[0], shard.length)
         rows, skip, length = _row_range(info, shard)
