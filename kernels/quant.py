@@ -1,5 +1,5 @@
-"""Weight quantization schemes (see docs/architecture.md), vectorised, pure torch: one object per
-scheme (`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`,
+"""Weight quantization schemes (see docs/architecture.md), in vectorised torch and, on the CPU, one
+native op that gives the same bits (kernels/csrc/quantize.cpp): one object per scheme (`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`,
 and for nvfp4 `weight_global_scale`) and back, gives the parts' dtypes and shapes before any data
 exists (`layout`, for slab planning), slices a TP shard on its blocks (`narrow`), and names the
 linear kernels that take it on each device (kernels/linear.py runs them). What a scheme is without
@@ -123,9 +123,8 @@ class PerRow(Scheme):
 
     def quantize(self, w, amax):
         n, k = w.shape
-        # A row's largest magnitude from its least and greatest value (no |w| made), and the rounding
-        # and clamping in place. (aminmax along rows is not vectorized: 1.1-1.3 ms for 1536x576
-        # against 0.04 for amax, 2-core Zen 4.)
+        # A row's largest magnitude from its least and greatest value (no |w| made; aminmax along rows
+        # is not vectorized), and the rounding and clamping in place.
         if self.per_row:  # (rows of no elements: a scale of 1, as a row of zeros)
             rows = torch.maximum(-w.amin(dim=1), w.amax(dim=1)) if k else torch.zeros(n, device=w.device)
             scale = _scale_of(rows, self.limit)
@@ -290,9 +289,7 @@ def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     if not w.numel():
         return torch.zeros((), device=w.device)
     # One pass that keeps nothing: the least and greatest value are finite only if every value is (a
-    # NaN anywhere makes both NaN), and they give the largest magnitude. Counting non-finite values
-    # (isfinite, then a sum) had taken half of a quantizing load's time: 2.6 ms against 0.06 for a
-    # 1536x576 bfloat16 weight (2-core Zen 4).
+    # NaN anywhere makes both NaN), and they give the largest magnitude.
     least, greatest = torch.aminmax(w)
     if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
         _refuse_non_finite(w)
@@ -330,11 +327,8 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: 
     step = max(block, chunk // max(k, 1) // block * block)
     if step >= n or w.device.type != "cpu":
         return _into(found.quantize(w.float().contiguous(), amax), out)
-    # Each pass's temporaries stay in the caches, and in memory the allocator already has. A whole
-    # 11008x4096 bfloat16 weight (a 7B model's MLP projection; 180 MB as float32) made temporaries
-    # of 0.4-0.9 GB and took 2-4x as long (2-core Zen 4, medians: int8 152 -> 39-86 ms, fp8_block
-    # 313 -> 98-122, mxfp4 653-667 -> 192, nvfp4 789-802 -> 253-263). Passes of 2^19 to 2^21
-    # elements timed alike, of 2^22 (16 MiB of float32) 2-3x slower.
+    # Each pass's temporaries stay in the caches, and in memory the allocator already has: a whole
+    # 11008x4096 bfloat16 weight made 0.4-0.9 GB of them and took 2-4x as long (docs/architecture.md).
     parts = out if out is not None else _empty_parts(found, n, k)
     for start in range(0, n, step):
         length = min(step, n - start)
