@@ -1,9 +1,10 @@
 """Weight quantization schemes (see docs/architecture.md), in vectorised torch and, on the CPU, one
-native op that gives the same bits (kernels/csrc/quantize.cpp): one object per scheme (`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`,
-and for nvfp4 `weight_global_scale`) and back, gives the parts' dtypes and shapes before any data
-exists (`layout`, for slab planning), slices a TP shard on its blocks (`narrow`), and names the
-linear kernels that take it on each device (kernels/linear.py runs them). What a scheme is without
-torch (name, blocks, manifest parameters) is kernels/formats.py.
+native op that gives the same bits (kernels/csrc/quantize.cpp): one object per scheme
+(`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`, and for
+nvfp4 `weight_global_scale`) and back, gives the parts' dtypes and shapes before any data exists
+(`layout`, for slab planning), slices a TP shard on its blocks (`narrow`), and names the linear
+kernels that take it on each device (kernels/linear.py runs them). What a scheme is without torch
+(name, blocks, manifest parameters) is kernels/formats.py.
 
 Conventions: dequantised = element x scale. Block scales run along K (the input dimension); K that
 is not a multiple of the block is zero-padded in the stored weight. Non-finite weights are refused
@@ -341,8 +342,7 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: 
 
 
 def _native(w: torch.Tensor, out: dict[str, torch.Tensor] | None):
-    """kernels.native where its quantize op takes w into `out` (on the CPU, a native variant in use),
-    else None."""
+    """kernels.native where its quantize op takes w into `out` (CPU, a native variant), else None."""
     if w.device.type != "cpu" or any(t.device.type != "cpu" for t in (out or {}).values()):
         return None
     from kernels import native  # on first use: a process that never quantizes never loads the library

@@ -8,7 +8,7 @@
 // while it is in cache.
 //
 // The arithmetic is kernels/quant.py's torch code, operation for operation, in float32, so the bits
-// are the same: scale = largest magnitude / the format's largest value (1 where it is 0), each
+// are the same: scale = largest magnitude / the format's largest value (1 where that is 0), each
 // element divided by it (not multiplied by its inverse) and rounded to nearest, ties to even: int8
 // after a clamp to +-127, E4M3 by c10's rounding after a clamp to +-448, E2M1 to the nearest of 0,
 // 0.5, 1, 1.5, 2, 3, 4, 6 (the even code at a tie, 6 past it; the sign is the input's sign bit). MX: a
