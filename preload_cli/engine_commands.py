@@ -19,7 +19,7 @@ import sys
 
 from preload_cli import argtypes
 from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
-from preload_daemon.config import parse_device, resolve_devices
+from preload_daemon.config import core_share, parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
 from preload_daemon.runtime_dir import check_socket_room, ensure_private_dir
@@ -119,9 +119,7 @@ def engine_config(args):
                                       f"{args.tp_size}; give torchrun --nproc-per-node {args.tp_size}")
     devices = (args.device,) if args.tp_size == 1 and not args.devices else \
         tuple(resolve_devices(args.devices, args.tp_size))
-    cores = os.cpu_count() or 1
-    processes = args.tp_size * getattr(args, "dp_size", 1)
-    threads = args.threads or (max(1, cores // processes) if processes > 1 else 0)
+    threads = args.threads or core_share(args.tp_size * getattr(args, "dp_size", 1))
     config = EngineConfig(
         model=pathlib.Path(os.path.abspath(args.model)) if args.model else default_model_path(), name=args.name,
         load_format=args.load_format, fallback=not args.no_fallback, devices=devices, dtype=args.dtype,

@@ -51,6 +51,14 @@ def resolve_devices(devices: str, tp_size: int) -> list[str]:
     return parsed
 
 
+def core_share(processes: int) -> int:
+    """Compute threads for each of `processes` processes of this host that load or run at once (a TP
+    engine's ranks and replicas, serve's daemons): its share of the cores, at least 1; 0 for a
+    process alone (torch's default: every core). Each with every core, their OpenMP threads spin on
+    each other's cores."""
+    return max(1, (os.cpu_count() or 1) // processes) if processes > 1 else 0
+
+
 def default_runtime_dir() -> pathlib.Path:
     """$PRELOAD_RUNTIME_DIR, else $XDG_RUNTIME_DIR/preload, else /tmp/preload-$UID."""
     if os.environ.get("PRELOAD_RUNTIME_DIR"):  # absolute: a relative one meant another dir in each process

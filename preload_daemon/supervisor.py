@@ -15,7 +15,7 @@ import time
 
 from preload_daemon.arch import ArchSpec
 from preload_daemon.client import DaemonClient
-from preload_daemon.config import DaemonConfig, resolve_devices
+from preload_daemon.config import DaemonConfig, core_share, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError
 from preload_daemon.hfconfig import read_config
@@ -131,7 +131,7 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     # share of the cores, as each rank of a TP engine does (with every core each, two daemons loading
     # TP=2 of a 1 GB model with int8 on a 2-core VM took 4.7-15.6 s a rank against 0.6 s, their
     # OpenMP threads spinning on each other's cores).
-    threads = max(1, (os.cpu_count() or 1) // len(device_list)) if len(device_list) > 1 else 0
+    threads = core_share(len(device_list))
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig in previous:  # while loading: end the command (watch() sets `stop` instead)
         signal.signal(sig, _interrupt)

@@ -54,11 +54,13 @@ def child_attach(socket_path: str, model: str) -> dict:
 def child_cold(path: str, cache: str, quantization: str = "none", tp_size: str = "1", tp_rank: str = "0",
                start_on_go: str = "") -> dict:
     import torch
+    from preload_daemon.config import core_share
     from preload_daemon.plan import LoadSpec
     from worker.loader import read_cold
     _set_cache(pathlib.Path(path), cache)
-    if int(tp_size) > 1:  # each rank its share of the cores, as an engine's ranks and serve's daemons have
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(tp_size)))
+    threads = core_share(int(tp_size))  # each rank its share, as an engine's ranks and serve's daemons have
+    if threads:
+        torch.set_num_threads(threads)
     if start_on_go:  # the ranks of a TP sample start together, once both have imported torch
         print("ready", flush=True)
         sys.stdin.readline()
