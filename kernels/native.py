@@ -7,9 +7,9 @@ chosen, unless PRELOAD_KERNELS=amx|avx512bf16|avx512|avx2|torch forces one; `use
 time (the tests run every variant the CPU can run that way).
 
 `VARIANT` names the variant in use; `qgemv` and `qgemm` are its ops, and `rms_norm`,
-`decode_attention`, `prefill_attention` and `quantize` (a weight's quantization, for
-kernels/quant.py) the library's other ops (the same in every variant; the attentions run the
-variant's kernels, told per call), or None for "torch";
+`decode_attention`, `prefill_attention`, `quantize` and `quantize_many` (a weight's quantization,
+and many small ones', for kernels/quant.py) the library's other ops (the same in every variant;
+the attentions and quantizations run the variant's kernels, told per call), or None for "torch";
 `variant_index()` is what the fused decoder layer (kernels/decode_layer.py) is told per call."""
 
 import contextlib
@@ -27,7 +27,7 @@ class VariantUnavailableError(RuntimeError):
     """A requested kernel variant cannot run here (not built, or this CPU lacks its instructions)."""
 
 
-_OPS = ("variants", "rms_norm", "decode_attention", "prefill_attention", "quantize",
+_OPS = ("variants", "rms_norm", "decode_attention", "prefill_attention", "quantize", "quantize_many",
         *(f"{op}_{v}" for op in ("qgemv", "qgemm") for v in VARIANTS[:-1]))
 _broken = ""
 """Why the built library cannot be used ("" where it can or is not built)."""
@@ -63,7 +63,7 @@ def _has_class(name: str) -> bool:
 
 _RUNNABLE = _load()
 VARIANT = "torch"
-qgemv = qgemm = rms_norm = decode_attention = prefill_attention = quantize = None
+qgemv = qgemm = rms_norm = decode_attention = prefill_attention = quantize = quantize_many = None
 
 
 def available() -> tuple[str, ...]:
@@ -97,18 +97,18 @@ def resolve(requested: str | None) -> str:
 def use(variant: str) -> None:
     """Run the native ops of `variant` from now on (quantized and few-row bfloat16 linear layers,
     the norm, decode and prefill attention, quantization), or none of them for "torch"."""
-    global VARIANT, qgemv, qgemm, rms_norm, decode_attention, prefill_attention, quantize
+    global VARIANT, qgemv, qgemm, rms_norm, decode_attention, prefill_attention, quantize, quantize_many
     reason = why_unavailable(variant)
     if reason:
         raise VariantUnavailableError(reason)
     VARIANT = variant
     if variant == "torch":
-        qgemv = qgemm = rms_norm = decode_attention = prefill_attention = quantize = None
+        qgemv = qgemm = rms_norm = decode_attention = prefill_attention = quantize = quantize_many = None
         return
     ops = torch.ops.preload
     qgemv, qgemm = getattr(ops, f"qgemv_{variant}"), getattr(ops, f"qgemm_{variant}")
     rms_norm, decode_attention, prefill_attention = ops.rms_norm, ops.decode_attention, ops.prefill_attention
-    quantize = ops.quantize
+    quantize, quantize_many = ops.quantize, ops.quantize_many
 
 
 def variant_index() -> int:

@@ -1,10 +1,9 @@
-"""Weight quantization schemes (see docs/architecture.md), in vectorised torch and, on the CPU, one
-native op that gives the same bits (kernels/csrc/quantize.cpp): one object per scheme
-(`scheme(name)`), which turns an [N, K] weight into named parts (`weight`, `weight_scale`, and for
-nvfp4 `weight_global_scale`) and back, gives the parts' dtypes and shapes before any data exists
-(`layout`, for slab planning), slices a TP shard on its blocks (`narrow`), and names the linear
-kernels that take it on each device (kernels/linear.py runs them). What a scheme is without torch
-(name, blocks, manifest parameters) is kernels/formats.py.
+"""Weight quantization schemes (see docs/architecture.md), in vectorised torch and, on the CPU, native
+ops that give the same bits (kernels/csrc/quantize.cpp): one object per scheme (`scheme(name)`), which
+turns an [N, K] weight into named parts (`weight`, `weight_scale`, and for nvfp4 `weight_global_scale`)
+and back, gives the parts' dtypes and shapes before any data exists (`layout`, for slab planning),
+slices a TP shard on its blocks (`narrow`), and names the linear kernels that take it on each device
+(kernels/linear.py runs them). What a scheme is without torch is kernels/formats.py.
 
 Conventions: dequantised = element x scale. Block scales run along K (the input dimension); K that
 is not a multiple of the block is zero-padded in the stored weight. Non-finite weights are refused
@@ -43,23 +42,14 @@ class QuantizedWeight:
         return sum(p.numel() * p.element_size() for p in parts if p is not None)
 
 
-def _ceil_to(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
 class Scheme:
     """One quantization format: its parts, quantize and dequantize, and its kernels per device."""
 
-    native: tuple[int, int, int]
-    """(scale kind, block along K or 0 for the whole row, element format) of the native CPU GEMV."""
-    torch_int8_mm = False
-    """torch._weight_int8pack_mm multiplies it on CPU (weight-only int8)."""
-    cuda_fp8_mm = False
-    """torch._scaled_mm multiplies it on CUDA GPUs of SM 8.9 and newer (W8A8 with dynamic activations)."""
-    weight_scale = False
-    """A scale of the whole weight's largest magnitude (FP8 per tensor, NVFP4's global scale)."""
-    row_scale = False
-    """One scale per row, of all its K (INT8, FP8 per channel)."""
+    native: tuple[int, int, int]  # (scale kind, block along K or 0 for a whole row, element) of the native ops
+    torch_int8_mm = False  # torch._weight_int8pack_mm multiplies it on CPU (weight-only int8)
+    cuda_fp8_mm = False  # torch._scaled_mm multiplies it on CUDA GPUs of SM 8.9 on (W8A8, dynamic activations)
+    weight_scale = False  # a scale of the whole weight's largest magnitude (FP8 per tensor, NVFP4's global one)
+    row_scale = False  # one scale per row, of all its K (INT8, FP8 per channel)
 
     def __init__(self, name: str):
         self.format: Format = format_of(name)
@@ -183,7 +173,7 @@ class Microscaled(Scheme):
         self.native = (E4M3_PER_BLOCK if nvidia else E8M0_PER_BLOCK, self.block_k, element)
 
     def layout(self, n, k):
-        kp = _ceil_to(k, self.block_k)
+        kp = -(-k // self.block_k) * self.block_k
         parts = {"weight": (torch.uint8, (n, kp // 2)) if self.fp4 else (E4M3, (n, kp)),
                  "weight_scale": (E4M3 if self.nvidia else E8M0, (n, kp // self.block_k))}
         if self.nvidia:
@@ -195,7 +185,7 @@ class Microscaled(Scheme):
 
     def quantize(self, w, amax):
         n, k = w.shape
-        kp = _ceil_to(k, self.block_k)
+        kp = -(-k // self.block_k) * self.block_k
         blocks = F.pad(w, (0, kp - k)).view(n, kp // self.block_k, self.block_k)
         if self.nvidia:
             block_amax = blocks.abs().amax(dim=-1)  # (amin and amax over blocks this short: 1.5-2x its time)
@@ -257,17 +247,16 @@ def layout(name: str, n: int, k: int) -> dict[str, tuple[torch.dtype, tuple[int,
 
 def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK,
              out: dict[str, torch.Tensor] | None = None) -> QuantizedWeight:
-    """w ([N, K], any float dtype), quantized with scheme `name`. `out` ({part: tensor} of the
-    scheme's layout, e.g. a slab's bytes) receives the parts if given, and is then what the result
-    holds. On the CPU the native op (kernels/csrc/quantize.cpp) quantizes it in one pass where the
-    library runs; in torch, a weight of more than `chunk` elements is quantized a few whole rows (of
-    the scheme's blocks) at a time, each through float32 temporaries of about `chunk` elements, into
-    parts made once. Every path gives the same bits."""
+    """w ([N, K], any float dtype), quantized with scheme `name`. `out` ({part: tensor} of the scheme's
+    layout, e.g. a slab's bytes) receives the parts if given, and is then what the result holds. On the
+    CPU the native op (kernels/csrc/quantize.cpp) quantizes it in one pass where the library runs; in
+    torch, a weight of more than `chunk` elements is quantized a few whole rows (of the scheme's blocks)
+    at a time, through float32 temporaries of about `chunk` elements. Every path gives the same bits."""
     found = scheme(name)
     _check_2d(w)
     # The native op finds non-finite values as it goes: the pass for the largest magnitude is only
     # needed first for the scales that span the weight (and by the torch code).
-    amax = None if _native(w, out) is not None and not found.weight_scale else _largest_magnitude(w)
+    amax = None if _native(w, *(out or {}).values()) and not found.weight_scale else _largest_magnitude(w)
     return _quantize(w, found, amax, chunk, out)
 
 
@@ -293,7 +282,7 @@ def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     # NaN anywhere makes both NaN), and they give the largest magnitude.
     least, greatest = torch.aminmax(w)
     if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
-        _refuse_non_finite(w)
+        refuse_non_finite(w)
     return torch.maximum(-least, greatest).float()
 
 
@@ -302,7 +291,7 @@ def _check_2d(w: torch.Tensor) -> None:
         raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
 
 
-def _refuse_non_finite(w: torch.Tensor):
+def refuse_non_finite(w: torch.Tensor):  # raises the ValueError of a weight that is not all finite
     bad = int((~torch.isfinite(w)).sum())
     raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
 
@@ -312,7 +301,7 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: 
     """w quantized; `amax`, its largest magnitude (or the whole weight's, for a part of it), may be
     None where the native op runs and the scheme has no scale that spans the weight."""
     n, k = w.shape
-    native = _native(w, out)
+    native = _native(w, *(out or {}).values())
     if native is not None:
         parts = out if out is not None else _empty_parts(found, n, k)
         source = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) and (k <= 1 or w.stride(1) == 1) \
@@ -320,7 +309,7 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: 
         scale = found.tensor_scale(amax) if found.weight_scale else None
         if not native.quantize(source, *found.native, 1.0 if scale is None else float(scale), parts["weight"],
                                parts["weight_scale"], native.variant_index()):
-            _refuse_non_finite(w)
+            refuse_non_finite(w)
         if scale is not None:  # FP8 per tensor's scale, or NVFP4's global one
             parts["weight_global_scale" if "weight_global_scale" in parts else "weight_scale"].copy_(scale)
         return _result(found, parts, n, k)
@@ -341,12 +330,23 @@ def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: 
     return _result(found, parts, n, k)
 
 
-def _native(w: torch.Tensor, out: dict[str, torch.Tensor] | None):
-    """kernels.native where its quantize op takes w into `out` (CPU, a native variant), else None."""
-    if w.device.type != "cpu" or any(t.device.type != "cpu" for t in (out or {}).values()):
+def _native(*tensors: torch.Tensor):
+    """kernels.native where its quantize ops take `tensors` (CPU, a native variant), else None."""
+    if any(t.device.type != "cpu" for t in tensors):
         return None
     from kernels import native  # on first use: a process that never quantizes never loads the library
     return native if native.quantize is not None else None
+
+
+def quantize_many(source: torch.Tensor, dtype: torch.dtype, weights: list[int], dest: torch.Tensor, name: str) -> int:
+    """Small weights of scheme `name` stored as `dtype` in `source` quantized into `dest` (uint8 bytes) as
+    quantize() would, by one native call on this thread (where many_native()): `weights` holds 8 integers a
+    weight (kernels/csrc/quantize.cpp). The index of the first with a non-finite value, or -1."""
+    return _native().quantize_many(source, dtype, weights, dest, *scheme(name).native, _native().variant_index())
+
+
+def many_native() -> bool:
+    return _native() is not None
 
 
 def _empty_parts(found: Scheme, n: int, k: int) -> dict[str, torch.Tensor]:

@@ -282,18 +282,52 @@ bool quantize_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t e
   return rows_microscaled<32>(job, w, begin, end, buffer, scaled);
 }
 
+// f(the job's weight as the type it is stored in).
+template <typename F>
+bool as_stored(const QuantizeJob& job, F&& f) {
+  if (job.source == kSourceFloat32) return f(static_cast<const float*>(job.w));
+  if (job.source == kSourceBFloat16) return f(static_cast<const uint16_t*>(job.w));
+  return f(static_cast<const Float16*>(job.w));
+}
+
 bool quantize_rows(const QuantizeJob& job, int64_t begin, int64_t end) {
-  if (job.source == kSourceFloat32) return quantize_typed(job, static_cast<const float*>(job.w), begin, end);
-  if (job.source == kSourceBFloat16) return quantize_typed(job, static_cast<const uint16_t*>(job.w), begin, end);
-  return quantize_typed(job, static_cast<const Float16*>(job.w), begin, end);
+  return as_stored(job, [&](const auto* w) { return quantize_typed(job, w, begin, end); });
+}
+
+// The largest |value| of rows [begin, end), max-ed into *amax; false where any is not finite (FP8 per
+// tensor's scale and NVFP4's global one span the weight: its largest magnitude is needed first).
+template <typename T>
+bool largest_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* amax) {
+  alignas(64) float buffer[kQuantSpan];
+  bool finite = true;
+  float m = *amax;
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+      const int64_t count = std::min(kQuantSpan, job.k - at);
+      const float* p = row_span(job, w, r, at, count, buffer);
+      finite &= all_finite(p, count);
+      m = std::max(m, largest(p, count));
+    }
+  *amax = m;
+  return finite;
+}
+
+bool largest_rows(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
+  return as_stored(job, [&](const auto* w) { return largest_typed(job, w, begin, end, amax); });
 }
 
 }  // namespace
 
 #ifdef PRELOAD_AVX512
 bool quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
+bool largest_avx512(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
+  return largest_rows(job, begin, end, amax);
+}
 #else
 bool quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
+bool largest_avx2(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
+  return largest_rows(job, begin, end, amax);
+}
 #endif
 
 }  // namespace preload
