@@ -28,6 +28,7 @@ from preload_daemon.buffers import gc_paused, heap_kept, populate
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
+from preload_daemon.reader import Reader, row_range
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 READ_CHUNK = 16 << 20
@@ -86,7 +87,7 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
     writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="load") as pool:
-        reader = _Reader(checkpoint, pool)
+        reader = Reader(checkpoint, pool)
         try:
             while i < len(entries):
                 # A run of small tensors read straight into place is one job and one item (tiny
@@ -154,7 +155,7 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
     whole, or whole rows), until they pass BATCH_BYTES; empty if entry i is not one of them. The
     loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice,
     so it states _jobs' rule for a direct read inline (the stored dtype is the slab's, and the
-    shard, if any, takes whole rows: _row_range's "rows") instead of calling it; a change to one
+    shard, if any, takes whole rows: row_range's "rows") instead of calling it; a change to one
     rule must change the other."""
     reads: list = []
     total = 0
@@ -169,7 +170,7 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
             break
         offset = entry.offset
         reads.append((entry.source, memory[offset:offset + entry.nbytes],
-                      0 if shard is None else _row_range(info, shard)[1]))
+                      0 if shard is None else row_range(info, shard)[1]))
         total += entry.nbytes
     return reads
 
@@ -229,7 +230,7 @@ def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
     return hashed
 
 
-def _jobs(reader: "_Reader", group: tuple[PlanEntry, ...], dest: torch.Tensor,
+def _jobs(reader: Reader, group: tuple[PlanEntry, ...], dest: torch.Tensor,
           memory: memoryview) -> tuple[list, list, bool]:
     """What writes one group: direct reads of at most READ_CHUNK bytes each, as (name, destination
     bytes, skip) for Checkpoint.read_many (any thread); or jobs: one read per row of a column shard
@@ -241,7 +242,7 @@ def _jobs(reader: "_Reader", group: tuple[PlanEntry, ...], dest: torch.Tensor,
     if not entry.nbytes:
         return [], [], False
     info = checkpoint.tensors[entry.source]
-    rows, skip, _ = _row_range(info, entry.shard)
+    rows, skip, _ = row_range(info, entry.shard)
     if info.dtype == entry.dtype and entry.shard is rows:
         start, end = entry.offset, entry.offset + entry.nbytes
         if entry.nbytes <= READ_CHUNK:  # one read, without a comprehension's frame
@@ -263,20 +264,6 @@ def write_group(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> Non
         reader.copy_into(group[0], dest[group[0].offset:group[0].offset + group[0].nbytes])
 
 
-class TensorReader:
-    """A reader over tensors already in memory ({name: tensor}), e.g. one streamed by a trainer."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]):
-        self.tensors = tensors
-
-    def read(self, name: str, shard) -> torch.Tensor:
-        t = self.tensors[name]
-        return t if shard is None else t.narrow(shard.dim, shard.start, shard.length)
-
-    def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
-        out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
-
-
 def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
     """Quantizes one source into its parts' places in dest (kernels.quant writes them there, or
     copies them there where it quantizes in torch). A TP rank holds exactly TP=1's parts of its
@@ -293,90 +280,3 @@ def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> 
                                 out=out)
     except ValueError as e:
         raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
-
-
-class _Reader:
-    """Reads checkpoint tensors (or TP slices of them) through two reusable scratch buffers, which
-    only the thread running execute() hands out. Where `upcoming` names the next quantized source, the
-    read after it is set starts reading that on the pool into the other buffer, while the caller
-    quantizes what it read; reading that source then waits for it."""
-
-    def __init__(self, checkpoint: Checkpoint, pool: concurrent.futures.Executor | None = None):
-        self.checkpoint, self.pool = checkpoint, pool
-        self.scratch = [torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8)]
-        self.upcoming = None  # (name, shard) to read ahead once read() next returns
-        self.ahead = None  # (name, shard, scratch index, future) of the read ahead in flight
-
-    def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
-        """Writes one planned tensor, converting its dtype if needed, into `out` (its slab bytes)."""
-        info = self.checkpoint.tensors[entry.source]
-        rows, skip, _ = _row_range(info, entry.shard)
-        if info.dtype == entry.dtype and entry.shard is rows:
-            # Same dtype, whole tensor or contiguous rows: from the file to its place in one read.
-            self.checkpoint.read_into(entry.source, out, skip)
-            return
-        out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
-
-    def read_columns(self, entry: PlanEntry, out: torch.Tensor) -> None:
-        """A column shard of a 2-D tensor, one read per row from the file to its place in `out`."""
-        self._read_columns(entry.source, entry.shard, memoryview(out.numpy()))
-
-    def _read_columns(self, name: str, shard, out: memoryview) -> None:
-        info = self.checkpoint.tensors[name]
-        size = info.dtype.itemsize
-        if shard.length and info.shape[0]:
-            self.checkpoint.read_strided(name, out, shard.start * size, shard.length * size,
-                                         info.nbytes // info.shape[0])
-
-    def read(self, name: str, shard) -> torch.Tensor:
-        """The stored tensor (or its shard) as a view of a scratch buffer, valid until the next read.
-        Only the shard's bytes are read: its rows, or a column shard's piece of each row."""
-        ahead = self.ahead
-        if ahead is not None and ahead[:2] == (name, shard):
-            self.ahead = None
-            index, src = ahead[2], ahead[3].result()
-        else:  # into the buffer no read ahead is filling
-            index = ahead[2] ^ 1 if ahead is not None else 0
-            src = self._read(name, shard, index)
-        upcoming, self.upcoming = self.upcoming, None
-        if upcoming is not None and self.ahead is None and self.pool is not None:
-            self._scratch(index ^ 1, self.length(*upcoming))  # grown here: malloc's arena of this thread
-            self.ahead = (*upcoming, index ^ 1, self.pool.submit(self._read, *upcoming, index ^ 1))
-        return src
-
-    def length(self, name: str, shard) -> int:
-        """The bytes read() of `name` (or its shard) reads."""
-        info = self.checkpoint.tensors[name]
-        if shard is not None and shard.dim == 1 and len(info.shape) == 2:
-            return info.shape[0] * shard.length * info.dtype.itemsize
-        return _row_range(info, shard)[2]
-
-    def _read(self, name: str, shard, index: int) -> torch.Tensor:
-        info = self.checkpoint.tensors[name]
-        if shard is not None and shard.dim == 1 and len(info.shape) == 2:
-            scratch = self._scratch(index, self.length(name, shard))
-            self._read_columns(name, shard, memoryview(scratch.numpy()))
-            return scratch.view(info.dtype).view(info.shape[0], shard.length)
-        rows, skip, length = _row_range(info, shard)
-        scratch = self._scratch(index, length)
-        self.checkpoint.read_into(name, scratch, skip)
-        src = scratch.view(info.dtype).view((rows.length, *info.shape[1:]) if rows else info.shape)
-        if shard is not None and rows is None:
-            src = src.narrow(shard.dim, shard.start, shard.length)
-        return src
-
-    def _scratch(self, index: int, length: int) -> torch.Tensor:
-        """Scratch buffer `index`'s first `length` bytes, grown to hold them if needed."""
-        if self.scratch[index].numel() < length:
-            self.scratch[index] = torch.empty(length, dtype=torch.uint8)
-        return self.scratch[index][:length]
-
-
-def _row_range(info, shard):
-    """(the shard if it takes whole rows, else None; its first byte; its byte length) within a stored
-    tensor: a dim-0 shard is one contiguous byte range, so only those rows need reading."""
-    rows = shard if shard is not None and shard.dim == 0 else None
-    row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else 0
-    if rows is None:
-        return None, 0, info.nbytes
-    return rows, rows.start * row_bytes, rows.length * row_bytes

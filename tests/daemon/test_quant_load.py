@@ -125,15 +125,15 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
     TP=1 and on each TP=2 rank (row shards, column shards, weights read whole for the scales that span
     them); it did read ahead. A read ahead that fails fails the load with its error, and the pool
     winds down."""
-    from preload_daemon import execute
+    from preload_daemon import execute, reader
     readers = []
-    real_read = execute._Reader._read
+    real_read = reader.Reader._read
 
     def spy(self, name, shard, index):
         readers.append(threading.current_thread().name)
         return real_read(self, name, shard, index)
 
-    monkeypatch.setattr(execute._Reader, "_read", spy)
+    monkeypatch.setattr(reader.Reader, "_read", spy)
     for tp_size, tp_rank in ((1, 0), (2, 0), (2, 1)):
         spec = LoadSpec(path=str(tp_model), quantization=scheme, tp_size=tp_size, tp_rank=tp_rank)
         monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 1 << 62)
