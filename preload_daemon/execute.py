@@ -14,12 +14,15 @@ source is read into a second scratch buffer on the pool meanwhile (READ_AHEAD_BY
 extra memory stays two source tensors (and, where torch quantizes, the temporaries of a pass of a
 few rows: kernels.quant), never a second copy of the model (temporaries freed on one thread are
 reused there: on many threads, malloc's per-thread arenas would each keep some; a quantizing load
-keeps them in the heap between weights, buffers.heap_kept)."""
+keeps them in the heap between weights, buffers.heap_kept). Where the native quantization runs,
+small quantized sources in a row (and the small tensors between them) are one job on the pool
+instead, of about RUN_BYTES: read into the thread's buffer and quantized in one native call."""
 
 import collections
 import concurrent.futures
 import contextlib
 import os
+import threading
 
 import torch
 
@@ -47,6 +50,13 @@ HASH_SPAN = 1 << 20
 # reads from disk (the default model's int8 load, page-cached: 196 ms read in turn, 222 read ahead;
 # a 1 GB checkpoint of 10 MB weights from disk: see docs/benchmarks.md).
 READ_AHEAD_BYTES = 4 << 20
+# Small quantized sources in a row, of one scheme and stored dtype, are one job on the pool, which
+# ends once they pass this many bytes: read into one buffer and quantized in one native call
+# (kernels.quant.quantize_many). One at a time, a weight's own Python and dispatch cost more than its
+# bytes (20,000 tensors, int8, from the page cache: see docs/benchmarks.md).
+RUN_BYTES = BATCH_BYTES
+NATIVE_SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the stored dtypes quantize_many reads
+_RUN_BUFFERS = threading.local()
 
 
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
@@ -83,6 +93,7 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     entries, tensors = plan.entries, checkpoint.tensors
     sources = _quantized_sources(entries)  # (first entry's index, source to read) of each quantized group
+    many = RUN_BYTES > 0 and bool(sources) and quant.many_native()
     hashed, in_flight, i = 0, 0, 0
     writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
@@ -90,11 +101,13 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
         reader = Reader(checkpoint, pool)
         try:
             while i < len(entries):
-                # A run of small tensors read straight into place is one job and one item (tiny
-                # tensors add up); anything else is a group of its own: one tensor, or the parts
-                # of one quantized source.
+                # A run of small tensors read straight into place, or of small quantized sources, is
+                # one job and one item (tiny tensors add up); anything else is a group of its own:
+                # one tensor, or the parts of one quantized source.
                 reads = _run_reads(tensors, entries, i, memory)
-                group = entries[i:i + len(reads)] if reads else _group(entries, i)
+                run = _quantized_run(tensors, entries, i) if many and not reads else []
+                group = entries[i:i + len(reads)] if reads \
+                    else entries[i:i + sum(map(len, run))] if run else _group(entries, i)
                 i += len(group)
                 nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
                 next_offset = entries[i].offset if i < len(entries) else plan.total_bytes  # padding up to it
@@ -109,6 +122,8 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                     futures = []
                 elif reads:
                     futures = [pool.submit(_fresh, span, checkpoint.read_many, reads)]
+                elif run:
+                    futures = [pool.submit(_fresh, span, _quantize_run, checkpoint, run, dest)]
                 else:
                     if group[0].quantize:  # the next quantized source is read on the pool meanwhile
                         while sources and sources[0][0] < i:  # (i: past this group)
@@ -173,6 +188,87 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
                       0 if shard is None else row_range(info, shard)[1]))
         total += entry.nbytes
     return reads
+
+
+def _quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int) -> list[tuple[PlanEntry, ...]]:
+    """The groups from entry i on that _quantize_run writes together, until they pass RUN_BYTES: small
+    2-D quantized sources of one scheme and stored dtype, each read as quantize() takes it (whole, or a
+    row shard whose scales lie within it), and between them small tensors read straight into place
+    (a model's norms); the first one quantized. Empty where that is fewer than two groups."""
+    run: list = []
+    first, total, j = entries[i], 0, i
+    while j < len(entries) and total < RUN_BYTES:
+        entry = entries[j]
+        shard = entry.shard
+        if not entry.quantize:  # read straight into place, as _run_reads and _jobs read it
+            info = tensors[entry.source]
+            if not run or entry.nbytes >= RUN_BYTES or info.dtype != entry.dtype \
+                    or (shard is not None and shard.dim != 0):
+                break
+            run.append((entry,))
+            total += entry.nbytes
+            j += 1
+            continue
+        name, read = _quantized_read(entry)
+        info = tensors[name]
+        if entry.quant_scheme != first.quant_scheme or read is not shard or (shard is not None and shard.dim != 0) \
+                or len(info.shape) != 2 or info.dtype not in NATIVE_SOURCES \
+                or info.dtype != tensors[first.source].dtype:
+            break
+        length = row_range(info, shard)[2]
+        if not length or length >= RUN_BYTES:
+            break
+        run.append(_group(entries, j))
+        total += length
+        j += len(run[-1])
+    return run if len(run) > 1 else []
+
+
+def _quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest: torch.Tensor) -> None:
+    """Reads a run's sources, the quantized ones into this thread's buffer (each at a multiple of 64
+    bytes) and the others into place, in one preadv where they lie back to back in the file, and
+    quantizes the former into their parts' places in one native call."""
+    tensors = checkpoint.tensors
+    places, size = [], 0  # each group's place in the buffer, or None: read straight into dest
+    for group in run:
+        places.append(size if group[0].quantize else None)
+        if group[0].quantize:
+            size += -(-row_range(tensors[group[0].source], group[0].shard)[2] // 64) * 64
+    buffer = _run_buffer(size)
+    memory, into = memoryview(buffer.numpy()), memoryview(dest.numpy())
+    reads, weights, quantized = [], [], []
+    for group, at in zip(run, places):
+        entry = group[0]
+        info = tensors[entry.source]
+        rows, skip, length = row_range(info, entry.shard)
+        if at is None:
+            reads.append((entry.source, into[entry.offset:entry.offset + entry.nbytes], skip))
+            continue
+        reads.append((entry.source, memory[at:at + length], skip))
+        parts = {part.part: part for part in group}
+        weight, scale, extra = parts["weight"], parts["weight_scale"], parts.get("weight_global_scale")
+        weights += (at, rows.length if rows else info.shape[0], info.shape[1], weight.offset, weight.nbytes,
+                    scale.offset, scale.nbytes, extra.offset if extra else -1)
+        quantized.append((entry, at, length))
+    checkpoint.read_many(reads)
+    first = quantized[0][0]
+    dtype = tensors[first.source].dtype
+    bad = quant.quantize_many(buffer, dtype, weights, dest, first.quant_scheme)
+    if bad >= 0:  # that weight's error, as quantizing it alone would raise it
+        entry, at, length = quantized[bad]
+        try:
+            quant.refuse_non_finite(buffer[at:at + length].view(dtype))
+        except ValueError as e:
+            raise _unquantizable(entry, e) from e
+
+
+def _run_buffer(size: int) -> torch.Tensor:
+    """This pool thread's buffer for runs, its first `size` bytes (grown as needed): a new one a run
+    faulted its pages in each time (the thread's own, and freed with it when the load's pool ends)."""
+    buffer = getattr(_RUN_BUFFERS, "buffer", None)
+    if buffer is None or buffer.numel() < size:
+        buffer = _RUN_BUFFERS.buffer = torch.empty(max(size, RUN_BYTES * 2), dtype=torch.uint8)
+    return buffer[:size]
 
 
 def groups(plan: LoadPlan):
@@ -279,4 +375,8 @@ def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> 
             quant.quantize_part(reader.read(name, None), first.quant_scheme, shard.dim, shard.start, shard.length,
                                 out=out)
     except ValueError as e:
-        raise CheckpointError(f"cannot quantize {first.source!r} to {first.quant_scheme}: {e}") from e
+        raise _unquantizable(first, e) from e
+
+
+def _unquantizable(entry: PlanEntry, e: ValueError) -> CheckpointError:
+    return CheckpointError(f"cannot quantize {entry.source!r} to {entry.quant_scheme}: {e}")

@@ -170,6 +170,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
     expected: dict[str, tuple[int, ...]] = {}
     shards: dict[tuple[str, tuple[int, ...]], Shard | None] = {}
     wide_float: dict[torch.dtype, bool] = {}
+    quantized: dict[tuple[int, ...], tuple] = {}
     tensors = checkpoint.tensors
     for name, kind in _component_tensors(checkpoint, arch, spec.component):
         info = tensors[name]
@@ -193,18 +194,26 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
             shape[shard.dim] = shard.length
             shape = tuple(shape)
         if kind.quantizable and spec.quantization != "none":
-            params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
-            common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
             stem = name.removesuffix(".weight")
             if prequantized:
+                params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
+                common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
                 scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard)
                 add(name=name, dtype=info.dtype, shape=shape, shard=shard, source=name, part="weight", **common)
                 add(name=f"{stem}.weight_scale", dtype=torch.float32, shape=scale_shape, shard=scale_shard,
                     source=scale_name, part="weight_scale", **common)
-            else:
-                for part, (dtype, part_shape) in quant.layout(spec.quantization, *shape).items():
-                    add(name=f"{stem}.{part}", dtype=dtype, shape=part_shape, shard=shard, source=name, part=part,
-                        quantize=True, **common)
+                continue
+            parts = quantized.get(shape)
+            if parts is None:  # per shape, as above: the manifest's parameters, each part's dtype, shape, bytes
+                params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
+                parts = quantized[shape] = params, tuple(
+                    (part, dtype, part_shape, dtype.itemsize * _numel(part_shape))
+                    for part, (dtype, part_shape) in quant.layout(spec.quantization, *shape).items())
+            params, layout = parts
+            for part, dtype, part_shape, nbytes in layout:  # add(), inlined
+                entries.append(PlanEntry(f"{stem}.{part}", kind.role, dtype, part_shape, offset, nbytes, shard, name,
+                                         part, spec.quantization, params, True))
+                offset = (offset + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
             continue
         dtype = target if wide else info.dtype
         nbytes = dtype.itemsize * _numel(shape)

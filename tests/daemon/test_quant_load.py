@@ -134,6 +134,7 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
         return real_read(self, name, shard, index)
 
     monkeypatch.setattr(reader.Reader, "_read", spy)
+    monkeypatch.setattr(execute, "RUN_BYTES", 0)  # each source on its own (runs of small ones: below)
     for tp_size, tp_rank in ((1, 0), (2, 0), (2, 1)):
         spec = LoadSpec(path=str(tp_model), quantization=scheme, tp_size=tp_size, tp_rank=tp_rank)
         monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 1 << 62)
@@ -158,6 +159,75 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
     with pytest.raises(CheckpointError, match="up_proj.weight: the disk went away"):
         read_cold(LoadSpec(path=str(tp_model), quantization=scheme))
     assert threading.active_count() == before
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """(weights, result) of each native call that quantizes a run of small sources together."""
+    from kernels import quant
+    if not quant.many_native():
+        pytest.skip("no native kernels here: each source is quantized on its own")
+    calls = []
+    real = quant.quantize_many
+
+    def spy(source, dtype, weights, dest, name):
+        calls.append((len(weights) // 8, real(source, dtype, weights, dest, name)))
+        return calls[-1][1]
+
+    monkeypatch.setattr(quant, "quantize_many", spy)
+    return calls
+
+
+def _alone(spec: LoadSpec, monkeypatch) -> torch.Tensor:
+    """The cold load's bytes with every quantized source quantized on its own."""
+    from preload_daemon import execute
+    with monkeypatch.context() as patch:
+        patch.setattr(execute, "RUN_BYTES", 0)
+        return read_cold(spec)[1]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_runs_of_small_sources_load_the_bytes_each_alone_loads(tp_model, scheme, runs, monkeypatch):
+    """Small quantized sources in a row, with the norms between them, are read together and quantized
+    in one native call (kernels.quant.quantize_many), and write the bytes that quantizing each on its
+    own writes: at TP=1, and on each TP=2 rank, whose row shards are runs too (but for the schemes
+    whose scale spans the whole weight, which each rank reads whole: on their own)."""
+    for tp_size, tp_rank in ((1, 0), (2, 0), (2, 1)):
+        spec = LoadSpec(path=str(tp_model), quantization=scheme, tp_size=tp_size, tp_rank=tp_rank)
+        runs.clear()
+        together = read_cold(spec)[1]
+        assert max(runs, default=(0,))[0] >= 2 or (tp_size == 2 and scheme_of(scheme).weight_scale), runs
+        runs.clear()
+        assert torch.equal(together, _alone(spec, monkeypatch)) and not runs, (tp_size, tp_rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_runs_read_float32_and_float16_and_refuse_what_each_alone_refuses(tmp_path, dtype, runs, monkeypatch):
+    """Runs quantize float32 and float16 checkpoints as each weight alone does; a weight in a run with
+    a value that is not finite fails the load with the error it fails with alone, naming it."""
+    model = tiny_model("llama", tmp_path / "m", dtype=dtype, hidden_size=256, intermediate_size=512,
+                       vocab_size=64, num_attention_heads=4, num_key_value_heads=2)
+    for scheme in ("int8", "fp8_block", "mxfp4", "nvfp4"):
+        spec = LoadSpec(path=str(model), quantization=scheme)
+        runs.clear()
+        together = read_cold(spec)[1]
+        assert max(runs, default=(0,))[0] >= 2
+        assert torch.equal(together, _alone(spec, monkeypatch)), scheme
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.1.self_attn.k_proj.weight"][5, 7] = float("nan")
+    tensors["model.layers.1.self_attn.k_proj.weight"][6, 1] = float("-inf")
+    save_file(tensors, str(model / "model.safetensors"))
+    for scheme in ("int8", "fp8_per_tensor", "nvfp4"):
+        spec = LoadSpec(path=str(model), quantization=scheme)
+        runs.clear()
+        with pytest.raises(CheckpointError) as together:
+            read_cold(spec)
+        assert any(bad >= 0 for _, bad in runs)  # found by a run
+        with pytest.raises(CheckpointError) as alone:
+            _alone(spec, monkeypatch)
+        assert str(together.value) == str(alone.value)
+        assert "cannot quantize 'model.layers.1.self_attn.k_proj.weight'" in str(together.value)
+        assert "weight has 2 non-finite value(s)" in str(together.value)
 
 
 def make_prequantized(source, target):
