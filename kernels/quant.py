@@ -38,8 +38,7 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        parts = (self.weight, self.scale, self.global_scale)
-        return sum(p.numel() * p.element_size() for p in parts if p is not None)
+        return sum(p.numel() * p.element_size() for p in (self.weight, self.scale, self.global_scale) if p is not None)
 
 
 class Scheme:
@@ -254,8 +253,7 @@ def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK,
     at a time, through float32 temporaries of about `chunk` elements. Every path gives the same bits."""
     found = scheme(name)
     _check_2d(w)
-    # The native op finds non-finite values as it goes: the pass for the largest magnitude is only
-    # needed first for the scales that span the weight (and by the torch code).
+    # The native op finds non-finite values itself: a pass for the largest magnitude is for spanning scales and torch.
     amax = None if _native(w, *(out or {}).values()) and not found.weight_scale else _largest_magnitude(w)
     return _quantize(w, found, amax, chunk, out)
 
@@ -339,10 +337,12 @@ def _native(*tensors: torch.Tensor):
 
 
 def quantize_many(source: torch.Tensor, dtype: torch.dtype, weights: list[int], dest: torch.Tensor, name: str) -> int:
-    """Small weights of scheme `name` stored as `dtype` in `source` quantized into `dest` (uint8 bytes) as
-    quantize() would, by one native call on this thread (where many_native()): `weights` holds 8 integers a
-    weight (kernels/csrc/quantize.cpp). The index of the first with a non-finite value, or -1."""
-    return _native().quantize_many(source, dtype, weights, dest, *scheme(name).native, _native().variant_index())
+    """Small weights of scheme `name` stored as `dtype` in `source` quantized into `dest` (uint8) as quantize() would,
+    in one native call on this thread (`weights`: 8 ints each, quantize.cpp): the first non-finite one's index or -1."""
+    native = _native()
+    if native is None:
+        raise RuntimeError("quantize_many runs on the native kernels only (see many_native())")
+    return native.quantize_many(source, dtype, weights, dest, *scheme(name).native, native.variant_index())
 
 
 def many_native() -> bool:

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 
 #include "qgemv_kernels.h"
@@ -124,50 +125,59 @@ constexpr int64_t kManyFields = 8;
 // Many small weights of one scheme and one stored dtype, on the calling thread alone (a load runs
 // several such calls side by side): a cold load of many small tensors spent most of its time on
 // each one's Python and dispatch, not on its bytes. `weights` holds 8 integers a weight: its first
-// byte in `source` (a multiple of its element size), N, K (each at least 1), and the byte offset and
-// length in `dest` of its quantized elements, of its scales, and of its global scale (NVFP4; -1 and
-// 0 for the others). Each weight is quantized as `quantize` quantizes it; FP8 per tensor's scale and
-// NVFP4's global one come from its own largest magnitude (kernels/quant.py's _scale_of: 1 where the
-// quotient is 0), and are written at their offsets too. Every place is checked before anything is
-// written. Returns the index of the first weight with a value that is not finite (what its parts
-// and the later weights' hold is then of no use), or -1.
+// byte in `source`, N, K (each at least 1), and in `dest` the byte offset and length of its quantized
+// elements, the offset and length of its scales, and the offset of its global scale (NVFP4; -1 for
+// the others); each place aligned for what it holds, and none overlapping another or `source` (not
+// checked: that would corrupt results, not memory). Each weight is quantized as `quantize` quantizes
+// it; FP8 per tensor's scale and NVFP4's global one come from its own largest magnitude
+// (kernels/quant.py's _scale_of: 1 where the quotient is 0), and are written at their offsets too.
+// Every place is checked against its buffer before anything is written. Returns the index of the
+// first weight with a value that is not finite (what its parts and the later weights' hold is then
+// of no use), or -1.
 int64_t quantize_many(const at::Tensor& source, at::ScalarType dtype, at::IntArrayRef weights, at::Tensor& dest,
                       int64_t scale_kind, int64_t block, int64_t element, int64_t variant) {
   const Kernels* kernels = variant_kernels(variant);
   const Scheme scheme(scale_kind, block, element);
-  const Source kind = source_of(dtype);
+  const Source stored = source_of(dtype);
   TORCH_CHECK(source.device().is_cpu() && source.scalar_type() == at::kByte && source.dim() == 1 &&
                   source.is_contiguous() && dest.device().is_cpu() && dest.scalar_type() == at::kByte &&
                   dest.dim() == 1 && dest.is_contiguous(),
               "quantize_many takes contiguous 1-D uint8 CPU source and dest");
   TORCH_CHECK(weights.size() % kManyFields == 0, "weights must be ", kManyFields, " integers a weight, got ",
               weights.size());
+  const uint8_t* in = source.data_ptr<uint8_t>();
+  uint8_t* out = dest.data_ptr<uint8_t>();
   const int64_t count = static_cast<int64_t>(weights.size()) / kManyFields, item = at::elementSize(dtype);
   const int64_t scale_item = scheme.scale_dtype() == at::kFloat ? 4 : 1;
+  const auto aligned = [](const uint8_t* base, int64_t offset, int64_t size) {
+    return (reinterpret_cast<uintptr_t>(base) + static_cast<uint64_t>(offset)) % size == 0;
+  };
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* f = weights.data() + i * kManyFields;
     const int64_t n = f[1], k = f[2];
-    TORCH_CHECK(n >= 1 && k >= 1 && k <= source.numel() / item && f[0] % item == 0 &&
-                    within(f[0], n, k * item, source.numel()),
+    TORCH_CHECK(n >= 1 && k >= 1 && k <= source.numel() / item && within(f[0], n, k * item, source.numel()),
                 "weight ", i, ": ", n, "x", k, " elements from byte ", f[0], " do not lie within the ",
-                source.numel(), "-byte source at a multiple of ", item);
+                source.numel(), "-byte source");
+    TORCH_CHECK(aligned(in, f[0], item), "weight ", i, ": its elements at byte ", f[0], " of the source are not ",
+                "aligned to their ", item, " bytes");
     const int64_t columns = scheme.columns(k), scales = scheme.scales(n, k);
-    TORCH_CHECK(k <= dest.numel() && f[4] / n == columns && f[4] % n == 0 && within(f[3], f[4], 1, dest.numel()),
+    TORCH_CHECK(f[4] % n == 0 && f[4] / n == columns && within(f[3], f[4], 1, dest.numel()),
                 "weight ", i, ": its elements must be ", n, "x", columns, " bytes within the ", dest.numel(),
                 "-byte destination, got ", f[4], " at ", f[3]);
-    TORCH_CHECK(f[6] == scales * scale_item && f[5] % scale_item == 0 && within(f[5], f[6], 1, dest.numel()),
-                "weight ", i, ": its scales must be ", scales * scale_item, " bytes within the destination at a "
-                "multiple of ", scale_item, ", got ", f[6], " at ", f[5]);
+    TORCH_CHECK(f[6] == scales * scale_item && within(f[5], f[6], 1, dest.numel()), "weight ", i,
+                ": its scales must be ", scales * scale_item, " bytes within the destination, got ", f[6], " at ",
+                f[5]);
+    TORCH_CHECK(aligned(out, f[5], scale_item), "weight ", i, ": its scales at byte ", f[5], " of the destination ",
+                "are not aligned to their ", scale_item, " bytes");
     const bool global = scheme.kind == kE4M3Per16;
-    TORCH_CHECK(global ? f[7] % 4 == 0 && within(f[7], 1, 4, dest.numel()) : f[7] == -1,
-                "weight ", i, ": ", global ? "its global scale must be 4 bytes within the destination"
-                                           : "no global scale in this scheme (-1)", ", got ", f[7]);
+    TORCH_CHECK(global ? within(f[7], 1, 4, dest.numel()) && aligned(out, f[7], 4) : f[7] == -1, "weight ", i, ": ",
+                global ? "its global scale must be 4 aligned bytes within the destination"
+                       : "no global scale in this scheme (-1)",
+                ", got ", f[7]);
   }
-  const uint8_t* in = source.data_ptr<uint8_t>();
-  uint8_t* out = dest.data_ptr<uint8_t>();
   for (int64_t i = 0; i < count; ++i) {
     const int64_t* f = weights.data() + i * kManyFields;
-    QuantizeJob job{in + f[0], kind, f[1], f[2], f[2], scheme.kind, block, scheme.element, 1.0f, out + f[3],
+    QuantizeJob job{in + f[0], stored, f[1], f[2], f[2], scheme.kind, block, scheme.element, 1.0f, out + f[3],
                     out + f[5]};
     if (scheme.spans()) {
       float amax = 0.0f;
