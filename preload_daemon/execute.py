@@ -16,22 +16,24 @@ few rows: kernels.quant), never a second copy of the model (temporaries freed on
 reused there: on many threads, malloc's per-thread arenas would each keep some; a quantizing load
 keeps them in the heap between weights, buffers.heap_kept). Where the native quantization runs,
 small quantized sources in a row (and the small tensors between them) are one job on the pool
-instead, of about RUN_BYTES: read into the thread's buffer and quantized in one native call."""
+instead, of about sources.RUN_BYTES: read into the pool thread's buffer (about 2 MiB a thread, for
+the load) and quantized in one native call; the next large source is read ahead meanwhile too."""
 
 import collections
 import concurrent.futures
 import contextlib
 import os
-import threading
 
 import torch
 
 from kernels import quant
+from preload_daemon import sources
 from preload_daemon.buffers import gc_paused, heap_kept, populate
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
 from preload_daemon.reader import Reader, row_range
+from preload_daemon.sources import quantize_into, quantize_run, quantized_read, quantized_run, source_group
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
 READ_CHUNK = 16 << 20
@@ -50,13 +52,6 @@ HASH_SPAN = 1 << 20
 # reads from disk (the default model's int8 load, page-cached: 196 ms read in turn, 222 read ahead;
 # a 1 GB checkpoint of 10 MB weights from disk: see docs/benchmarks.md).
 READ_AHEAD_BYTES = 4 << 20
-# Small quantized sources in a row, of one scheme and stored dtype, are one job on the pool, which
-# ends once they pass this many bytes: read into one buffer and quantized in one native call
-# (kernels.quant.quantize_many). One at a time, a weight's own Python and dispatch cost more than its
-# bytes (20,000 tensors, int8, from the page cache: see docs/benchmarks.md).
-RUN_BYTES = BATCH_BYTES
-NATIVE_SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the stored dtypes quantize_many reads
-_RUN_BUFFERS = threading.local()
 
 
 def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tensor=None, hasher=None,
@@ -92,8 +87,9 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
     checkpoint.open_files()  # before the threads share its descriptors
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     entries, tensors = plan.entries, checkpoint.tensors
-    sources = _quantized_sources(entries)  # (first entry's index, source to read) of each quantized group
-    many = RUN_BYTES > 0 and bool(sources) and quant.many_native()
+    upcoming = _quantized_sources(entries)  # (first entry's index, source to read) of each quantized group
+    many = sources.RUN_BYTES > 0 and bool(upcoming) and quant.many_native()
+    ahead_bytes = max(READ_AHEAD_BYTES, sources.RUN_BYTES if many else 0)  # (what a run may take, it reads)
     hashed, in_flight, i = 0, 0, 0
     writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
@@ -105,9 +101,13 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                 # one job and one item (tiny tensors add up); anything else is a group of its own:
                 # one tensor, or the parts of one quantized source.
                 reads = _run_reads(tensors, entries, i, memory)
-                run = _quantized_run(tensors, entries, i) if many and not reads else []
-                group = entries[i:i + len(reads)] if reads \
-                    else entries[i:i + sum(map(len, run))] if run else _group(entries, i)
+                run = quantized_run(tensors, entries, i) if many and not reads else []
+                if reads:
+                    group = entries[i:i + len(reads)]
+                elif run:
+                    group = entries[i:i + sum(map(len, run))]
+                else:
+                    group = source_group(entries, i)
                 i += len(group)
                 nbytes = group[-1].offset + group[-1].nbytes - group[0].offset
                 next_offset = entries[i].offset if i < len(entries) else plan.total_bytes  # padding up to it
@@ -123,18 +123,22 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                 elif reads:
                     futures = [pool.submit(_fresh, span, checkpoint.read_many, reads)]
                 elif run:
-                    futures = [pool.submit(_fresh, span, _quantize_run, checkpoint, run, dest)]
+                    futures = [pool.submit(_fresh, span, quantize_run, checkpoint, run, dest)]
+                    following = _next_source(upcoming, i, reader, ahead_bytes)
+                    if following is not None:  # read meanwhile too, as after a source quantized alone
+                        reader.read_ahead(*following)
                 else:
                     if group[0].quantize:  # the next quantized source is read on the pool meanwhile
-                        while sources and sources[0][0] < i:  # (i: past this group)
-                            sources.popleft()
-                        if sources and reader.length(*sources[0][1]) >= READ_AHEAD_BYTES:
-                            reader.upcoming = sources[0][1]
+                        reader.upcoming = _next_source(upcoming, i, reader, ahead_bytes)
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
                         populate(span)
-                        for job in jobs:
-                            job()
+                        try:
+                            for job in jobs:
+                                job()
+                        except CheckpointError:
+                            _raise_earlier(pending)  # a run before it failed too: its error comes first
+                            raise
                         jobs = []
                     futures = [pool.submit(_fresh, read[1], checkpoint.read_many, [read]) for read in reads]
                     futures.extend(pool.submit(_fresh, span, job) for job in jobs)
@@ -154,6 +158,22 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
             if reader.ahead is not None:
                 reader.ahead[3].cancel()
             raise
+
+
+def _next_source(queue: collections.deque, i: int, reader: Reader, least: int) -> tuple | None:
+    """(name, shard) of the next quantized source from entry i on, if it reads at least `least` bytes:
+    what to read ahead."""
+    while queue and queue[0][0] < i:
+        queue.popleft()
+    return queue[0][1] if queue and reader.length(*queue[0][1]) >= least else None
+
+
+def _raise_earlier(pending: collections.deque) -> None:
+    """Raises the error of the first item in `pending` whose writes failed, if any did (waiting for
+    them): the error a load gives is the first in plan order, wherever its weights were written."""
+    for _, _, futures, _ in pending:
+        for future in futures:
+            future.result()
 
 
 def _fresh(span: memoryview, write, *args) -> None:
@@ -190,121 +210,20 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
     return reads
 
 
-def _quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int) -> list[tuple[PlanEntry, ...]]:
-    """The groups from entry i on that _quantize_run writes together, until they pass RUN_BYTES: small
-    2-D quantized sources of one scheme and stored dtype, each read as quantize() takes it (whole, or a
-    row shard whose scales lie within it), and between them small tensors read straight into place
-    (a model's norms); the first one quantized. Empty where that is fewer than two groups."""
-    run: list = []
-    first, total, j = entries[i], 0, i
-    while j < len(entries) and total < RUN_BYTES:
-        entry = entries[j]
-        shard = entry.shard
-        if not entry.quantize:  # read straight into place, as _run_reads and _jobs read it
-            info = tensors[entry.source]
-            if not run or entry.nbytes >= RUN_BYTES or info.dtype != entry.dtype \
-                    or (shard is not None and shard.dim != 0):
-                break
-            run.append((entry,))
-            total += entry.nbytes
-            j += 1
-            continue
-        name, read = _quantized_read(entry)
-        info = tensors[name]
-        if entry.quant_scheme != first.quant_scheme or read is not shard or (shard is not None and shard.dim != 0) \
-                or len(info.shape) != 2 or info.dtype not in NATIVE_SOURCES \
-                or info.dtype != tensors[first.source].dtype:
-            break
-        length = row_range(info, shard)[2]
-        if not length or length >= RUN_BYTES:
-            break
-        run.append(_group(entries, j))
-        total += length
-        j += len(run[-1])
-    return run if len(run) > 1 else []
-
-
-def _quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest: torch.Tensor) -> None:
-    """Reads a run's sources, the quantized ones into this thread's buffer (each at a multiple of 64
-    bytes) and the others into place, in one preadv where they lie back to back in the file, and
-    quantizes the former into their parts' places in one native call."""
-    tensors = checkpoint.tensors
-    places, size = [], 0  # each group's place in the buffer, or None: read straight into dest
-    for group in run:
-        places.append(size if group[0].quantize else None)
-        if group[0].quantize:
-            size += -(-row_range(tensors[group[0].source], group[0].shard)[2] // 64) * 64
-    buffer = _run_buffer(size)
-    memory, into = memoryview(buffer.numpy()), memoryview(dest.numpy())
-    reads, weights, quantized = [], [], []
-    for group, at in zip(run, places):
-        entry = group[0]
-        info = tensors[entry.source]
-        rows, skip, length = row_range(info, entry.shard)
-        if at is None:
-            reads.append((entry.source, into[entry.offset:entry.offset + entry.nbytes], skip))
-            continue
-        reads.append((entry.source, memory[at:at + length], skip))
-        parts = {part.part: part for part in group}
-        weight, scale, extra = parts["weight"], parts["weight_scale"], parts.get("weight_global_scale")
-        weights += (at, rows.length if rows else info.shape[0], info.shape[1], weight.offset, weight.nbytes,
-                    scale.offset, scale.nbytes, extra.offset if extra else -1)
-        quantized.append((entry, at, length))
-    checkpoint.read_many(reads)
-    first = quantized[0][0]
-    dtype = tensors[first.source].dtype
-    bad = quant.quantize_many(buffer, dtype, weights, dest, first.quant_scheme)
-    if bad >= 0:  # that weight's error, as quantizing it alone would raise it
-        entry, at, length = quantized[bad]
-        try:
-            quant.refuse_non_finite(buffer[at:at + length].view(dtype))
-        except ValueError as e:
-            raise _unquantizable(entry, e) from e
-
-
-def _run_buffer(size: int) -> torch.Tensor:
-    """This pool thread's buffer for runs, its first `size` bytes (grown as needed): a new one a run
-    faulted its pages in each time (the thread's own, and freed with it when the load's pool ends)."""
-    buffer = getattr(_RUN_BUFFERS, "buffer", None)
-    if buffer is None or buffer.numel() < size:
-        buffer = _RUN_BUFFERS.buffer = torch.empty(max(size, RUN_BYTES * 2), dtype=torch.uint8)
-    return buffer[:size]
-
-
 def groups(plan: LoadPlan):
     """The plan's entries grouped by what one write makes (_group), in order."""
     i = 0
     while i < len(plan.entries):
-        group = _group(plan.entries, i)
+        group = source_group(plan.entries, i)
         i += len(group)
         yield group
 
 
 def _quantized_sources(entries: tuple[PlanEntry, ...]) -> collections.deque:
     """(index, (name, shard)) of the first entry of each quantized group, and what it reads."""
-    return collections.deque((k, _quantized_read(entry)) for k, entry in enumerate(entries)
+    return collections.deque((k, quantized_read(entry)) for k, entry in enumerate(entries)
                              if entry.quantize and not (k and entries[k - 1].quantize
                                                         and entries[k - 1].source == entry.source))
-
-
-def _quantized_read(entry: PlanEntry) -> tuple:
-    """(name, shard) of what quantizing `entry` reads: a TP rank reads its shard where the shard's
-    scales lie within it (a row's, a block's); scales that span it (per tensor, NVFP4's global, a
-    whole row's of a shard along K) need the whole weight."""
-    found, shard = quant.scheme(entry.quant_scheme), entry.shard
-    if shard is None or not (found.weight_scale or (shard.dim == 1 and found.row_scale)):
-        return entry.source, shard
-    return entry.source, None
-
-
-def _group(entries: tuple[PlanEntry, ...], i: int) -> tuple[PlanEntry, ...]:
-    """The entries one write makes from entry i: the parts of one quantized source (they follow each
-    other), or one copied tensor."""
-    j = i + 1
-    if entries[i].quantize:
-        while j < len(entries) and entries[j].quantize and entries[j].source == entries[i].source:
-            j += 1
-    return entries[i:j]
 
 
 def _finish(item, memory: memoryview, hashed: int, hasher, on_tensor) -> int:
@@ -355,28 +274,6 @@ def write_group(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> Non
     """Writes one group's bytes into `dest`. `reader` has read(name, shard) -> tensor and
     copy_into(entry, out): a checkpoint's files, or the tensor a publishing client just sent."""
     if group[0].quantize:
-        _quantize_into(reader, group, dest)
+        quantize_into(reader, group, dest)
     elif group[0].nbytes:
         reader.copy_into(group[0], dest[group[0].offset:group[0].offset + group[0].nbytes])
-
-
-def _quantize_into(reader, group: tuple[PlanEntry, ...], dest: torch.Tensor) -> None:
-    """Quantizes one source into its parts' places in dest (kernels.quant writes them there, or
-    copies them there where it quantizes in torch). A TP rank holds exactly TP=1's parts of its
-    shard, and quantizes only its shard, from what _quantized_read says it reads."""
-    first, shard = group[0], group[0].shard
-    out = {entry.part: dest[entry.offset:entry.offset + entry.nbytes].view(entry.dtype).view(entry.shape)
-           for entry in group}
-    name, read = _quantized_read(first)
-    try:
-        if read is shard:
-            quant.quantize(reader.read(name, shard), first.quant_scheme, out=out)
-        else:
-            quant.quantize_part(reader.read(name, None), first.quant_scheme, shard.dim, shard.start, shard.length,
-                                out=out)
-    except ValueError as e:
-        raise _unquantizable(first, e) from e
-
-
-def _unquantizable(entry: PlanEntry, e: ValueError) -> CheckpointError:
-    return CheckpointError(f"cannot quantize {entry.source!r} to {entry.quant_scheme}: {e}")

@@ -204,7 +204,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
                     source=scale_name, part="weight_scale", **common)
                 continue
             parts = quantized.get(shape)
-            if parts is None:  # per shape, as above: the manifest's parameters, each part's dtype, shape, bytes
+            if parts is None:  # once a shape: the manifest's parameters, and each part's dtype, shape and bytes
                 params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
                 parts = quantized[shape] = params, tuple(
                     (part, dtype, part_shape, dtype.itemsize * _numel(part_shape))

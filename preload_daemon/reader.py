@@ -28,7 +28,7 @@ class Reader:
     """Reads checkpoint tensors (or TP slices of them) through two reusable scratch buffers, which
     only the thread running execute() hands out. Where `upcoming` names the next quantized source, the
     read after it is set starts reading that on the pool into the other buffer, while the caller
-    quantizes what it read; reading that source then waits for it."""
+    quantizes what it read (read_ahead starts it at once); reading that source then waits for it."""
 
     def __init__(self, checkpoint: Checkpoint, pool: concurrent.futures.Executor | None = None):
         self.checkpoint, self.pool = checkpoint, pool
@@ -69,9 +69,18 @@ class Reader:
             src = self._read(name, shard, index)
         upcoming, self.upcoming = self.upcoming, None
         if upcoming is not None and self.ahead is None and self.pool is not None:
-            self._scratch(index ^ 1, self.length(*upcoming))  # grown here: malloc's arena of this thread
-            self.ahead = (*upcoming, index ^ 1, self.pool.submit(self._read, *upcoming, index ^ 1))
+            self._read_ahead(*upcoming, index ^ 1)
         return src
+
+    def read_ahead(self, name: str, shard) -> None:
+        """Starts reading `name` (or its shard) on the pool now, unless a read ahead is in flight;
+        read() of it then waits for that. Only between read()s, when neither buffer is in use."""
+        if self.ahead is None and self.pool is not None:
+            self._read_ahead(name, shard, 0)
+
+    def _read_ahead(self, name: str, shard, index: int) -> None:
+        self._scratch(index, self.length(name, shard))  # grown here: malloc's arena of this thread
+        self.ahead = (name, shard, index, self.pool.submit(self._read, name, shard, index))
 
     def length(self, name: str, shard) -> int:
         """The bytes read() of `name` (or its shard) reads."""

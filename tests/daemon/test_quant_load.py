@@ -125,7 +125,7 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
     TP=1 and on each TP=2 rank (row shards, column shards, weights read whole for the scales that span
     them); it did read ahead. A read ahead that fails fails the load with its error, and the pool
     winds down."""
-    from preload_daemon import execute, reader
+    from preload_daemon import execute, reader, sources
     readers = []
     real_read = reader.Reader._read
 
@@ -134,7 +134,7 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
         return real_read(self, name, shard, index)
 
     monkeypatch.setattr(reader.Reader, "_read", spy)
-    monkeypatch.setattr(execute, "RUN_BYTES", 0)  # each source on its own (runs of small ones: below)
+    monkeypatch.setattr(sources, "RUN_BYTES", 0)  # each source on its own (runs of small ones: below)
     for tp_size, tp_rank in ((1, 0), (2, 0), (2, 1)):
         spec = LoadSpec(path=str(tp_model), quantization=scheme, tp_size=tp_size, tp_rank=tp_rank)
         monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 1 << 62)
@@ -180,9 +180,9 @@ def runs(monkeypatch):
 
 def _alone(spec: LoadSpec, monkeypatch) -> torch.Tensor:
     """The cold load's bytes with every quantized source quantized on its own."""
-    from preload_daemon import execute
+    from preload_daemon import sources
     with monkeypatch.context() as patch:
-        patch.setattr(execute, "RUN_BYTES", 0)
+        patch.setattr(sources, "RUN_BYTES", 0)
         return read_cold(spec)[1]
 
 
@@ -228,6 +228,48 @@ def test_runs_read_float32_and_float16_and_refuse_what_each_alone_refuses(tmp_pa
         assert str(together.value) == str(alone.value)
         assert "cannot quantize 'model.layers.1.self_attn.k_proj.weight'" in str(together.value)
         assert "weight has 2 non-finite value(s)" in str(together.value)
+
+
+def test_runs_keep_the_next_large_source_read_ahead_and_the_first_error_first(tp_model, tmp_path, runs,
+                                                                             monkeypatch):
+    """A large source right after a run is read ahead on the pool while the run is written, as after a
+    source quantized alone (here every gate, up and down projection of 1 MiB: the threshold set to
+    that); and where a weight in a run and a later one quantized alone both hold a NaN, the load names
+    the first, as quantizing each alone does."""
+    from preload_daemon import execute, reader
+    pool_reads = []
+    real_read = reader.Reader._read
+
+    def spy(self, name, shard, index):
+        if threading.current_thread().name.startswith("load"):
+            pool_reads.append(name)
+        return real_read(self, name, shard, index)
+
+    monkeypatch.setattr(reader.Reader, "_read", spy)
+    monkeypatch.setattr(execute, "READ_AHEAD_BYTES", 1 << 20)
+    spec = LoadSpec(path=str(tp_model), quantization="int8")
+    together = read_cold(spec)[1]
+    assert max(runs, default=(0,))[0] >= 2
+    expected = {f"model.layers.{layer}.mlp.{name}.weight" for layer in (0, 1) for name in ("gate_proj", "up_proj",
+                                                                                            "down_proj")}
+    # (in plan order, layer 1's down projection right after a run; layer 0's is the first source)
+    assert sorted(pool_reads) == sorted(expected - {"model.layers.0.mlp.down_proj.weight"})
+    assert torch.equal(together, _alone(spec, monkeypatch))
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tp_model / "config.json").read_text())
+    tensors = load_file(str(tp_model / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_proj.weight"][1, 2] = float("nan")
+    tensors["model.layers.1.mlp.down_proj.weight"][3, 4] = float("nan")
+    save_file(tensors, str(broken / "model.safetensors"))
+    spec = LoadSpec(path=str(broken), quantization="int8")
+    for _ in range(3):
+        with pytest.raises(CheckpointError, match="'model.layers.0.self_attn.k_proj.weight'") as together:
+            read_cold(spec)
+        with pytest.raises(CheckpointError) as alone:
+            _alone(spec, monkeypatch)
+        assert str(together.value) == str(alone.value)
 
 
 def make_prequantized(source, target):
