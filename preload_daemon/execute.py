@@ -211,7 +211,7 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
 
 
 def groups(plan: LoadPlan):
-    """The plan's entries grouped by what one write makes (_group), in order."""
+    """The plan's entries grouped by what one write makes (source_group), in order."""
     i = 0
     while i < len(plan.entries):
         group = source_group(plan.entries, i)
