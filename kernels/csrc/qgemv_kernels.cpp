@@ -339,16 +339,16 @@ void dequantize(const Weight& w, int64_t begin, int64_t end, void* out, bool bf1
 
 #if defined(PRELOAD_AMX)
 extern const Kernels kAmx = {&gemv_amx, &dequantize, kE2M1Order, kBF16Order, &pack_amx, kAmxRows, &attend, &prefill,
-                           &silu_mul, &quantize_avx512, &largest_avx512};
+                           &silu_mul, &quantize_avx512, &tensor_scale_avx512};
 #elif defined(PRELOAD_BF16DOT)
 extern const Kernels kAvx512Bf16 = {&gemv_bf16dot, &dequantize, kE2M1Order, kBF16Order, &pack_bf16dot, 4, &attend,
-                                    &prefill, &silu_mul, &quantize_avx512, &largest_avx512};
+                                    &prefill, &silu_mul, &quantize_avx512, &tensor_scale_avx512};
 #elif defined(PRELOAD_AVX512)
 extern const Kernels kAvx512 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
-                                &silu_mul, &quantize_avx512, &largest_avx512};
+                                &silu_mul, &quantize_avx512, &tensor_scale_avx512};
 #else
 extern const Kernels kAvx2 = {&gemv_int16, &dequantize, kE2M1Order, kBF16Order, &pack_int16, 4, &attend, nullptr,
-                              &silu_mul, &quantize_avx2, &largest_avx2};
+                              &silu_mul, &quantize_avx2, &tensor_scale_avx2};
 #endif
 
 }  // namespace preload

@@ -131,9 +131,9 @@ struct Kernels {
   // Rows [begin, end) of a QuantizeJob's weight (for kBlock128, bands of 128 rows); false where any
   // element read was not finite (kPerTensor reads none for that), and its codes then mean nothing.
   bool (*quantize)(const QuantizeJob& job, int64_t begin, int64_t end);
-  // The largest |value| of rows [begin, end) of a QuantizeJob's weight, max-ed into *amax; false
-  // where any element is not finite.
-  bool (*largest)(const QuantizeJob& job, int64_t begin, int64_t end, float* amax);
+  // The scale that spans a QuantizeJob's weight (kPerTensor's, or kE4M3Per16's global one) from its
+  // largest magnitude, into *scale; false where any element is not finite.
+  bool (*tensor_scale)(const QuantizeJob& job, float* scale);
 };
 
 inline int64_t pack_floats(int64_t m_rows, int64_t k) { return m_rows * k / 2 + m_rows; }
@@ -145,11 +145,11 @@ inline std::pair<int64_t, int64_t> pack_share(int64_t k, int part, int parts) {
   return {std::min(k, groups * part / parts * 64), std::min(k, groups * (part + 1) / parts * 64)};
 }
 
-// quantize_kernels.cpp's, for AVX2 (kAvx2) and AVX-512 (the others): Kernels::quantize and ::largest.
+// quantize_kernels.cpp's, for AVX2 (kAvx2) and AVX-512 (the others): Kernels::quantize and ::tensor_scale.
 bool quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end);
 bool quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end);
-bool largest_avx2(const QuantizeJob& job, int64_t begin, int64_t end, float* amax);
-bool largest_avx512(const QuantizeJob& job, int64_t begin, int64_t end, float* amax);
+bool tensor_scale_avx2(const QuantizeJob& job, float* scale);
+bool tensor_scale_avx512(const QuantizeJob& job, float* scale);
 
 extern const Kernels kAvx2;    // AVX2 + FMA + F16C
 extern const Kernels kAvx512;  // AVX-512 F/BW/VL + FMA + F16C

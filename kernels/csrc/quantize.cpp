@@ -59,7 +59,6 @@ struct Scheme {
   }
   // FP8 per tensor's scale and NVFP4's global scale span the weight.
   bool spans() const { return kind == kPerTensor || kind == kE4M3Per16; }
-  float limit() const { return kind == kE4M3Per16 ? 448.0f * 6.0f : element == kInt8 ? 127.0f : 448.0f; }
   int64_t units(int64_t n) const { return kind == kBlock128 ? (n + 127) / 128 : n; }  // rows, or bands of 128
 };
 
@@ -130,7 +129,7 @@ constexpr int64_t kManyFields = 8;
 // the others); each place aligned for what it holds, and none overlapping another or `source` (not
 // checked: that would corrupt results, not memory). Each weight is quantized as `quantize` quantizes
 // it; FP8 per tensor's scale and NVFP4's global one come from its own largest magnitude
-// (kernels/quant.py's _scale_of: 1 where the quotient is 0), and are written at their offsets too.
+// (Kernels::tensor_scale, as kernels/quant.py's tensor_scale), and are written at their offsets too.
 // Every place is checked against its buffer before anything is written. Returns the index of the
 // first weight with a value that is not finite (what its parts and the later weights' hold is then
 // of no use), or -1.
@@ -180,10 +179,7 @@ int64_t quantize_many(const at::Tensor& source, at::ScalarType dtype, at::IntArr
     QuantizeJob job{in + f[0], stored, f[1], f[2], f[2], scheme.kind, block, scheme.element, 1.0f, out + f[3],
                     out + f[5]};
     if (scheme.spans()) {
-      float amax = 0.0f;
-      if (!kernels->largest(job, 0, job.n, &amax)) return i;
-      const float scale = amax / scheme.limit();
-      job.tensor_scale = scale > 0.0f ? scale : 1.0f;
+      if (!kernels->tensor_scale(job, &job.tensor_scale)) return i;
       std::memcpy(out + (scheme.kind == kPerTensor ? f[5] : f[7]), &job.tensor_scale, 4);
     }
     if (!kernels->quantize(job, 0, scheme.units(job.n))) return i;  // (FP8 per tensor's: checked above)

@@ -156,6 +156,22 @@ const float* row_span(const QuantizeJob& job, const T* w, int64_t r, int64_t sta
   }
 }
 
+// The largest |value| of row r, max-ed into *amax; whether every element of it is finite.
+template <typename T>
+bool row_largest(const QuantizeJob& job, const T* w, int64_t r, float* buffer, float* amax) {
+  bool finite = true;
+  for (int64_t at = 0; at < job.k; at += kQuantSpan) {
+    const int64_t count = std::min(kQuantSpan, job.k - at);
+    const float* p = row_span(job, w, r, at, count, buffer);
+    finite &= all_finite(p, count);
+    *amax = std::max(*amax, largest(p, count));
+  }
+  return finite;
+}
+
+// The largest value of FP8 per row or per tensor, and of int8.
+inline float row_limit(const QuantizeJob& job) { return job.element == kInt8 ? kQuantInt8Max : kQuantE4M3Max; }
+
 // Each of these returns whether every element it read was finite (FP8 per tensor: not looked at;
 // its caller found the weight's largest magnitude, and so that, first).
 template <typename T>
@@ -166,13 +182,8 @@ bool rows_scaled(const QuantizeJob& job, const T* w, int64_t begin, int64_t end,
     float scale = job.tensor_scale;
     if (job.kind == kPerRow) {
       float amax = 0.0f;
-      for (int64_t at = 0; at < job.k; at += kQuantSpan) {
-        const int64_t count = std::min(kQuantSpan, job.k - at);
-        const float* p = row_span(job, w, r, at, count, buffer);
-        finite &= all_finite(p, count);
-        amax = std::max(amax, largest(p, count));
-      }
-      scales[r] = scale = scale_of(amax, job.element == kInt8 ? kQuantInt8Max : kQuantE4M3Max);
+      finite &= row_largest(job, w, r, buffer, &amax);
+      scales[r] = scale = scale_of(amax, row_limit(job));
     }
     for (int64_t at = 0; at < job.k; at += kQuantSpan) {
       const int64_t count = std::min(kQuantSpan, job.k - at);
@@ -323,40 +334,31 @@ bool quantize_rows(const QuantizeJob& job, int64_t begin, int64_t end) {
   return as_stored(job, [&](const auto* w) { return quantize_typed(job, w, begin, end); });
 }
 
-// The largest |value| of rows [begin, end), max-ed into *amax; false where any is not finite (FP8 per
-// tensor's scale and NVFP4's global one span the weight: its largest magnitude is needed first).
+// FP8 per tensor's scale or NVFP4's global one, which span the weight: its largest magnitude / the
+// format's largest value (NVFP4: 448 x 6), 1 where that is 0, into *scale; whether every element is
+// finite.
 template <typename T>
-bool largest_typed(const QuantizeJob& job, const T* w, int64_t begin, int64_t end, float* amax) {
+bool tensor_scale_typed(const QuantizeJob& job, const T* w, float* scale) {
   alignas(64) float buffer[kQuantSpan];
   bool finite = true;
-  float m = *amax;
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t at = 0; at < job.k; at += kQuantSpan) {
-      const int64_t count = std::min(kQuantSpan, job.k - at);
-      const float* p = row_span(job, w, r, at, count, buffer);
-      finite &= all_finite(p, count);
-      m = std::max(m, largest(p, count));
-    }
-  *amax = m;
+  float amax = 0.0f;
+  for (int64_t r = 0; r < job.n; ++r) finite &= row_largest(job, w, r, buffer, &amax);
+  *scale = scale_of(amax, job.kind == kE4M3Per16 ? kQuantE4M3Max * kQuantE2M1Max : row_limit(job));
   return finite;
 }
 
-bool largest_rows(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
-  return as_stored(job, [&](const auto* w) { return largest_typed(job, w, begin, end, amax); });
+bool tensor_scale_of(const QuantizeJob& job, float* scale) {
+  return as_stored(job, [&](const auto* w) { return tensor_scale_typed(job, w, scale); });
 }
 
 }  // namespace
 
 #ifdef PRELOAD_AVX512
 bool quantize_avx512(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
-bool largest_avx512(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
-  return largest_rows(job, begin, end, amax);
-}
+bool tensor_scale_avx512(const QuantizeJob& job, float* scale) { return tensor_scale_of(job, scale); }
 #else
 bool quantize_avx2(const QuantizeJob& job, int64_t begin, int64_t end) { return quantize_rows(job, begin, end); }
-bool largest_avx2(const QuantizeJob& job, int64_t begin, int64_t end, float* amax) {
-  return largest_rows(job, begin, end, amax);
-}
+bool tensor_scale_avx2(const QuantizeJob& job, float* scale) { return tensor_scale_of(job, scale); }
 #endif
 
 }  // namespace preload
