@@ -251,11 +251,8 @@ def quantize(w: torch.Tensor, name: str, chunk: int = QUANTIZE_CHUNK,
     CPU the native op (kernels/csrc/quantize.cpp) quantizes it in one pass where the library runs; in
     torch, a weight of more than `chunk` elements is quantized a few whole rows (of the scheme's blocks)
     at a time, through float32 temporaries of about `chunk` elements. Every path gives the same bits."""
-    found = scheme(name)
     _check_2d(w)
-    # The native op finds non-finite values itself: a pass for the largest magnitude is for spanning scales and torch.
-    amax = None if _native(w, *(out or {}).values()) and not found.weight_scale else _largest_magnitude(w)
-    return _quantize(w, found, amax, chunk, out)
+    return _quantize(w, scheme(name), None, chunk, out)
 
 
 def quantize_part(w: torch.Tensor, name: str, dim: int, start: int, length: int,
@@ -296,10 +293,13 @@ def refuse_non_finite(w: torch.Tensor):  # raises the ValueError of a weight tha
 
 def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: int,
               out: dict[str, torch.Tensor] | None) -> QuantizedWeight:
-    """w quantized; `amax`, its largest magnitude (or the whole weight's, for a part of it), may be
-    None where the native op runs and the scheme has no scale that spans the weight."""
+    """w quantized; `amax` is its largest magnitude (or the whole weight's, for a part of it), found
+    here where None and needed: the native op finds non-finite values itself, so it needs one only for
+    a scale that spans the weight."""
     n, k = w.shape
     native = _native(w, *(out or {}).values())
+    if amax is None and (native is None or found.weight_scale):
+        amax = _largest_magnitude(w)
     if native is not None:
         parts = out if out is not None else _empty_parts(found, n, k)
         source = w if w.dtype in (torch.float32, torch.bfloat16, torch.float16) and (k <= 1 or w.stride(1) == 1) \
