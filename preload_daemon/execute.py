@@ -32,7 +32,7 @@ from preload_daemon.buffers import gc_paused, heap_kept, populate
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import LoadPlan, PlanEntry
-from preload_daemon.reader import Reader, row_range
+from preload_daemon.reader import Reader, in_place, row_range
 from preload_daemon.sources import quantize_into, quantize_run, quantized_read, quantized_run, source_group
 
 READ_THREADS = max(2, min(8, os.cpu_count() or 2))
@@ -189,9 +189,8 @@ def _run_reads(tensors: dict, entries: tuple[PlanEntry, ...], i: int, memory: me
     i on of tensors under BATCH_BYTES that go straight from the file to their place (as stored:
     whole, or whole rows), until they pass BATCH_BYTES; empty if entry i is not one of them. The
     loop body is the per-tensor cost of a checkpoint of tiny tensors: kept to lookups and a slice,
-    so it states _jobs' rule for a direct read inline (the stored dtype is the slab's, and the
-    shard, if any, takes whole rows: row_range's "rows") instead of calling it; a change to one
-    rule must change the other."""
+    so it states reader.in_place's rule inline (the stored dtype is the slab's, and the shard, if
+    any, takes whole rows) instead of calling it; a change to one rule must change the other."""
     reads: list = []
     total = 0
     for j in range(i, len(entries)):  # by index: islice(entries, i) would step over the first i each call
@@ -257,8 +256,8 @@ def _jobs(reader: Reader, group: tuple[PlanEntry, ...], dest: torch.Tensor,
     if not entry.nbytes:
         return [], [], False
     info = checkpoint.tensors[entry.source]
-    rows, skip, _ = row_range(info, entry.shard)
-    if info.dtype == entry.dtype and entry.shard is rows:
+    if in_place(info, entry):
+        skip = row_range(info, entry.shard)[1]
         start, end = entry.offset, entry.offset + entry.nbytes
         if entry.nbytes <= READ_CHUNK:  # one read, without a comprehension's frame
             return [(entry.source, memory[start:end], skip)], [], False

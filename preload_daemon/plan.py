@@ -196,8 +196,8 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         if kind.quantizable and spec.quantization != "none":
             stem = name.removesuffix(".weight")
             if prequantized:
-                params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
-                common = dict(role=kind.role, quant_scheme=spec.quantization, quant_params=params)
+                common = dict(role=kind.role, quant_scheme=spec.quantization,
+                              quant_params=_quant_params(spec.quantization, shape[1]))
                 scale_name, scale_shard, scale_shape = _block_scale(checkpoint, name, shard)
                 add(name=name, dtype=info.dtype, shape=shape, shard=shard, source=name, part="weight", **common)
                 add(name=f"{stem}.weight_scale", dtype=torch.float32, shape=scale_shape, shard=scale_shard,
@@ -205,8 +205,7 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
                 continue
             parts = quantized.get(shape)
             if parts is None:  # once a shape: the manifest's parameters, and each part's dtype, shape and bytes
-                params = tuple(sorted({**dict(scheme_params(spec.quantization)), "in_features": str(shape[1])}.items()))
-                parts = quantized[shape] = params, tuple(
+                parts = quantized[shape] = _quant_params(spec.quantization, shape[1]), tuple(
                     (part, dtype, part_shape, dtype.itemsize * _numel(part_shape))
                     for part, (dtype, part_shape) in quant.layout(spec.quantization, *shape).items())
             params, layout = parts
@@ -220,6 +219,11 @@ def build_plan(checkpoint: Checkpoint, spec: LoadSpec) -> LoadPlan:
         entries.append(PlanEntry(name, kind.role, dtype, shape, offset, nbytes, shard, name))  # add(), inlined
         offset = (offset + nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
     return LoadPlan(spec, arch, target, tuple(entries), max(offset, ALIGNMENT))
+
+
+def _quant_params(scheme: str, in_features: int) -> tuple[tuple[str, str], ...]:
+    """The manifest's parameters of a weight quantized with `scheme`."""
+    return tuple(sorted({**dict(scheme_params(scheme)), "in_features": str(in_features)}.items()))
 
 
 def _prequantized_scheme(checkpoint: Checkpoint) -> str | None:

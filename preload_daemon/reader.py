@@ -39,10 +39,8 @@ class Reader:
     def copy_into(self, entry: PlanEntry, out: torch.Tensor) -> None:
         """Writes one planned tensor, converting its dtype if needed, into `out` (its slab bytes)."""
         info = self.checkpoint.tensors[entry.source]
-        rows, skip, _ = row_range(info, entry.shard)
-        if info.dtype == entry.dtype and entry.shard is rows:
-            # Same dtype, whole tensor or contiguous rows: from the file to its place in one read.
-            self.checkpoint.read_into(entry.source, out, skip)
+        if in_place(info, entry):  # from the file to its place in one read
+            self.checkpoint.read_into(entry.source, out, row_range(info, entry.shard)[1])
             return
         out.view(entry.dtype).view(entry.shape).copy_(self.read(entry.source, entry.shard))
 
@@ -108,6 +106,13 @@ class Reader:
         if self.scratch[index].numel() < length:
             self.scratch[index] = torch.empty(length, dtype=torch.uint8)
         return self.scratch[index][:length]
+
+
+def in_place(info, entry: PlanEntry) -> bool:
+    """Whether a planned tensor is its stored bytes, read straight into place: the same dtype, and
+    the whole tensor or whole rows of it (one byte range: row_range). (execute's _run_reads states
+    this rule inline.)"""
+    return info.dtype == entry.dtype and (entry.shard is None or entry.shard.dim == 0)
 
 
 def row_range(info, shard):

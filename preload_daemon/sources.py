@@ -12,7 +12,7 @@ from kernels import quant
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import PlanEntry
-from preload_daemon.reader import row_range
+from preload_daemon.reader import in_place, row_range
 
 # Small quantized sources in a row, of one scheme and stored dtype, are one job on the pool, which
 # ends once they pass this many bytes: read into one buffer and quantized in one native call
@@ -77,9 +77,7 @@ def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int) -> list
         entry = entries[j]
         shard = entry.shard
         if not entry.quantize:  # read straight into place, as execute reads such tensors
-            info = tensors[entry.source]
-            if not run or entry.nbytes >= RUN_BYTES or info.dtype != entry.dtype \
-                    or (shard is not None and shard.dim != 0):
+            if not run or entry.nbytes >= RUN_BYTES or not in_place(tensors[entry.source], entry):
                 break
             run.append((entry,))
             total += entry.nbytes
