@@ -6,6 +6,11 @@ AVX-512, all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; 
 run time what this CPU can run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
 scripts/setup.sh runs this.
 
+A unit compiled for an instruction set may define no weak symbol (isa_leaks): a template or inline
+function that the compiler emits out of line is a weak copy, the linker keeps one copy of each for the
+whole library, and the copy it kept could be an AVX-512 one that AVX2 code then calls, faulting on a
+CPU without AVX-512. The build fails instead, naming the function.
+
     python scripts/build_kernels.py [--force]
 """
 
@@ -18,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CSRC = ROOT / "kernels" / "csrc"
@@ -74,6 +80,10 @@ def main() -> int:
         if any([job.wait() for job in jobs]):
             print("build_kernels: compilation failed (see above)", file=sys.stderr)
             return 1
+        leaks = isa_leaks({name: objects[name] for name, (_, flags) in UNITS.items() if _isa_specific(flags)})
+        if leaks:
+            print("build_kernels: " + "\n".join(leaks), file=sys.stderr)
+            return 1
         libs = cpp_extension.library_paths()
         subprocess.run(["g++", "-shared", "-fopenmp", *map(str, objects.values()), "-o", str(TARGET),
                         *(f"-L{p}" for p in libs), "-lc10", "-ltorch_cpu", *(f"-Wl,-rpath,{p}" for p in libs)],
@@ -81,6 +91,33 @@ def main() -> int:
     stamp.write_text(digest)
     print(f"build_kernels: built {TARGET.relative_to(ROOT)} in {time.monotonic() - start:.0f} s", file=sys.stderr)
     return 0
+
+
+def _isa_specific(flags: list[str]) -> bool:
+    """Whether a unit is compiled for instructions beyond plain x86-64 (-mavx2, -mavx512f, ...)."""
+    return any(flag.startswith("-m") for flag in flags)
+
+
+# nm's letters for weak symbols a unit defines: code (W, w) or an indirect function (i). A weak data
+# object (V, v: the exception personality's reference, say) holds no instructions.
+_WEAK_CODE = frozenset("Wwi")
+
+
+def isa_leaks(objects: typing.Mapping[str, pathlib.Path]) -> list[str]:
+    """One line per weak function that a unit compiled for an instruction set defines (see the module
+    doc), naming the unit and the function; empty where there is none."""
+    leaks = []
+    for name, path in objects.items():
+        listing = subprocess.run(["nm", "--defined-only", "--demangle", "--format=posix", str(path)],
+                                 capture_output=True, text=True, check=True).stdout
+        for line in listing.splitlines():  # "name type value size", the name demangled (spaces and all)
+            symbol, kind = line.rsplit(" ", 3)[:2]
+            if kind in _WEAK_CODE:
+                unit = f"{name}.o (compiled with {' '.join(UNITS[name][1])})" if name in UNITS else path.name
+                leaks.append(f"{unit} defines {symbol} as a weak symbol: the linker keeps one copy of it for the whole "
+                             "library, and code for another instruction set could call this one. Define it in an "
+                             "anonymous namespace (a std:: template: use it in a unit for plain x86-64 instead)")
+    return leaks
 
 
 if __name__ == "__main__":

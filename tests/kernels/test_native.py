@@ -2,12 +2,15 @@
 
 import importlib
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 
 from kernels import linear, native
 from kernels.quant import dequantize, quantize, scheme
+from tests.conftest import REPO
 
 NEEDS_AVX2 = pytest.mark.skipif("avx2" not in native.available(), reason="the avx2 kernels cannot run here")
 
@@ -399,3 +402,40 @@ def test_fp8_gemv_reads_every_e4m3_code_exactly(variant, name):
             assert expected.abs().max() > 0
             torch.testing.assert_close(op(x, weight, *operands).float(), expected.bfloat16().float(), rtol=1e-2,
                                        atol=1e-2 * expected.abs().max().item())
+
+
+SUM = """
+template <typename T> struct Sum {
+    T s{};
+    __attribute__((noinline)) void add(const T* x, long n) { for (long i = 0; i < n; ++i) s += x[i]; }
+};
+"""
+LEAKY = "#include <vector>\n" + SUM + """
+float total(const float* x, long n) {
+    Sum<float> a; a.add(x, n); std::vector<float> v(x, x + n); v.push_back(a.s); return v.back();
+}
+"""
+CONTAINED = "namespace {" + SUM + """}
+float total(const float* x, long n) { Sum<float> a; a.add(x, n); return a.s; }
+"""
+
+
+@pytest.mark.skipif(not (shutil.which("g++") and shutil.which("nm")), reason="needs g++ and nm")
+def test_the_build_refuses_a_weak_function_in_a_unit_for_an_instruction_set(tmp_path, monkeypatch):
+    """A template the compiler emits out of line in an AVX-512 unit is a weak copy the linker may
+    keep for the whole library, AVX2 code included: build_kernels names it (and fails the build: its
+    own units are checked so at every build, set-up's included); the same code in an anonymous
+    namespace, as the ISA units keep theirs, passes."""
+    monkeypatch.syspath_prepend(str(REPO / "scripts"))
+    build_kernels = importlib.import_module("build_kernels")
+    objects = {}
+    for name, source in (("leaky", LEAKY), ("contained", CONTAINED)):
+        (tmp_path / f"{name}.cpp").write_text(source)
+        subprocess.run(["g++", "-O2", "-mavx512f", "-c", str(tmp_path / f"{name}.cpp"), "-o",
+                        str(tmp_path / f"{name}.o")], check=True)
+        objects[name] = tmp_path / f"{name}.o"
+    leaks = build_kernels.isa_leaks({"leaky": objects["leaky"]})
+    assert any("Sum<float>::add(float const*, long)" in leak for leak in leaks), leaks
+    assert any("std::vector<float" in leak for leak in leaks), leaks
+    assert all(leak.startswith("leaky.o defines ") and "anonymous namespace" in leak for leak in leaks)
+    assert build_kernels.isa_leaks({"contained": objects["contained"]}) == []
