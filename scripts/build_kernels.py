@@ -6,7 +6,7 @@ AVX-512, all compiled at once. Compiling AVX-512 or AMX code needs no such CPU; 
 run time what this CPU can run. Elsewhere, or without g++, it says so and exits 0: the kernels then run their pure torch paths.
 scripts/setup.sh runs this.
 
-A unit compiled for an instruction set may define no weak symbol (isa_leaks): a template or inline
+A unit compiled for an instruction set may define no weak function (isa_leaks): a template or inline
 function that the compiler emits out of line is a weak copy, the linker keeps one copy of each for the
 whole library, and the copy it kept could be an AVX-512 one that AVX2 code then calls, faulting on a
 CPU without AVX-512. The build fails instead, naming the function.
