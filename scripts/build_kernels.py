@@ -80,9 +80,7 @@ def main() -> int:
         if any([job.wait() for job in jobs]):
             print("build_kernels: compilation failed (see above)", file=sys.stderr)
             return 1
-        leaks = isa_leaks({name: objects[name] for name, (_, flags) in UNITS.items() if _isa_specific(flags)})
-        if leaks:
-            print("build_kernels: " + "\n".join(leaks), file=sys.stderr)
+        if not units_contained({name: objects[name] for name, (_, flags) in UNITS.items() if _isa_specific(flags)}):
             return 1
         libs = cpp_extension.library_paths()
         subprocess.run(["g++", "-shared", "-fopenmp", *map(str, objects.values()), "-o", str(TARGET),
@@ -101,6 +99,20 @@ def _isa_specific(flags: list[str]) -> bool:
 # nm's letters for weak symbols a unit defines: code (W, w) or an indirect function (i). A weak data
 # object (V, v: the exception personality's reference, say) holds no instructions.
 _WEAK_CODE = frozenset("Wwi")
+
+
+def units_contained(objects: typing.Mapping[str, pathlib.Path]) -> bool:
+    """Whether no unit compiled for an instruction set defines a weak function (isa_leaks); if one
+    does, or nm is missing, says so on stderr."""
+    try:
+        leaks = isa_leaks(objects)
+    except FileNotFoundError:  # g++ links with binutils, which has nm: a broken toolchain
+        print("build_kernels: nm is missing; install GNU binutils (it checks the units compiled for an instruction "
+              "set)", file=sys.stderr)
+        return False
+    for leak in leaks:
+        print(f"build_kernels: {leak}", file=sys.stderr)
+    return not leaks
 
 
 def isa_leaks(objects: typing.Mapping[str, pathlib.Path]) -> list[str]:

@@ -421,7 +421,7 @@ float total(const float* x, long n) { Sum<float> a; a.add(x, n); return a.s; }
 
 
 @pytest.mark.skipif(not (shutil.which("g++") and shutil.which("nm")), reason="needs g++ and nm")
-def test_the_build_refuses_a_weak_function_in_a_unit_for_an_instruction_set(tmp_path, monkeypatch):
+def test_the_build_refuses_a_weak_function_in_a_unit_for_an_instruction_set(tmp_path, monkeypatch, capsys):
     """A template the compiler emits out of line in an AVX-512 unit is a weak copy the linker may
     keep for the whole library, AVX2 code included: build_kernels names it (and fails the build: its
     own units are checked so at every build, set-up's included); the same code in an anonymous
@@ -439,3 +439,9 @@ def test_the_build_refuses_a_weak_function_in_a_unit_for_an_instruction_set(tmp_
     assert any("std::vector<float" in leak for leak in leaks), leaks
     assert all(leak.startswith("leaky.o defines ") and "anonymous namespace" in leak for leak in leaks)
     assert build_kernels.isa_leaks({"contained": objects["contained"]}) == []
+    assert not build_kernels.units_contained(objects)  # what the build runs: it fails, saying why
+    assert build_kernels.units_contained({"contained": objects["contained"]})
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nm: the build fails and says what to install
+    assert not build_kernels.units_contained({"contained": objects["contained"]})
+    err = capsys.readouterr().err
+    assert "leaky.o defines Sum<float>::add" in err and "nm is missing; install GNU binutils" in err
