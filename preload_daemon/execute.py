@@ -15,9 +15,10 @@ extra memory stays two source tensors (and, where torch quantizes, the temporari
 few rows: kernels.quant), never a second copy of the model (temporaries freed on one thread are
 reused there: on many threads, malloc's per-thread arenas would each keep some; a quantizing load
 keeps them in the heap between weights, buffers.heap_kept). Where the native quantization runs,
-small quantized sources in a row (and the small tensors between them) are one job on the pool
-instead, of about sources.RUN_BYTES: read into the pool thread's buffer (about 2 MiB a thread, for
-the load) and quantized in one native call; the next large source is read ahead meanwhile too."""
+the quantized sources not read ahead, in a row (and the small tensors between them), are one job on
+the pool instead, of about sources.RUN_BYTES (or one larger source): read into the pool thread's
+buffer (2 MiB a thread, more where a run needs it, for the load) and quantized in one native call;
+the next large source is read ahead meanwhile too."""
 
 import collections
 import concurrent.futures
@@ -47,10 +48,11 @@ WINDOW = 4096  # groups in flight ahead of the oldest unfinished one ...
 WINDOW_BYTES = 8 * READ_CHUNK  # ... and their bytes
 HASH_SPAN = 1 << 20
 # A quantized source at least this large is read ahead on the pool while the one before it is
-# quantized. Smaller ones are read when their turn comes: a hand-off to the pool costs about as much
-# as their read from the page cache, and the kernel's own readahead already runs ahead of such short
-# reads from disk (the default model's int8 load, page-cached: 196 ms read in turn, 222 read ahead;
-# a 1 GB checkpoint of 10 MB weights from disk: see docs/benchmarks.md).
+# quantized. Smaller ones are read when their turn comes (in runs on the pool where the native
+# quantization runs: sources.quantized_run): a hand-off to the pool costs about as much as their read
+# from the page cache, and the kernel's own readahead already runs ahead of such short reads from
+# disk (the default model's int8 load, page-cached: 196 ms read in turn, 222 read ahead; a 1 GB
+# checkpoint of 10 MB weights from disk: see docs/benchmarks.md).
 READ_AHEAD_BYTES = 4 << 20
 
 
@@ -88,8 +90,8 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
     memory = memoryview(dest.numpy())  # slicing a memoryview costs far less than slicing a tensor
     entries, tensors = plan.entries, checkpoint.tensors
     upcoming = _quantized_sources(entries)  # (first entry's index, source to read) of each quantized group
+    # Runs take the quantized sources under READ_AHEAD_BYTES, which are never read ahead.
     many = sources.RUN_BYTES > 0 and bool(upcoming) and quant.many_native()
-    ahead_bytes = max(READ_AHEAD_BYTES, sources.RUN_BYTES if many else 0)  # (what a run may take, it reads)
     hashed, in_flight, i = 0, 0, 0
     writable = plan.total_bytes if ready is None else 0
     pending: collections.deque = collections.deque()  # (entries, next_offset, futures, bytes) in plan order
@@ -97,11 +99,11 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
         reader = Reader(checkpoint, pool)
         try:
             while i < len(entries):
-                # A run of small tensors read straight into place, or of small quantized sources, is
-                # one job and one item (tiny tensors add up); anything else is a group of its own:
-                # one tensor, or the parts of one quantized source.
+                # A run of small tensors read straight into place, or of quantized sources not read
+                # ahead, is one job and one item (tiny tensors add up); anything else is a group of
+                # its own: one tensor, or the parts of one quantized source.
                 reads = _run_reads(tensors, entries, i, memory)
-                run = quantized_run(tensors, entries, i) if many and not reads else []
+                run = quantized_run(tensors, entries, i, READ_AHEAD_BYTES) if many and not reads else []
                 if reads:
                     group = entries[i:i + len(reads)]
                 elif run:
@@ -124,12 +126,12 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                     futures = [pool.submit(_fresh, span, checkpoint.read_many, reads)]
                 elif run:
                     futures = [pool.submit(_fresh, span, quantize_run, checkpoint, run, dest)]
-                    following = _next_source(upcoming, i, reader, ahead_bytes)
+                    following = _next_source(upcoming, i, reader, READ_AHEAD_BYTES)
                     if following is not None:  # read meanwhile too, as after a source quantized alone
                         reader.read_ahead(*following)
                 else:
                     if group[0].quantize:  # the next quantized source is read on the pool meanwhile
-                        reader.upcoming = _next_source(upcoming, i, reader, ahead_bytes)
+                        reader.upcoming = _next_source(upcoming, i, reader, READ_AHEAD_BYTES)
                     reads, jobs, inline = _jobs(reader, group, dest, memory)
                     if inline:  # through the scratch buffer, on this thread only (see the module doc)
                         populate(span)

@@ -14,10 +14,12 @@ from preload_daemon.errors import CheckpointError
 from preload_daemon.plan import PlanEntry
 from preload_daemon.reader import in_place, row_range
 
-# Small quantized sources in a row, of one scheme and stored dtype, are one job on the pool, which
-# ends once they pass this many bytes: read into one buffer and quantized in one native call
-# (kernels.quant.quantize_many). One at a time, a weight's own Python and dispatch cost more than its
-# bytes (20,000 tensors, int8, from the page cache: see docs/benchmarks.md).
+# Quantized sources in a row that are not read ahead (execute.READ_AHEAD_BYTES), of one scheme and
+# stored dtype, are one job on the pool, which ends once they pass this many bytes: read into one
+# buffer and quantized in one native call (kernels.quant.quantize_many). One at a time, a small
+# weight's own Python and dispatch cost more than its bytes (20,000 tensors, int8, from the page
+# cache), and one of a few MiB, quantized on the loading thread, left the pool idle (the default
+# model's MLP projections: see docs/benchmarks.md); a source past this many bytes is a run alone.
 RUN_BYTES = 1 << 20  # (execute.BATCH_BYTES: the runs of tensors read straight into place end there too)
 NATIVE_SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the stored dtypes quantize_many reads
 _RUN_BUFFERS = threading.local()
@@ -65,12 +67,13 @@ def unquantizable(entry: PlanEntry, e: ValueError) -> CheckpointError:
     return CheckpointError(f"cannot quantize {entry.source!r} to {entry.quant_scheme}: {e}")
 
 
-def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int) -> list[tuple[PlanEntry, ...]]:
-    """The groups from entry i on that quantize_run writes together, until they pass RUN_BYTES: small
-    2-D quantized sources of one scheme and stored dtype, each read as quantize() takes it (whole, or a
-    row shard whose scales lie within it), and after each the small tensors read straight into place
-    that follow it (a model's norms). Empty where entry i is no such source, or it alone would be the
-    run (one source with a norm is a run: one job instead of two)."""
+def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int,
+                  largest: int) -> list[tuple[PlanEntry, ...]]:
+    """The groups from entry i on that quantize_run writes together, until they pass RUN_BYTES: 2-D
+    quantized sources under `largest` bytes (execute reads larger ones ahead) of one scheme and stored
+    dtype, each read as quantize() takes it (whole, or a row shard whose scales lie within it), and
+    after each the small tensors read straight into place that follow it (a model's norms). Empty
+    where entry i is no such source."""
     run: list = []
     first, total, j = entries[i], 0, i
     while j < len(entries) and total < RUN_BYTES:
@@ -90,12 +93,12 @@ def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int) -> list
                 or info.dtype != tensors[first.source].dtype:
             break
         length = row_range(info, shard)[2]
-        if not length or length >= RUN_BYTES:
+        if not length or length >= largest:
             break
         run.append(source_group(entries, j))
         total += length
         j += len(run[-1])
-    return run if len(run) > 1 else []
+    return run
 
 
 def quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest: torch.Tensor) -> None:
@@ -139,9 +142,10 @@ def quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest:
 
 
 def _run_buffer(size: int) -> torch.Tensor:
-    """The first `size` bytes of this pool thread's buffer for runs, grown as needed: one for the
-    thread's runs, not a new one a run, whose pages would be faulted in each time. It goes with the
-    thread, when the load's pool ends."""
+    """The first `size` bytes of this pool thread's buffer for runs (2 MiB, grown as a run needs: by
+    RUN_BYTES and its largest source, under 6 MiB at today's sizes): one for the thread's runs, not a
+    new one a run, whose pages would be faulted in each time. It goes with the thread, when the load's
+    pool ends."""
     buffer = getattr(_RUN_BUFFERS, "buffer", None)
     if buffer is None or buffer.numel() < size:
         buffer = _RUN_BUFFERS.buffer = torch.empty(max(size, RUN_BYTES * 2), dtype=torch.uint8)

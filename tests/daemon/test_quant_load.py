@@ -163,7 +163,7 @@ def test_sources_read_ahead_on_the_pool_load_the_same_bytes(tp_model, scheme, mo
 
 @pytest.fixture
 def runs(monkeypatch):
-    """(weights, result) of each native call that quantizes a run of small sources together."""
+    """(weights, result, [(N, K) of each weight]) of each native call that quantizes a run of sources."""
     from kernels import quant
     if not quant.many_native():
         pytest.skip("no native kernels here: each source is quantized on its own")
@@ -171,7 +171,8 @@ def runs(monkeypatch):
     real = quant.quantize_many
 
     def spy(source, dtype, weights, dest, name):
-        calls.append((len(weights) // 8, real(source, dtype, weights, dest, name)))
+        sizes = [(weights[k + 1], weights[k + 2]) for k in range(0, len(weights), 8)]
+        calls.append((len(weights) // 8, real(source, dtype, weights, dest, name), sizes))
         return calls[-1][1]
 
     monkeypatch.setattr(quant, "quantize_many", spy)
@@ -201,6 +202,20 @@ def test_runs_of_small_sources_load_the_bytes_each_alone_loads(tp_model, scheme,
         assert torch.equal(together, _alone(spec, monkeypatch)) and not runs, (tp_size, tp_rank)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "mxfp4", "nvfp4"])
+def test_sources_too_large_to_share_a_run_but_not_read_ahead_are_runs_too(tp_model, scheme, runs, monkeypatch):
+    """A source of RUN_BYTES or more that is not read ahead (under READ_AHEAD_BYTES; here each MLP
+    projection, 1 MiB) is quantized on the pool in a run, alone or ending one, not on the loading
+    thread while the pool idles; it writes the bytes that quantizing it alone writes."""
+    from preload_daemon import sources
+    spec = LoadSpec(path=str(tp_model), quantization=scheme)
+    runs.clear()
+    together = read_cold(spec)[1]
+    large = [(n, k) for _, _, sizes in runs for n, k in sizes if n * k * 2 >= sources.RUN_BYTES]
+    assert sorted(large) == [(512, 1024)] * 2 + [(1024, 512)] * 4, runs  # down, then gate and up, two layers
+    assert torch.equal(together, _alone(spec, monkeypatch))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_runs_read_float32_and_float16_and_refuse_what_each_alone_refuses(tmp_path, dtype, runs, monkeypatch):
     """Runs quantize float32 and float16 checkpoints as each weight alone does; a weight in a run with
@@ -222,7 +237,7 @@ def test_runs_read_float32_and_float16_and_refuse_what_each_alone_refuses(tmp_pa
         runs.clear()
         with pytest.raises(CheckpointError) as together:
             read_cold(spec)
-        assert any(bad >= 0 for _, bad in runs)  # found by a run
+        assert any(bad >= 0 for _, bad, _ in runs)  # found by a run
         with pytest.raises(CheckpointError) as alone:
             _alone(spec, monkeypatch)
         assert str(together.value) == str(alone.value)
