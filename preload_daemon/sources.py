@@ -19,7 +19,8 @@ from preload_daemon.reader import in_place, row_range
 # buffer and quantized in one native call (kernels.quant.quantize_many). One at a time, a small
 # weight's own Python and dispatch cost more than its bytes (20,000 tensors, int8, from the page
 # cache), and one of a few MiB, quantized on the loading thread, left the pool idle (the default
-# model's MLP projections: see docs/benchmarks.md); a source past this many bytes is a run alone.
+# model's MLP projections: see docs/benchmarks.md); a source this large or larger ends its run, or is
+# one alone.
 RUN_BYTES = 1 << 20  # (execute.BATCH_BYTES: the runs of tensors read straight into place end there too)
 NATIVE_SOURCES = (torch.float32, torch.bfloat16, torch.float16)  # the stored dtypes quantize_many reads
 _RUN_BUFFERS = threading.local()
@@ -142,10 +143,10 @@ def quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest:
 
 
 def _run_buffer(size: int) -> torch.Tensor:
-    """The first `size` bytes of this pool thread's buffer for runs (2 MiB, grown as a run needs: by
-    RUN_BYTES and its largest source, under 6 MiB at today's sizes): one for the thread's runs, not a
-    new one a run, whose pages would be faulted in each time. It goes with the thread, when the load's
-    pool ends."""
+    """The first `size` bytes of this pool thread's buffer for runs (2 MiB, grown as a run needs: under
+    RUN_BYTES plus its last source, which is under execute.READ_AHEAD_BYTES, so under 5 MiB): one for
+    the thread's runs, not a new one a run, whose pages would be faulted in each time. It goes with
+    the thread, when the load's pool ends."""
     buffer = getattr(_RUN_BUFFERS, "buffer", None)
     if buffer is None or buffer.numel() < size:
         buffer = _RUN_BUFFERS.buffer = torch.empty(max(size, RUN_BYTES * 2), dtype=torch.uint8)
