@@ -144,9 +144,9 @@ def quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest:
 
 def _run_buffer(size: int) -> torch.Tensor:
     """The first `size` bytes of this pool thread's buffer for runs (2 MiB, grown as a run needs: under
-    RUN_BYTES plus its last source, which is under execute.READ_AHEAD_BYTES, so under 5 MiB): one for
-    the thread's runs, not a new one a run, whose pages would be faulted in each time. It goes with
-    the thread, when the load's pool ends."""
+    RUN_BYTES plus its last source, which is under execute.READ_AHEAD_BYTES: about 5 MiB at most):
+    one for the thread's runs, not a new one a run, whose pages would be faulted in each time. It goes
+    with the thread, when the load's pool ends."""
     buffer = getattr(_RUN_BUFFERS, "buffer", None)
     if buffer is None or buffer.numel() < size:
         buffer = _RUN_BUFFERS.buffer = torch.empty(max(size, RUN_BYTES * 2), dtype=torch.uint8)
