@@ -13,9 +13,9 @@ import torch
 from preload_daemon.buffers import DTYPES, bytes_tensor
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.execute import groups, quantizing, write_group
-from preload_daemon.reader import TensorReader
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import LoadPlan
+from preload_daemon.reader import TensorReader
 from preload_daemon.safetensors_file import TensorInfo
 from protos import preload_pb2 as pb
 
