@@ -107,7 +107,7 @@ def _execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tens
                 if reads:
                     group = entries[i:i + len(reads)]
                 elif run:
-                    group = entries[i:i + sum(map(len, run))]
+                    group = entries[i:i + sum(len(item[0]) for item in run)]
                 else:
                     group = source_group(entries, i)
                 i += len(group)

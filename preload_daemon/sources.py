@@ -68,22 +68,23 @@ def unquantizable(entry: PlanEntry, e: ValueError) -> CheckpointError:
     return CheckpointError(f"cannot quantize {entry.source!r} to {entry.quant_scheme}: {e}")
 
 
-def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int,
-                  largest: int) -> list[tuple[PlanEntry, ...]]:
+def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int, largest: int) -> list[tuple]:
     """The groups from entry i on that quantize_run writes together, until they pass RUN_BYTES: 2-D
     quantized sources under `largest` bytes (execute reads larger ones ahead) of one scheme and stored
     dtype, each read as quantize() takes it (whole, or a row shard whose scales lie within it), and
-    after each the small tensors read straight into place that follow it (a model's norms). Empty
-    where entry i is no such source."""
+    after each the small tensors read straight into place that follow it (a model's norms). Each as
+    (group, its row_range: rows, skip, length), for quantize_run. Empty where entry i is no such
+    source."""
     run: list = []
     first, total, j = entries[i], 0, i
     while j < len(entries) and total < RUN_BYTES:
         entry = entries[j]
         shard = entry.shard
         if not entry.quantize:  # read straight into place, as execute reads such tensors
-            if not run or entry.nbytes >= RUN_BYTES or not in_place(tensors[entry.source], entry):
+            info = tensors[entry.source]
+            if not run or entry.nbytes >= RUN_BYTES or not in_place(info, entry):
                 break
-            run.append((entry,))
+            run.append(((entry,), *row_range(info, shard)))
             total += entry.nbytes
             j += 1
             continue
@@ -93,41 +94,38 @@ def quantized_run(tensors: dict, entries: tuple[PlanEntry, ...], i: int,
                 or len(info.shape) != 2 or info.dtype not in NATIVE_SOURCES \
                 or info.dtype != tensors[first.source].dtype:
             break
-        length = row_range(info, shard)[2]
+        rows, skip, length = row_range(info, shard)
         if not length or length >= largest:
             break
-        run.append(source_group(entries, j))
+        group = source_group(entries, j)
+        run.append((group, rows, skip, length))
         total += length
-        j += len(run[-1])
+        j += len(group)
     return run
 
 
-def quantize_run(checkpoint: Checkpoint, run: list[tuple[PlanEntry, ...]], dest: torch.Tensor) -> None:
-    """Reads a run's sources, the quantized ones into this thread's buffer (each at a multiple of 64
-    bytes) and the others into place, in one preadv where they lie back to back in the file, and
-    quantizes the former into their parts' places in one native call."""
+def quantize_run(checkpoint: Checkpoint, run: list[tuple], dest: torch.Tensor) -> None:
+    """Reads a run (quantized_run's) of sources, the quantized ones into this thread's buffer (each at
+    a multiple of 64 bytes) and the others into place, in one preadv where they lie back to back in
+    the file, and quantizes the former into their parts' places in one native call."""
     tensors = checkpoint.tensors
-    places, size = [], 0  # each group's place in the buffer, or None: read straight into dest
-    for group in run:
-        places.append(size if group[0].quantize else None)
-        if group[0].quantize:
-            size += -(-row_range(tensors[group[0].source], group[0].shard)[2] // 64) * 64
+    size = sum(-(-length // 64) * 64 for group, _, _, length in run if group[0].quantize)
     buffer = _run_buffer(size)
     memory, into = memoryview(buffer.numpy()), memoryview(dest.numpy())
-    reads, weights, quantized = [], [], []
-    for group, at in zip(run, places):
+    reads, weights, quantized, at = [], [], [], 0
+    for group, rows, skip, length in run:
         entry = group[0]
-        info = tensors[entry.source]
-        rows, skip, length = row_range(info, entry.shard)
-        if at is None:
+        if not entry.quantize:
             reads.append((entry.source, into[entry.offset:entry.offset + entry.nbytes], skip))
             continue
         reads.append((entry.source, memory[at:at + length], skip))
         parts = {part.part: part for part in group}
         weight, scale, extra = parts["weight"], parts["weight_scale"], parts.get("weight_global_scale")
-        weights += (at, rows.length if rows else info.shape[0], info.shape[1], weight.offset, weight.nbytes,
+        shape = tensors[entry.source].shape
+        weights += (at, rows.length if rows else shape[0], shape[1], weight.offset, weight.nbytes,
                     scale.offset, scale.nbytes, extra.offset if extra else -1)
         quantized.append((entry, at, length))
+        at += -(-length // 64) * 64
     checkpoint.read_many(reads)
     first = quantized[0][0]
     dtype = tensors[first.source].dtype
