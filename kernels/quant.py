@@ -192,8 +192,7 @@ class Microscaled(Scheme):
             block_scale = (block_amax / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(E4M3)
             total = block_scale.float() * global_scale
             scaled = torch.where(total[..., None] > 0, blocks / total[..., None], torch.zeros_like(blocks))
-            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), block_scale, global_scale,
-                                   (n, k))
+            return QuantizedWeight(self.name, pack(e2m1_encode(scaled.view(n, kp))), block_scale, global_scale, (n, k))
         # OCP MX: shared exponent = floor(log2(amax)) - emax of the element format (e4m3: 8, e2m1: 2).
         block_amax = blocks.abs().amax(dim=-1)
         _, exponent = torch.frexp(block_amax)
@@ -274,11 +273,11 @@ def _largest_magnitude(w: torch.Tensor) -> torch.Tensor:
     if not w.numel():
         return torch.zeros((), device=w.device)
     # One pass that keeps nothing: the least and greatest value are finite only if every value is (a
-    # NaN anywhere makes both NaN), and they give the largest magnitude.
+    # NaN anywhere makes both NaN), and they give the largest magnitude, finite in float32 too.
     least, greatest = torch.aminmax(w)
-    if not bool(torch.isfinite(torch.stack((least, greatest))).all()):
+    if not bool(torch.isfinite(amax := torch.maximum(-least, greatest).float())):
         refuse_non_finite(w)
-    return torch.maximum(-least, greatest).float()
+    return amax
 
 
 def _check_2d(w: torch.Tensor) -> None:
@@ -286,9 +285,11 @@ def _check_2d(w: torch.Tensor) -> None:
         raise ValueError(f"quantization needs a 2-D weight, got shape {list(w.shape)}")
 
 
-def refuse_non_finite(w: torch.Tensor):  # raises the ValueError of a weight that is not all finite
-    bad = int((~torch.isfinite(w)).sum())
-    raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+def refuse_non_finite(w: torch.Tensor):  # a weight not all finite in float32, which quantization computes in
+    if bad := int((~torch.isfinite(w)).sum()):
+        raise ValueError(f"weight has {bad} non-finite value(s) (inf/nan); refusing to quantize it")
+    raise ValueError(f"weight has values beyond float32's range (largest magnitude {float(w.abs().max()):.3g}), which "
+                     "quantization computes in; refusing to quantize it: store it as float32 or bfloat16, in range")
 
 
 def _quantize(w: torch.Tensor, found: Scheme, amax: torch.Tensor | None, chunk: int,
@@ -354,8 +355,7 @@ def _empty_parts(found: Scheme, n: int, k: int) -> dict[str, torch.Tensor]:
 
 
 def _result(found: Scheme, parts: dict[str, torch.Tensor], n: int, k: int) -> QuantizedWeight:
-    return QuantizedWeight(found.name, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"),
-                           (n, k))
+    return QuantizedWeight(found.name, parts["weight"], parts["weight_scale"], parts.get("weight_global_scale"), (n, k))
 
 
 def _into(q: QuantizedWeight, out: dict[str, torch.Tensor] | None) -> QuantizedWeight:

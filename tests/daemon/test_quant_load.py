@@ -245,6 +245,29 @@ def test_runs_read_float32_and_float16_and_refuse_what_each_alone_refuses(tmp_pa
         assert "weight has 2 non-finite value(s)" in str(together.value)
 
 
+def test_a_float64_weight_past_float32s_range_fails_the_load_naming_it(tmp_path):
+    """A weight stored as float64 is quantized in float32: one with a value past its range fails the
+    load, naming the weight and why (FP8 per tensor had loaded it as NaNs), on the cold path and
+    a TP rank holding it; within the range it loads."""
+    model = tiny_model("llama", tmp_path / "m", dtype=torch.bfloat16, hidden_size=64, intermediate_size=128,
+                       vocab_size=64, num_attention_heads=2, num_key_value_heads=2)
+    tensors = load_file(str(model / "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].double()
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = 1e300
+    save_file(tensors, str(model / "model.safetensors"))
+    for scheme in ("fp8_per_tensor", "int8", "nvfp4"):
+        for tp_size in (1, 2):  # (rank 0 holds the row)
+            spec = LoadSpec(path=str(model), quantization=scheme, tp_size=tp_size, tp_rank=0)
+            with pytest.raises(CheckpointError, match=rf"cannot quantize 'model.layers.0.mlp.up_proj.weight' to "
+                               rf"{scheme}: weight has values beyond float32's range \(largest magnitude 1e\+300\)"):
+                read_cold(spec)
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = 1e30
+    save_file(tensors, str(model / "model.safetensors"))
+    plan, slab, _ = read_cold(LoadSpec(path=str(model), quantization="fp8_per_tensor"))
+    scale = next(e for e in plan.entries if e.name == "model.layers.0.mlp.up_proj.weight_scale")
+    assert slab[scale.offset:scale.offset + 4].view(torch.float32).item() == pytest.approx(1e30 / 448, rel=1e-6)
+
+
 def test_runs_keep_the_next_large_source_read_ahead_and_the_first_error_first(tp_model, tmp_path, runs,
                                                                              monkeypatch):
     """A large source right after a run is read ahead on the pool while the run is written, as after a

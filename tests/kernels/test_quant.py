@@ -227,6 +227,21 @@ def test_zeros_and_non_finite_weights(path, scheme):
             quantize(w, scheme)
 
 
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_float64_weight_beyond_float32s_range_is_refused(path, scheme):
+    """Quantization computes in float32, where a finite float64 value past its range is an infinity
+    (FP8 per tensor's scale had become one: every code 0, every value NaN once multiplied back; the
+    other schemes said the weight had 0 non-finite values): refused, saying why, whole or a TP part."""
+    w = torch.randn(4, 64, dtype=torch.float64)
+    w[2, 3] = -1e300
+    for call in (lambda: quantize(w, scheme), lambda: quantize_part(w, scheme, 0, 0, 4)):
+        with pytest.raises(ValueError, match=r"beyond float32's range \(largest magnitude 1e\+300\)"):
+            call()
+    w[2, 3] = -1e30  # within it: quantized as its float32 value
+    codes = quantize(w, scheme).weight.view(torch.uint8)
+    assert torch.equal(codes, quantize(w.float(), scheme).weight.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_non_finite_value_anywhere_is_found(path, dtype):
     """quantize finds a NaN or an infinity in one pass (torch.aminmax, or the native op as it
