@@ -143,6 +143,10 @@ def check_draft_vocabulary(model: pathlib.Path, draft: pathlib.Path) -> None:
                                       "must share the main model's tokenizer")
 
 
+class WarmUpError(PreloadError):
+    """The engine's first request, run before it is ready, failed: it would fail every request."""
+
+
 def start_engine(config: EngineConfig, built: Built) -> Engine:
     if 0 < config.prefill_chunk < 64:
         log.warning("--prefill-chunk %d: each part of a long prompt reads every weight once, so parts this small "
@@ -154,10 +158,14 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
                     speculator=built.speculator, prefill_chunk=config.prefill_chunk).start()
     try:
         engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: the first request pays nothing
-    except BaseException:  # Ctrl-C meanwhile: the scheduler ends its step before the interpreter exits
+    except BaseException as e:  # Ctrl-C meanwhile: the scheduler ends its step before the interpreter exits
         engine.stop()
+        if isinstance(e, RuntimeError):  # the request's error (NaN logits: the weights hold them)
+            raise WarmUpError(f"the engine's warm-up request failed, so it cannot serve: "
+                              f"{str(e).removeprefix('error: ')}") from e
         raise
     return engine
+
 
 
 def started() -> None:

@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from tests.conftest import run_preload
+from tests.conftest import copy_checkpoint, run_preload
 
 
 def test_generate_prints_json_with_a_real_answer(default_model, runtime_dir):
@@ -29,6 +30,20 @@ def test_a_gpu_engine_on_a_host_without_one_is_refused_with_the_reason(tiny_llam
         assert out.returncode == 1, out.stderr
         last = out.stderr.strip().splitlines()[-1]
         assert "cuda:0: this process has no usable GPU" in last and "use cpu:N devices" in last, out.stderr
+
+
+def test_weights_that_give_nan_logits_fail_the_start_with_one_line(tiny_llama, runtime_dir, tmp_path):
+    """A NaN in a projection makes every logit NaN: the engine's warm-up request fails, and
+    `generate` says so in one line, naming the cause (it had ended in a traceback)."""
+    tensors = copy_checkpoint(tiny_llama, tmp_path / "nan")
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+    save_file(tensors, str(tmp_path / "nan" / "model.safetensors"))
+    out = run_preload("generate", tmp_path / "nan", "--prompt-ids", "1,2,3", "--max-tokens", "2", "--load-format",
+                      "safetensors", runtime_dir=runtime_dir)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("preload generate: the engine's warm-up request failed, so it cannot serve: cannot "
+                           "choose the next token: the model's logits hold NaN or infinity: its weights do"), last
 
 
 def test_ctrl_c_while_generating_stops_the_scheduler_first(tiny_llama, monkeypatch):
