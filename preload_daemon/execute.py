@@ -72,6 +72,24 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
         raise ValueError(f"destination must be {plan.total_bytes} uint8 bytes, got {dest.numel()} {dest.dtype}")
     with gc_paused(), quantizing([plan]):
         _execute(plan, checkpoint, dest, on_tensor, hasher, threads, ready)
+    if plan.spec.quantization == "fp8_block":
+        check_stored_scales(plan, dest, checkpoint.path)
+
+
+def check_stored_scales(plan: LoadPlan, dest: torch.Tensor, path) -> None:
+    """A pre-quantized checkpoint's block scales, loaded as stored, must be finite and not negative
+    (as a quantizing load's are): a NaN or an infinity makes its whole block NaN, a negative scale
+    flips its signs. CheckpointError naming the first tensor with one."""
+    for entry in plan.entries:
+        if entry.part != "weight_scale" or entry.quantize:
+            continue
+        scales = dest[entry.offset:entry.offset + entry.nbytes].view(torch.float32)
+        bad = ~(scales >= 0) | torch.isinf(scales)  # (a NaN is not >= 0)
+        if bool(bad.any()):
+            first = float(scales[bad][0])
+            raise CheckpointError(f"{path}: {entry.source!r} holds {int(bad.sum())} block scale(s) that are not "
+                                  f"finite or are negative (the first: {first}); a pre-quantized block's scale is a "
+                                  "finite positive number: re-export the checkpoint")
 
 
 def quantizing(plans) -> contextlib.AbstractContextManager:

@@ -344,6 +344,29 @@ def test_prequantized_fp8_block_checkpoint_loads_as_is(wide_model, tmp_path, dae
     assert info.key.quantization == "fp8_block"
 
 
+@pytest.mark.parametrize(("bad", "shown"), [(float("nan"), "nan"), (1e300, "inf"), (-0.5, "-0.5")])
+def test_prequantized_block_scales_that_are_not_finite_or_negative_fail_the_load(wide_model, tmp_path, daemon, bad,
+                                                                                 shown):
+    """A pre-quantized checkpoint's block scale that is NaN, infinite (here a float64 one past float32's
+    range; its block all NaN) or negative (its block's signs flipped) fails the load, cold and in the
+    daemon, naming the tensor; the daemon keeps what it holds. Zero is a scale (an all-zero block)."""
+    stored = make_prequantized(wide_model, tmp_path / "fp8")
+    name = "model.layers.1.mlp.up_proj.weight_scale_inv"
+    good = daemon.client.load(LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block")).version
+    stored[name] = stored[name].double()
+    stored[name][1, 0] = bad
+    save_file(stored, str(tmp_path / "fp8" / "model.safetensors"))
+    message = rf"'{name}' holds 1 block scale\(s\) that are not finite or are negative \(the first: {shown}\)"
+    with pytest.raises(CheckpointError, match=message):
+        read_cold(LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block"))
+    with pytest.raises(CheckpointError, match=message):
+        daemon.client.load(LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block", dtype="float32"))
+    assert daemon.client.attach("fp8").version == good
+    stored[name][1, 0] = 0.0
+    save_file(stored, str(tmp_path / "fp8" / "model.safetensors"))
+    read_cold(LoadSpec(path=str(tmp_path / "fp8"), quantization="fp8_block"))
+
+
 def test_bad_quantization_requests_leave_the_daemon_serving(daemon, wide_model, tmp_path):
     daemon.client.load(LoadSpec(path=str(wide_model)))
     from protos import preload_pb2 as pb
