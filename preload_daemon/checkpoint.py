@@ -94,7 +94,7 @@ def _weight_files(path: pathlib.Path, allow_external: bool) -> tuple[list[pathli
     """weight_files, and the index's weight_map (None without an index)."""
     index = path / INDEX_FILE
     if os.path.lexists(index):
-        weight_map = read_index(inside(path, index, allow_external))
+        weight_map = read_index(inside(path, index, allow_external), None if allow_external else path)
         files = [inside(path, path / name, allow_external) for name in sorted(set(weight_map.values()))]
         missing = [f.name for f in files if not os.path.exists(f)]
         if missing:
@@ -107,10 +107,10 @@ def _weight_files(path: pathlib.Path, allow_external: bool) -> tuple[list[pathli
     return files, None
 
 
-def read_index(index: pathlib.Path) -> dict[str, str]:
+def read_index(index: pathlib.Path, within: pathlib.Path | None = None) -> dict[str, str]:
     """The index's weight_map (tensor name -> the file holding it). Every file must be a plain file
     name in the index's directory: the map is input, and a path in it could send the daemon anywhere."""
-    content = load_json(read_regular(index, INDEX_MAX_BYTES, INDEX_FIX), str(index), INDEX_FIX)
+    content = load_json(read_regular(index, INDEX_MAX_BYTES, INDEX_FIX, within), str(index), INDEX_FIX)
     weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: no weight_map object (tensor name -> file name); {INDEX_FIX}")
@@ -133,17 +133,18 @@ class Checkpoint:
         """`read_ahead`: a load that will read (about) every byte of every file says so, and the
         disk starts on them now, while the headers are checked and the plan is made (ReadAhead)."""
         self.path = checkpoint_dir(path)
+        within = None if allow_external else self.path  # and each file opened must lie there (open_regular)
         inside(self.path, self.path / "config.json", allow_external)
-        self.config = read_config(self.path)
+        self.config = read_config(self.path, within)
         self.tensors: dict[str, TensorInfo] = {}
         self.identity: list[FileIdentity] = []
         self._identity_of: dict[pathlib.Path, FileIdentity] = {}
         self._fds: dict[pathlib.Path, int] = {}
         files, weight_map = _weight_files(self.path, allow_external)
-        self.read_ahead = ReadAhead(files) if read_ahead else None
+        self.read_ahead = ReadAhead(files, within) if read_ahead else None
         try:
             for file in files:
-                tensors, identity = read_header(file)
+                tensors, identity = read_header(file, within)
                 twice = sorted(tensors.keys() & self.tensors.keys())
                 if twice:
                     raise CheckpointError(f"{self.path}: tensor {short_repr(twice[0])} appears in both "
@@ -301,22 +302,23 @@ class ReadAhead:
     until the files end, READ_AHEAD_MAX is asked for, or stop() (a load's reads begin, the checkpoint
     is closed). A load of many small tensors spends a while in Python before its first read (20,000
     of them: 130-170 ms to check the headers and make the plan), in which the disk sat idle. Only a
-    hint: a file it cannot open is skipped, and what it read is read again if evicted meanwhile."""
+    hint: a file it cannot open (or, given `within`, one that lies outside it: open_regular) is
+    skipped, and what it read is read again if evicted meanwhile."""
 
-    def __init__(self, files: list[pathlib.Path]):
+    def __init__(self, files: list[pathlib.Path], within: pathlib.Path | None = None):
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(list(files),), name="read-ahead", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(list(files), within), name="read-ahead", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Asks no more of the kernel (the window asked for last still arrives)."""
         self._stopped.set()
 
-    def _run(self, files: list[pathlib.Path]) -> None:
+    def _run(self, files: list[pathlib.Path], within: pathlib.Path | None) -> None:
         budget = READ_AHEAD_MAX
         for file in files:
             try:
-                fd, info = open_regular(file, FIX)
+                fd, info = open_regular(file, FIX, within)
             except CheckpointError:
                 continue  # the load names what is wrong with it
             try:

@@ -18,12 +18,12 @@ MAX_LAYERS = 4096
 (num_hidden_layers of 3,000,000 took a daemon 33 s and 2.7 GB to refuse; the largest models have ~100)."""
 
 
-def read_config(directory: str | os.PathLike) -> dict:
-    """A checkpoint's config.json: a regular file holding a JSON object of bounded size and depth, or
-    an error naming the fix."""
+def read_config(directory: str | os.PathLike, within: pathlib.Path | None = None) -> dict:
+    """A checkpoint's config.json: a regular file holding a JSON object of bounded size and depth (in
+    `within`, if given: safepath.open_regular), or an error naming the fix."""
     path = pathlib.Path(directory) / "config.json"
     data = read_regular(path, CONFIG_MAX_BYTES, "a checkpoint directory needs the model's config.json next to its "
-                                                "*.safetensors files")
+                                                "*.safetensors files", within)
     return parse_config(data, str(path))
 
 

@@ -39,11 +39,14 @@ def inside(root: pathlib.Path, path: pathlib.Path, allow_external: bool) -> path
     return path
 
 
-def open_regular(path: pathlib.Path, missing_fix: str) -> tuple[int, os.stat_result]:
+def open_regular(path: pathlib.Path, missing_fix: str,
+                 within: pathlib.Path | None = None) -> tuple[int, os.stat_result]:
     """A read-only fd on `path` and its fstat. It must be a regular file: reading a FIFO would block
     the loading thread forever, a device like /dev/zero would feed it endless bytes. The open does
     not block (a FIFO's open waits for a writer) and the file opened must be the one checked, not
-    one swapped in between."""
+    one swapped in between. With `within` (a resolved directory: inside's root, where links out of
+    it are refused), the file opened must lie in it: a link swapped in after inside() checked the
+    path would otherwise take the open elsewhere."""
     check_no_nul(path)
     try:
         before = os.stat(path)
@@ -63,13 +66,28 @@ def open_regular(path: pathlib.Path, missing_fix: str) -> tuple[int, os.stat_res
     if (info.st_dev, info.st_ino) != (before.st_dev, before.st_ino) or not stat.S_ISREG(info.st_mode):
         os.close(fd)
         raise CheckpointError(f"{path} was replaced while it was being opened; retry once the checkpoint is written")
+    if within is not None:
+        opened = _opened_path(fd, path)
+        if not pathlib.Path(opened).is_relative_to(within):
+            os.close(fd)
+            raise CheckpointError(f"{path} links to {opened}, outside the checkpoint directory {within}; "
+                                  f"{EXTERNAL_FIX}")
     os.set_blocking(fd, True)
     return fd, info
 
 
-def read_regular(path: pathlib.Path, limit: int, missing_fix: str) -> bytes:
+def _opened_path(fd: int, path: pathlib.Path) -> str:
+    """Where the file open on `fd` lies (what the kernel opened, whatever links were swapped since a
+    check): its /proc/self/fd link, or, without /proc, `path` resolved now."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return os.path.realpath(path)
+
+
+def read_regular(path: pathlib.Path, limit: int, missing_fix: str, within: pathlib.Path | None = None) -> bytes:
     """The whole of `path`, a regular file of at most `limit` bytes (see open_regular)."""
-    fd, info = open_regular(path, missing_fix)
+    fd, info = open_regular(path, missing_fix, within)
     try:
         with os.fdopen(fd, "rb") as f:
             data = f.read(limit + 1) if info.st_size <= limit else b""

@@ -78,10 +78,10 @@ class TensorInfo(typing.NamedTuple):
 
 
 @gc_paused()
-def read_header(path: pathlib.Path) -> tuple[dict[str, TensorInfo], FileIdentity]:
-    """Parses and validates one safetensors header. Raises CheckpointError naming the file and the
-    first thing wrong with it."""
-    fd, info = open_regular(path, FIX)
+def read_header(path: pathlib.Path, within: pathlib.Path | None = None) -> tuple[dict[str, TensorInfo], FileIdentity]:
+    """Parses and validates one safetensors header (of a file in `within`, if given: open_regular).
+    Raises CheckpointError naming the file and the first thing wrong with it."""
+    fd, info = open_regular(path, FIX, within)
     try:
         with os.fdopen(fd, "rb") as f:
             prefix = f.read(8)

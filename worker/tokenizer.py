@@ -49,7 +49,7 @@ class Tokenizer:
         root = pathlib.Path(os.path.realpath(path))
 
         def read(name: str, limit: int) -> bytes:
-            return read_regular(inside(root, path / name, allow_external), limit, FIX)
+            return read_regular(inside(root, path / name, allow_external), limit, FIX, None if allow_external else root)
 
         self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
         self._bytes: dict[int, bytes] = {}

@@ -373,6 +373,36 @@ def test_hub_cache_layout_needs_allow_external(tiny_llama, tmp_path):
     assert Checkpoint(inside).identity[0].path == str(inside / "sub" / "weights.bin")
 
 
+@pytest.mark.parametrize("name", ["config.json", WEIGHTS, "model.safetensors.index.json"])
+def test_a_link_swapped_in_after_the_check_does_not_take_the_open_outside(tiny_llama, tmp_path, monkeypatch, name):
+    """A file's path is checked (inside), then opened: a link swapped in between, by another process
+    writing the directory, must not take the open outside it. Here the swap comes right after the
+    check, as a racing process's could; the file opened is checked again, and read with the links
+    allowed."""
+    import preload_daemon.checkpoint as checkpoint_module
+    from safetensors import safe_open
+    shutil.copytree(tiny_llama, tmp_path / "m")
+    if name.endswith("index.json"):
+        with safe_open(str(tmp_path / "m" / WEIGHTS), "pt") as f:
+            (tmp_path / "m" / name).write_text(json.dumps({"weight_map": dict.fromkeys(f.keys(), WEIGHTS)}))
+    outside = tmp_path / ("real-" + name)
+    shutil.copyfile(tmp_path / "m" / name, outside)
+    real = checkpoint_module.inside
+
+    def racing(root, path, allow_external):
+        checked = real(root, path, allow_external)
+        if path.name == name:
+            path.unlink()
+            path.symlink_to(outside)
+        return checked
+
+    monkeypatch.setattr(checkpoint_module, "inside", racing)
+    with pytest.raises(CheckpointError, match=f"{name} links to {outside}, outside the checkpoint directory") as e:
+        Checkpoint(tmp_path / "m")
+    assert FLAG in str(e.value)
+    assert Checkpoint(tmp_path / "m", allow_external=True).read(Q1).shape == (64, 64)
+
+
 def test_special_files_refused_even_when_external_links_are_allowed(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, tmp_path / "m")
     replace_with(tmp_path / "m", WEIGHTS, lambda p: p.symlink_to("/dev/zero"))

@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import pathlib
+import shutil
 import time
 
 import pytest
@@ -292,6 +293,27 @@ def test_a_tokenizer_file_linking_out_of_the_checkpoint_is_refused_unless_allowe
     with pytest.raises(CheckpointError, match=f"{name} links to {outside}, outside the checkpoint directory"):
         Tokenizer.load(path)
     assert Tokenizer.load(path, allow_external=True).chat_prompt(USER).endswith("<|im_start|>assistant\n")
+
+
+def test_a_tokenizer_file_swapped_for_a_link_after_its_check_is_refused(tmp_path, monkeypatch):
+    """The link swapped in between the path's check and its open (a racing process) is caught
+    where the file is opened."""
+    import worker.tokenizer as tokenizer_module
+    path = checkpoint(tmp_path / "model", CHATML, template_file=CHATML)
+    outside = tmp_path / "real-tokenizer.json"
+    shutil.copyfile(path / "tokenizer.json", outside)
+    real = tokenizer_module.inside
+
+    def racing(root, file, allow_external):
+        checked = real(root, file, allow_external)
+        if file.name == "tokenizer.json":
+            file.unlink()
+            file.symlink_to(outside)
+        return checked
+
+    monkeypatch.setattr(tokenizer_module, "inside", racing)
+    with pytest.raises(CheckpointError, match=f"tokenizer.json links to {outside}, outside the checkpoint directory"):
+        Tokenizer.load(path)
 
 
 def test_special_tokens_are_strings_or_added_tokens(tmp_path):
