@@ -23,6 +23,7 @@ import time
 
 from preload_daemon.arch import ArchSpec
 from preload_daemon.buffers import dtype_from_name
+from preload_daemon.errors import InvalidRequestError
 from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
 from preload_daemon.records import MAX_VERSION, Model, Variant, Version, check_name, key_for
@@ -139,6 +140,14 @@ def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
             del models[name]
             continue
         _restore_pointers(model, state.get(name, {}))
+    for name, saved in state.items():  # every version evicted: the numbers given out are still never reused
+        if name not in models and 0 < saved["last"] <= MAX_VERSION:
+            try:
+                check_name(name)
+            except InvalidRequestError:
+                continue
+            model = models[name] = Model(name)
+            model.last, model.keep, model.max_bytes = saved["last"], saved["keep"], saved["max_bytes"]
     return Adopted(models, report, time.monotonic() - started, adopted_bytes)
 
 

@@ -82,7 +82,7 @@ class ModelStore:
         """After every change of models, versions or pointers: saves the pointers for a daemon
         that adopts this one's slabs, and tells the server (health)."""
         with self._lock:
-            models = [m for m in self._models.values() if m.versions]
+            models = [m for m in self._models.values() if m.versions or m.last]  # (last: numbers never reused)
             try:
                 adopt.write_state(self.shm_dir, self.device, models)
             except OSError as e:
@@ -300,8 +300,8 @@ class ModelStore:
         if model.active not in model.versions:
             ready = [n for n, v in model.versions.items() if not v.loading]
             model.active = max(ready, default=0)
-        if not model.versions and not model.load_lock.locked():
-            self._models.pop(model.name, None)
+        if not model.versions and not model.load_lock.locked() and not model.last:
+            self._models.pop(model.name, None)  # (a record that gave out numbers stays: they are never reused)
         return freed
 
     def _retain(self, model: Model) -> None:

@@ -59,7 +59,10 @@ def test_partial_corrupt_and_changed_slabs_are_discarded_and_reported(tmp_path, 
     other.write_bytes(b"\0" * 64)
     second = ModelStore("cpu:0", shm)
     second.adopt()
-    assert [m.name for m in second.models()] == ["good"]
+    assert [m.name for m in second.models() if m.versions] == ["good"]
+    # The others' slabs are gone, but not their numbers: a next load of them is v2 (never reused).
+    assert [(m.name, m.last) for m in second.models() if not m.versions] == [("changed", 1), ("garbled", 1),
+                                                                             ("typed", 1)]
     report = "\n".join(second.recovery)
     assert "adopted good v1" in report
     assert f"discarded {slabs['changed'].name}: its bytes changed after it was sealed" in report
@@ -118,16 +121,20 @@ def test_a_daemon_that_fails_to_start_leaves_no_socket_or_lock_behind(runtime_di
 
 def test_a_load_that_waited_through_an_eviction_fills_the_model_the_store_holds(tmp_path, tiny_llama, monkeypatch):
     """A load looks its model up, then waits for the model's load lock. If the model is evicted
-    meanwhile (dropped, as it has no versions left) and another load makes a new one of that name,
-    the waiting load must fill that new model: it filled the dropped one, whose slab nothing then
-    freed, not even a graceful close, and whose record a restarted daemon adopted as a version the
-    user had evicted (two clients looping load and evict, found by a hostile probe)."""
+    meanwhile and another load makes a new one of that name, the waiting load must fill the model
+    the store holds: it filled a dropped one, whose slab nothing then freed, not even a graceful
+    close, and whose record a restarted daemon adopted as a version the user had evicted (two
+    clients looping load and evict, found by a hostile probe). A model whose versions have all gone
+    keeps its record (its numbers are never given out again: the next load is v2); a model dropped
+    (a first load that failed, here made to look dropped) is made anew."""
     shm = tmp_path / "shm"
     store = ModelStore("cpu:0", shm)
     store.load(LoadSpec(path=str(tiny_llama), name="m"))
     stale = store._model("m")  # what a load that is about to queue holds
     store.evict("m", force=True)
-    store.load(LoadSpec(path=str(tiny_llama), name="m"))  # a new model of that name, v1
+    assert store._model("m") is stale and stale.last == 1 and not stale.versions
+    store._models.pop("m")  # as if dropped
+    store.load(LoadSpec(path=str(tiny_llama), name="m"))  # a new model of that name
     monkeypatch.setattr(store, "_model", lambda name, create=False: stale)
     store.load(LoadSpec(path=str(tiny_llama), name="m", dtype="bfloat16"))
     monkeypatch.undo()

@@ -76,6 +76,27 @@ def test_publish_beside_an_attached_version_then_free_it_when_its_lease_ends(dae
         daemon.client.attach("m", version=1)
 
 
+def test_a_number_is_never_given_out_again_after_every_version_is_evicted(start_daemon, tiny_llama, tmp_path):
+    """Evicting every version of a model keeps its record of the numbers given out: the next publish
+    is v3, not v1 again under other weights (an engine still serving the old v1 would report the same
+    number as one on the new); the record outlives a daemon killed and started again (its state file)."""
+    daemon = start_daemon()
+    one, _ = variant_of(tiny_llama, tmp_path, "one", 0.0)
+    two, _ = variant_of(tiny_llama, tmp_path, "two", 0.5)
+    assert [publish(daemon, "m", path).version for path in (one, two)] == [1, 2]
+    daemon.client.evict("m", force=True)
+    assert versions(daemon) == {} and not slabs(daemon)
+    assert publish(daemon, "m", two).version == 3
+    daemon.client.evict("m", force=True)
+    daemon.proc.kill()  # SIGKILL: no graceful close
+    daemon.proc.wait()
+    again = start_daemon()
+    assert [s.last_version for s in again.client.summaries() if s.name == "m"] == [3]
+    assert publish(again, "m", one).version == 4
+    with pytest.raises(InvalidRequestError, match="never reused"):
+        again.client.load(LoadSpec(path=str(two), name="m"), version=2)
+
+
 def test_pin_rollback_and_keep(daemon, tiny_llama, tmp_path):
     paths = [variant_of(tiny_llama, tmp_path, f"s{i}", i / 10)[0] for i in range(4)]
     daemon.client.load(LoadSpec(path=str(paths[0]), name="m"))
