@@ -237,7 +237,8 @@ class ModelStore:
                         for var in v.variants.values()]
         checks = [(variant, f"gone: file {gone}" if (gone := slab_gone(variant.slab)) else variant.slab.hash())
                   for variant in variants]
-        return [(variant, actual) for variant, actual in checks if actual]  # "": freed meanwhile, not changed
+        live = {id(variant) for variant in self.variants()}  # one evicted meanwhile is freed, not corrupt
+        return [(variant, actual) for variant, actual in checks if actual and id(variant) in live]
 
     # -- versions -----------------------------------------------------------------------------------
 

@@ -143,3 +143,27 @@ def test_a_load_that_waited_through_an_eviction_fills_the_model_the_store_holds(
     store.close()
     assert sorted(p.name for p in shm.iterdir() if p.name.endswith((".slab", ".slab.json"))) == []
     assert ModelStore("cpu:0", shm).adopt().bytes == 0
+
+
+def test_verify_passes_over_a_slab_evicted_while_it_ran(tmp_path, tiny_llama, monkeypatch):
+    """Verify hashes outside the store's lock: a version evicted meanwhile (retention during a publish,
+    an `evict`) has lost its file, which is not corruption (it was reported as such, with an error
+    line); one still held and deleted behind the daemon's back is."""
+    import preload_daemon.store as store_module
+    store = ModelStore("cpu:0", tmp_path / "shm")
+    store.load(LoadSpec(path=str(tiny_llama), name="a"))
+    store.load(LoadSpec(path=str(tiny_llama), name="b"))
+    real = store_module.slab_gone
+
+    def evicting(slab):
+        if store.models()[0].versions:
+            store.evict("a", force=True)  # as another client's evict would, between the listing and the hash
+        return real(slab)
+
+    monkeypatch.setattr(store_module, "slab_gone", evicting)
+    assert [(variant.name, actual == variant.slab.digest) for variant, actual in store.verify()] == [("b", True)]
+    monkeypatch.undo()
+    [held] = [v for v in store.variants() if v.name == "b"]
+    held.slab.path.unlink()
+    assert [actual for _, actual in store.verify()] == ["gone: file deleted"]
+    store.close()
