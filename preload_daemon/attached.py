@@ -13,7 +13,7 @@ import torch
 
 from preload_daemon.buffers import SlabViews, descriptors_of, dtype_from_name, park_mapping, remap_readonly
 from preload_daemon.cachekey import CacheKey
-from preload_daemon.errors import DeviceError, InvalidRequestError, PreloadError, StaleError
+from preload_daemon.errors import DeviceError, InvalidRequestError, NotFoundError, PreloadError, StaleError
 from preload_daemon.plan import Layout
 from preload_daemon.slab import open_slab
 from protos import preload_pb2 as pb
@@ -146,7 +146,11 @@ class AttachedModel(collections.abc.Mapping):
         so every view made before reads them again. Refused (StaleError, still suspended) unless
         the daemon answers with the same cache key, content digest and tensor table; its slabs may
         be new ones (the same weights loaded again make slabs of other names and the same bytes)."""
-        response = client.attach_response(self.manifest.model, self.version, self.layout)
+        try:
+            response = client.attach_response(self.manifest.model, self.version, self.layout)
+        except NotFoundError as e:  # the version was evicted (a number is never given out again)
+            client.close()
+            raise StaleError(f"{e}; the snapshot's weights are gone from the daemon: take a new snapshot") from None
         manifest = response.manifest
         key = CacheKey.from_proto(manifest.key)
         if key != self.key or manifest.version != self.version:

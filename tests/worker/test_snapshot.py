@@ -506,13 +506,15 @@ def test_check_command_prints_a_table():
     assert run.returncode == (0 if report["ok"] else 1)
 
 
-def test_attached_weights_suspend_and_resume_at_the_same_addresses(daemon, tiny_llama):
+def test_attached_weights_suspend_and_resume_at_the_same_addresses(start_daemon, tiny_llama):
     """What the quiet point does to the weights, without CRIU: the mapping becomes an empty
     reservation, no descriptor names the slab, and resume maps the same weights at the same place;
-    a daemon holding other weights under the name is refused and the weights stay suspended."""
+    a daemon holding other weights under the name, or none under the version, is refused and the
+    weights stay suspended."""
     from preload_daemon.buffers import descriptors_of
     from preload_daemon.client import DaemonClient
     from preload_daemon.errors import StaleError
+    daemon = start_daemon()
     daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny"))
     attached = DaemonClient(daemon.config.socket_path).attach("tiny")  # suspend closes its client
     name = next(iter(attached))
@@ -528,18 +530,26 @@ def test_attached_weights_suspend_and_resume_at_the_same_addresses(daemon, tiny_
     attached.resume(DaemonClient(daemon.config.socket_path))
     assert not attached.suspended and view.data_ptr() == address and torch_equal(view, expected)
     assert len(daemon.client.list_models()[0].leases) == 1
-    # The same weights loaded again: new slabs (other names, the same bytes), which resume maps in
-    # place of the old (a snapshot was refused as "laid out differently" after any reload).
+    # The same weights loaded again by a daemon started anew: new slabs (other names, the same bytes),
+    # which resume maps in place of the old (a snapshot was refused as "laid out differently" after
+    # any reload).
     attached.suspend()
-    daemon.client.evict("tiny")
+    daemon.stop()
+    daemon = start_daemon()
     daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny"))
     attached.resume(DaemonClient(daemon.config.socket_path))
     assert attached.manifest.slabs[0].id != slab.id and view.data_ptr() == address and torch_equal(view, expected)
     assert torch_equal(attached[list(attached)[-1]], attached[list(attached)[-1]].clone())  # new views too
     attached.suspend()
-    daemon.client.evict("tiny", force=True)
+    daemon.stop()  # a daemon stopped gently frees everything; the next gives out v1 again
+    daemon = start_daemon()
     daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny", dtype="bfloat16"))
-    with pytest.raises(StaleError):
+    with pytest.raises(StaleError, match="tiny v1 on cpu:0 has no variant float32"):
+        attached.resume(DaemonClient(daemon.config.socket_path))
+    assert attached.suspended
+    daemon.client.evict("tiny", force=True)
+    daemon.client.load(LoadSpec(path=str(tiny_llama), name="tiny"))  # v2: v1's number is not given out again
+    with pytest.raises(StaleError, match="tiny has no version 1 .* take a new snapshot"):
         attached.resume(DaemonClient(daemon.config.socket_path))
     assert attached.suspended
 
