@@ -262,10 +262,10 @@ class DaemonClient:
         return pb.AttachResponse.FromString(self._session_request(ATTACH, message.SerializeToString()))
 
     def renew(self, lease_id: str) -> pb.Lease:
-        return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id)).lease
+        return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id, session=self.session())).lease
 
     def release(self, lease_id: str) -> None:
-        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id))
+        self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id, session=self.session()))
 
     def evict(self, model: str, version: int = 0, force: bool = False) -> list[pb.ModelInfo]:
         return list(self._call(self._stub.Evict, pb.EvictRequest(model=model, version=version, force=force)).evicted)

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from preload_daemon.errors import NotFoundError
+from preload_daemon.errors import AccessDeniedError, NotFoundError
 from preload_daemon.leases import Lease
 from preload_daemon.records import Model, Variant
 from preload_daemon.sessions import Session
@@ -39,20 +39,25 @@ class Leases:
         self._variants[lease.id] = variant
         return lease
 
-    def renew(self, lease_id: str) -> Lease:
+    def renew(self, lease_id: str, session: str | None = None) -> Lease:
+        """`session`: the token of the session asking (an RPC's), which must be the lease's."""
         with self._lock:
             variant = self._variants.get(lease_id)
             if variant is None:
                 raise NotFoundError(f"lease {lease_id} is unknown or was reaped; attach again")
             lease = variant.leases[lease_id]
+            _check_holder(lease, session, "renewed")
             lease.renewed_at = time.time()
             return lease
 
-    def release(self, lease_id: str, why: str = "released", how: str = "released") -> None:
+    def release(self, lease_id: str, why: str = "released", how: str = "released", session: str | None = None) -> None:
+        """`session` as renew's (the daemon's own ends, of a session or a process gone, give none)."""
         with self._lock:
-            variant = self._variants.pop(lease_id, None)
+            variant = self._variants.get(lease_id)
             if variant is None:
                 raise NotFoundError(f"lease {lease_id} is unknown or was already released")
+            _check_holder(variant.leases[lease_id], session, "released")
+            del self._variants[lease_id]
             lease = variant.leases.pop(lease_id)
             self.ended[how] += 1
         log.info("lease %s of pid %d on %s v%d %s", lease_id, lease.pid, lease.model, lease.version, why)
@@ -93,3 +98,12 @@ class Leases:
     def clear(self) -> None:
         """Forgets every lease: the store is freeing every slab (caller holds the lock)."""
         self._variants.clear()
+
+
+def _check_holder(lease: Lease, session: str | None, done: str) -> None:
+    """A lease is renewed or released only by the session that took it (its id is public: ListModels
+    shows it): another process releasing it would let its version be evicted under its engine."""
+    if session is not None and session != lease.session:
+        raise AccessDeniedError(f"lease {lease.id} is held by another session (pid {lease.pid}) and is {done} only by "
+                                "it; it ends with that process. To free its version anyway: `preload evict "
+                                f"{lease.model}@{lease.version} --force`")

@@ -182,11 +182,12 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
 
     @_rpc
     def RenewLease(self, request, context):
-        return pb.RenewLeaseResponse(lease=wire.lease(self.store.leases.renew(wire.lease_id(request.lease_id))))
+        lease = self.store.leases.renew(wire.lease_id(request.lease_id), request.session)
+        return pb.RenewLeaseResponse(lease=wire.lease(lease))
 
     @_rpc
     def Release(self, request, context):
-        self.store.leases.release(wire.lease_id(request.lease_id))
+        self.store.leases.release(wire.lease_id(request.lease_id), session=request.session)
         return pb.ReleaseResponse()
 
     @_rpc

@@ -97,6 +97,37 @@ def test_killed_worker_lease_is_reaped_then_evict_works(daemon, tiny_llama):
     assert daemon.client.list_models() == []
 
 
+def test_a_lease_is_renewed_and_released_only_by_the_session_that_took_it(daemon, tiny_llama):
+    """Lease ids are public (ListModels, `status --json`): another process releasing an engine's lease
+    let its version be evicted without --force while the engine served it. Now another client, or a
+    bare RPC without the session's token, is refused, naming the way that does work; the lease
+    stands; its own client renews and releases it."""
+    from preload_daemon.client import DaemonClient
+    from preload_daemon.errors import AccessDeniedError
+    from protos import preload_pb2 as pb
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    attached = daemon.client.attach("tiny-llama")
+    [lease] = [x.id for m in daemon.client.list_models() for x in m.leases]
+    with DaemonClient(daemon.config.socket_path, timeout=5) as stranger:
+        for call in (stranger.release, stranger.renew):
+            with pytest.raises(AccessDeniedError, match=rf"lease {lease} is held by another session "
+                               rf"\(pid {os.getpid()}\).*`preload evict tiny-llama@1 --force`"):
+                call(lease)
+    channel = grpc.insecure_channel(f"unix:{daemon.config.socket_path}")
+    release = channel.unary_unary("/preload.v1.WeightCache/Release",
+                                  request_serializer=pb.ReleaseRequest.SerializeToString,
+                                  response_deserializer=pb.ReleaseResponse.FromString)
+    with pytest.raises(grpc.RpcError) as bare:
+        release(pb.ReleaseRequest(lease_id=lease))
+    assert bare.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    channel.close()
+    with pytest.raises(LeasedError):
+        daemon.client.evict("tiny-llama")
+    assert daemon.client.renew(lease).id == lease
+    attached.release()
+    assert [m.version for m in daemon.client.evict("tiny-llama")] == [1]
+
+
 def test_bad_checkpoints_leave_the_daemon_serving(daemon, tiny_llama, tmp_path):
     """Malformed input is refused with a clear error; the model already loaded stays attachable."""
     daemon.client.load(LoadSpec(path=str(tiny_llama)))
