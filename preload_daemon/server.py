@@ -298,6 +298,10 @@ class DaemonServer:
         except BaseException:
             if getattr(self, "sessions", None) is not None:
                 self.sessions.close()  # its listening socket, file and threads
+            if getattr(self, "store", None) is not None and not self.store.models():
+                # adopt() wrote this device's state file: with nothing to keep (no slab adopted, no
+                # number to remember) it goes, and then the slab directory if empty (both had stayed)
+                self.store.close()
             os.close(self._lock_fd)  # a retry in this process must not find the device locked
             self._remove_shm_dir_if_empty()  # a refused start (a cuda daemon without a GPU) had left it
             raise

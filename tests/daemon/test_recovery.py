@@ -101,7 +101,8 @@ def test_a_load_past_its_timeout_fails_and_keeps_nothing(tmp_path, tiny_llama):
 
 def test_a_daemon_that_fails_to_start_leaves_no_socket_or_lock_behind(runtime_dir, monkeypatch):
     """A failure late in start-up (here: gRPC refuses) closes the session listener and its socket
-    file and frees the device lock, so that a retry in the same process starts cleanly."""
+    file and frees the device lock, so that a retry in the same process starts cleanly, and leaves
+    no slab directory (it had kept the state file adopt wrote, and so the directory)."""
     from preload_daemon import server
     from preload_daemon.config import DaemonConfig
     from preload_daemon.sessions import session_path
@@ -116,6 +117,7 @@ def test_a_daemon_that_fails_to_start_leaves_no_socket_or_lock_behind(runtime_di
         with pytest.raises(RuntimeError, match="no gRPC today"):
             server.DaemonServer(config)
     assert not session_path(config.socket_path).exists()
+    assert not config.shm_dir.exists()
     server.DaemonServer(config).stop(grace=0)  # the device lock was released
 
 
