@@ -13,9 +13,12 @@ import sys
 import threading
 from collections.abc import Callable
 
+from preload_daemon.cachekey import file_differences, file_identity
+from preload_daemon.checkpoint import stat_identity
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import default_runtime_dir
-from preload_daemon.errors import AccessDeniedError, DaemonUnavailableError, NotFoundError, PreloadError
+from preload_daemon.errors import (AccessDeniedError, CheckpointError, DaemonUnavailableError, NotFoundError,
+                                   PreloadError)
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.runtime_dir import check_runtime_dir, socket_abandoned
 from protos import preload_pb2 as pb
@@ -103,8 +106,27 @@ def targets_for(name: str, runtime_dir: pathlib.Path, devices: list[str] | None 
 
 def next_version(name: str, runtime_dir: pathlib.Path) -> int:
     """One number above the highest any daemon gave out for `name`, so that every rank agrees."""
-    last = [s.last_version for stats in holders(name, runtime_dir).values() for s in stats.summaries if s.name == name]
+    return _next_number(name, holders(name, runtime_dir))
+
+
+def _next_number(name: str, found: dict[str, pb.Stats]) -> int:
+    last = [s.last_version for stats in found.values() for s in stats.summaries if s.name == name]
     return max(last, default=0) + 1
+
+
+def _held_version(name: str, path: str, found: dict[str, pb.Stats]) -> tuple[int, list[str]]:
+    """(the version of `name` that daemons hold from the files in `path`, as they are now, and those
+    daemons' devices), or (0, []). Such a daemon answers with that version whatever number it is asked
+    for: the other ranks must load the files as that number too (serving a model again with another
+    --tp-size had its ranks on different numbers, and failed)."""
+    try:
+        files = stat_identity(path, allow_external=True)  # (the daemons check the links as they load)
+    except CheckpointError:
+        return 0, []
+    held = {(device, m.version) for device, stats in found.items() for m in stats.models if m.name == name
+            and not file_differences(tuple(map(file_identity, m.key.files)), files)}
+    numbers = {number for _, number in held}
+    return (numbers.pop(), sorted(device for device, _ in held)) if len(numbers) == 1 else (0, [])
 
 
 def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathlib.Path, *,
@@ -113,7 +135,9 @@ def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathli
     """Loads the checkpoint directory on every target as the next version (or finds the version
     already loaded from those files) and then makes it active everywhere: always, or, without
     `always_activate` (`preload serve`), only if it is new or the model had none."""
-    number = next_version(name, runtime_dir)
+    found = holders(name, runtime_dir)
+    number, held = _held_version(name, path, found)
+    number = number or _next_number(name, found)
     spec = LoadSpec(path=path, name=name)
 
     def load(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
@@ -121,7 +145,7 @@ def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathli
         return client.load_all(spec.with_layout(first), on_progress, layouts=tuple(rest), version=number,
                                activate=False, keep=keep, max_bytes=max_bytes)
 
-    return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress)
+    return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress, held)
 
 
 def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | None = None,
@@ -147,10 +171,12 @@ def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | No
 
 
 def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib.Path, load: Callable,
-             always_activate: bool, show_progress: bool) -> Published:
+             always_activate: bool, show_progress: bool, held: list[str] = ()) -> Published:
+    """`held`: the devices that held version `number` before (not made here, never freed here)."""
     results = _on_all(targets, runtime_dir, load, f"{name} v{number}", show_progress)
     failed = [(t, r) for t, r in zip(targets, results) if isinstance(r, Exception)]
-    made = [t for t, r in zip(targets, results) if not isinstance(r, Exception) and r[0].version == number]
+    made = [t for t, r in zip(targets, results)
+            if not isinstance(r, Exception) and r[0].version == number and t.device not in held]
     if failed:
         for target in made:  # not active, not leased: nothing can be using it yet
             with DaemonClient.for_device(target.device, runtime_dir) as client:
@@ -168,11 +194,12 @@ def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib
                            f"({', '.join(f'{t.device}: v{r[0].version}' for t, r in zip(targets, results))}); "
                            f"evict the odd ones (`preload evict {name}@V`) and publish again")
     found = versions.pop()
-    if always_activate or found == number:
+    created = found == number and not held
+    if always_activate or created:
         for target in targets:
             with DaemonClient.for_device(target.device, runtime_dir) as client:
                 client.set_active(name, found)
-    return Published(found, found == number, results)
+    return Published(found, created, results)
 
 
 def _on_all(targets: list[Target], runtime_dir: pathlib.Path, run: Callable, what: str, show_progress: bool) -> list:

@@ -97,6 +97,21 @@ def test_a_number_is_never_given_out_again_after_every_version_is_evicted(start_
         again.client.load(LoadSpec(path=str(two), name="m"), version=2)
 
 
+def test_serving_the_same_files_with_another_tp_size_keeps_their_version_on_every_rank(start_daemon, tiny_llama):
+    """A daemon holding the files as v1 answers v1 to a load of them whatever number it is asked, and a
+    new daemon took the next number: serving again with --tp-size 2 failed ("different versions of
+    m"), with advice that failed again. Every rank now loads them as the version that holds them."""
+    a = start_daemon("cpu:0")
+    assert publish(a, "m", tiny_llama).version == 1
+    b = start_daemon("cpu:1")
+    targets = [Target("cpu:0", [Layout(tp_size=2)]), Target("cpu:1", [Layout(tp_size=2, tp_rank=1)])]
+    published = publish_dir("m", str(tiny_llama), targets, a.config.runtime_dir, show_progress=False)
+    assert published.version == 1
+    for d, rank in ((a, 0), (b, 1)):
+        assert versions(d) == {1: (True, False)}
+        assert attached_version(d, layout=Layout(tp_size=2, tp_rank=rank)) == 1
+
+
 def test_pin_rollback_and_keep(daemon, tiny_llama, tmp_path):
     paths = [variant_of(tiny_llama, tmp_path, f"s{i}", i / 10)[0] for i in range(4)]
     daemon.client.load(LoadSpec(path=str(paths[0]), name="m"))
