@@ -16,6 +16,7 @@ _DEVICE_RE = re.compile(r"^(cpu|cuda):(\d{1,4})$")  # up to 9999: no int() of a 
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_THREADS = 1024  # compute threads a process may ask for (100,000 failed as Python's "can't start new thread")
 
 
 def configure_logging(level: str) -> None:
@@ -107,8 +108,9 @@ class DaemonConfig:
         # refused start.
         if self.reap_interval_s <= 0:
             raise InvalidRequestError(f"reap_interval_s must be positive, got {self.reap_interval_s}")
-        if self.threads < 0:
-            raise InvalidRequestError(f"--threads must be >= 0 (0: every core), got {self.threads}")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise InvalidRequestError(f"--threads must be 0..{MAX_THREADS} (0: every core; this host has "
+                                      f"{os.cpu_count()}), got {self.threads}")
         if not self.load_timeout_s > 0 or self.max_sessions < 1 or self.max_rpcs < 1:
             raise InvalidRequestError(f"--load-timeout must be positive and --max-sessions at least 1; got "
                                       f"{self.load_timeout_s:g} and {self.max_sessions}")

@@ -4,6 +4,7 @@ import dataclasses
 import pathlib
 
 from preload_daemon.arch import ArchSpec
+from preload_daemon.config import MAX_THREADS
 from preload_daemon.errors import InvalidRequestError
 from preload_daemon.hfconfig import read_config
 
@@ -67,9 +68,9 @@ class EngineConfig:
         if self.prefill_chunk < 0:
             raise InvalidRequestError(f"--prefill-chunk must be >= 0 (0: prefill every prompt whole), "
                                       f"got {self.prefill_chunk}")
-        if self.num_threads < 0:
-            raise InvalidRequestError(f"--threads must be >= 0 (0: the cores divided among the processes), "
-                                      f"got {self.num_threads}")
+        if not 0 <= self.num_threads <= MAX_THREADS:
+            raise InvalidRequestError(f"--threads must be 0..{MAX_THREADS} (0: the cores divided among the "
+                                      f"processes), got {self.num_threads}")
         if not self.name:
             object.__setattr__(self, "name", self.model.name)
         if self.weights_version not in ("", "active") and not (self.weights_version.isdigit()

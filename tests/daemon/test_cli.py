@@ -110,7 +110,8 @@ def test_serve_bad_input_is_one_clear_line(runtime_dir, tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--threads", "-1"], "--threads must be >= 0 (0: every core), got -1"),
+    (["--threads", "-1"], "--threads must be 0..1024 (0: every core; this host has "),
+    (["--threads", "100000"], "got 100000"),
     (["--load-timeout", "0"], "--load-timeout must be positive"),
     (["--max-sessions", "0"], "--max-sessions at least 1"),
 ])

@@ -70,7 +70,8 @@ def test_generate_tp2_cold_and_warm_equals_tp1(runtime_dir, tiny_llama):
 
 @pytest.mark.parametrize("args, env, message", [
     (["--tp-size", "0"], {}, "--tp-size must be at least 1, got 0"),
-    (["--threads", "-1"], {}, "--threads must be >= 0"),
+    (["--threads", "-1"], {}, "--threads must be 0..1024"),
+    (["--threads", "100000"], {}, "--threads must be 0..1024 (0: the cores divided among the processes), got 100000"),
     (["--prefill-chunk", "-1"], {}, "--prefill-chunk must be >= 0 (0: prefill every prompt whole)"),
     (["--tp-size", "2"], {"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' and WORLD_SIZE='2' must be whole numbers"),
     (["--tp-size", "2"], {"RANK": "0", "WORLD_SIZE": "3"}, "torchrun started 3 processes for --tp-size 2"),

@@ -132,6 +132,15 @@ def test_request_bodies_are_bounded_each_and_all_together(monkeypatch):
         status, message = post((1 << 20) + 1)
         assert status == 413 and "over 1 MiB; send a shorter prompt" in message
         assert budget.held == 0
+        with socket.create_connection(listener.getsockname(), timeout=10) as conn:  # said, not sent: refused at
+            started = time.monotonic()  # once, not after the request's deadline (h11 refuses longer numbers)
+            conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 999999999999\r\n\r\nxyz")
+            answer = b""
+            while b"prompt" not in answer:  # the head and the body may come apart
+                answer += conn.recv(4096) or pytest.fail(f"closed after {answer!r}")
+        assert answer.startswith(b"HTTP/1.1 413") and b"over 1 MiB; send a shorter prompt" in answer
+        assert time.monotonic() - started < http_limits.REQUEST_TIMEOUT_S
+        assert budget.held == 0
     finally:
         server.should_exit = True
         thread.join(10)
