@@ -22,7 +22,7 @@ from preload_daemon.arch import DTYPE_CHOICES, SCHEMES
 from preload_daemon.config import core_share, parse_device, resolve_devices
 from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import InvalidRequestError, PreloadError
-from preload_daemon.runtime_dir import check_socket_room, ensure_private_dir
+from preload_daemon.runtime_dir import check_socket_room, ensure_private_dir, remove_dead_routers_dirs
 
 MAX_DP = 64  # replicas of one engine: each is a whole engine process (or N of them)
 EPILOG_ENGINE = """examples:
@@ -153,6 +153,7 @@ def become_router(args, config) -> None:
     """Replaces this process with the lean DP router (no torch in it), which runs each replica as
     this same command with --dp-size 1."""
     check_socket_room(config.runtime_dir)
+    remove_dead_routers_dirs(config.runtime_dir)
     sockets = ensure_private_dir(config.runtime_dir / f"engine-{os.getpid()}-{secrets.token_hex(4)}")
     # Each replica sees --dp-size 1, so it is told its share of the cores here.
     settings = {"replicas": args.dp_size, "socket_dir": str(sockets), "host": args.host, "port": args.port,

@@ -214,6 +214,38 @@ def socket_abandoned(path: pathlib.Path) -> bool:
         probe.close()
 
 
+_ROUTER_DIR = re.compile(r"engine-([0-9]{1,9})-[0-9a-f]{8}")  # a data-parallel router's: engine-PID-HEX
+
+
+def remove_dead_routers_dirs(runtime_dir: pathlib.Path) -> None:
+    """Removes the replica socket directories that data-parallel routers killed with SIGKILL left
+    (their exit never ran): engine-PID-HEX, its process gone, holding nothing but Unix sockets that
+    no one listens on. Anything else in one keeps it, as does a live process of that pid."""
+    try:
+        entries = [e for e in os.scandir(runtime_dir)
+                   if _ROUTER_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            os.kill(int(_ROUTER_DIR.fullmatch(entry.name).group(1)), 0)
+            continue  # alive (or another user's process of that pid): kept
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        try:
+            sockets = list(os.scandir(entry.path))
+            if all(stat.S_ISSOCK(s.stat(follow_symlinks=False).st_mode) and socket_abandoned(pathlib.Path(s.path))
+                   for s in sockets):
+                for s in sockets:
+                    os.unlink(s.path)
+                os.rmdir(entry.path)
+                log.info("removed %s, the replica sockets of a router that is gone", entry.path)
+        except OSError as e:  # raced with another cleaner, or not ours: left as it is
+            log.debug("left %s: %s", entry.path, e)
+
+
 SHM_RECORD = "shm-dir"
 _SHM_NAME = re.compile(r"preload-[0-9a-f]{16}")
 _SHM_RECORD_MAX_BYTES = 64

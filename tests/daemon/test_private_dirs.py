@@ -9,6 +9,7 @@ import pathlib
 import re
 import socket
 import stat
+import subprocess
 import threading
 
 import pytest
@@ -269,3 +270,41 @@ def test_a_runtime_dir_under_a_directory_others_control_is_refused(tmp_path, par
     with pytest.raises(InvalidRequestError, match=rf"{parent}, above {parent / 'run' / 'deeper'}, {refused}"):
         ensure_private_dir(parent / "run" / "deeper")
     assert not (parent / "run").exists()  # refused before anything was made there (it would lock its owner out)
+
+
+def test_the_socket_dirs_of_routers_killed_are_removed_and_no_other(tmp_path):
+    """A data-parallel router killed with SIGKILL left engine-PID-HEX and its replicas' sockets in
+    the runtime dir for good. The next router removes such a directory once its process is gone and
+    nothing listens on its sockets; one of a live process, one with a listener or with anything but
+    sockets in it, and other names, stay."""
+    from preload_daemon.runtime_dir import remove_dead_routers_dirs
+    runtime = ensure_private_dir(tmp_path / "rt")
+    child = subprocess.Popen(["true"])
+    child.wait()
+    dead = child.pid  # a process gone (and reaped)
+    listening = socket.socket(socket.AF_UNIX)
+
+    def router_dir(name: str, listen: bool = False) -> pathlib.Path:
+        path = runtime / name
+        path.mkdir()
+        for i in range(2):
+            sock = listening if listen and i == 0 else socket.socket(socket.AF_UNIX)
+            sock.bind(str(path / f"replica-{i}.sock"))
+            if sock is listening:
+                sock.listen()
+            else:
+                sock.close()
+        return path
+
+    gone = router_dir(f"engine-{dead}-0123abcd")
+    alive = router_dir(f"engine-{os.getpid()}-0123abcd")
+    heard = router_dir(f"engine-{dead}-4567abcd", listen=True)
+    other = router_dir(f"engine-{dead}-89abcdef")
+    (other / "notes.txt").write_text("not a socket")
+    named = router_dir(f"engine-{dead}-xyz")
+    try:
+        remove_dead_routers_dirs(runtime)
+        assert not gone.exists()
+        assert all(p.exists() for p in (alive, heard, other, named))
+    finally:
+        listening.close()
