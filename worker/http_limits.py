@@ -67,10 +67,10 @@ class BodyBudget:
         """A starlette request's whole body, counted as it arrives: BodyRefused past MAX_BODY_BYTES
         (413) or past the budget (503). A refused body's bytes are dropped and the rest of it read
         and discarded (at most DRAIN_BYTES), so that the client, still sending, gets the answer and
-        not a reset connection. A body whose Content-Length says it is too large is refused before a
-        byte of it is read (the client had waited out the request's deadline first)."""
+        not a reset connection. A body whose Content-Length is past what that can take is refused
+        before a byte of it is read (a client that sent none of it waited out the request's deadline)."""
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_BODY_BYTES):
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_BODY_BYTES + DRAIN_BYTES):
             raise BodyRefused(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
         chunks, size, refused, drained = [], 0, None, 0
         try:

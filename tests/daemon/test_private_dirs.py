@@ -272,13 +272,13 @@ def test_a_runtime_dir_under_a_directory_others_control_is_refused(tmp_path, par
     assert not (parent / "run").exists()  # refused before anything was made there (it would lock its owner out)
 
 
-def test_the_socket_dirs_of_routers_killed_are_removed_and_no_other(tmp_path):
+def test_the_socket_dirs_of_routers_killed_are_removed_and_no_other(runtime_dir):
     """A data-parallel router killed with SIGKILL left engine-PID-HEX and its replicas' sockets in
     the runtime dir for good. The next router removes such a directory once its process is gone and
     nothing listens on its sockets; one of a live process, one with a listener or with anything but
     sockets in it, and other names, stay."""
     from preload_daemon.runtime_dir import remove_dead_routers_dirs
-    runtime = ensure_private_dir(tmp_path / "rt")
+    runtime = ensure_private_dir(runtime_dir)  # (short: a socket's path has room for 107 bytes)
     child = subprocess.Popen(["true"])
     child.wait()
     dead = child.pid  # a process gone (and reaped)
