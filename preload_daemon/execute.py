@@ -79,10 +79,14 @@ def execute(plan: LoadPlan, checkpoint: Checkpoint, dest: torch.Tensor, on_tenso
 def check_stored_scales(plan: LoadPlan, dest: torch.Tensor, path) -> None:
     """A pre-quantized checkpoint's block scales, loaded as stored, must be finite and not negative
     (as a quantizing load's are): a NaN or an infinity makes its whole block NaN, a negative scale
-    flips its signs. CheckpointError naming the first tensor with one."""
+    flips its signs. CheckpointError naming the first tensor with one. A checkpoint is pre-quantized
+    whole or not at all (plan.py): at a quantized scale the load quantizes, and no entry is looked at
+    past it (a quantizing load's 35,539 entries had cost 2 ms)."""
     for entry in plan.entries:
-        if entry.part != "weight_scale" or entry.quantize:
+        if entry.part != "weight_scale":
             continue
+        if entry.quantize:
+            return
         scales = dest[entry.offset:entry.offset + entry.nbytes].view(torch.float32)
         bad = ~(scales >= 0) | torch.isinf(scales)  # (a NaN is not >= 0)
         if bool(bad.any()):
