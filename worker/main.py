@@ -167,7 +167,6 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
     return engine
 
 
-
 def started() -> None:
     """Start-up is over (ready, or failed). `preload engine` holds the cyclic garbage collector off
     from its first heavy import (torch's alone makes millions of objects that live as long as the
