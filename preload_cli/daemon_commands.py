@@ -79,7 +79,7 @@ def cmd_status(args) -> int:
             unreachable.append(f"  {dev}: {s}")
             continue
         daemons.append([s.device, str(s.pid), human_seconds(now - s.started_at),
-                        "serving" if s.serving else "not serving", str(len(s.summaries)),
+                        "serving" if s.serving else "not serving", str(sum(1 for m in s.summaries if m.versions)),
                         human_bytes(s.resident_bytes), str(s.num_leases), str(s.num_sessions)])
         notes += [f"  {s.device}: {line}" for line in s.recovery]
         for m in s.summaries:

@@ -3,6 +3,7 @@ others through preload's main() in this process (run_cli), which saves an interp
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,6 +51,11 @@ def test_serve_status_wait_ready_evict(runtime_dir, tiny_llama):
         assert bad.returncode == 2 and "use MODEL@N" in bad.stderr
         evicted = run_cli("evict", "tiny-llama@1", runtime_dir=runtime_dir)
         assert evicted.returncode == 0 and "evicted tiny-llama v1 (float32/none rank 0/1) from cpu:0" in evicted.stdout
+        # the record (its last number) stays, but a model with no version left is not counted as held
+        status = run_cli("status", runtime_dir=runtime_dir, check=True).stdout.splitlines()
+        columns = dict(zip(status[0].split(), re.split(r"\s{2,}", status[1])))
+        assert (columns["MODELS"], columns["RESIDENT"]) == ("0", "0 B"), status
+        assert not any(line.startswith("tiny-llama") for line in status)
     finally:
         for pid in daemon_pids(runtime_dir):
             os.kill(pid, signal.SIGTERM)
