@@ -5,7 +5,7 @@ active one; and which version a load or publish goes into."""
 from preload_daemon.cachekey import file_differences
 from preload_daemon.checkpoint import refresh_identity
 from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, StaleError
-from preload_daemon.records import Model, Version, check_name, check_number, common_dir
+from preload_daemon.records import Model, Version, check_name, check_new_name, check_number, common_dir
 from preload_daemon.safetensors_file import FileIdentity
 
 
@@ -19,6 +19,7 @@ def find_model(models: dict[str, Model], name: str, device: str, create: bool = 
             loaded = ", ".join(sorted(n for n, m in models.items() if m.versions)) or "none"  # not failed loads
             raise NotFoundError(f"model {name!r} is not loaded on {device} (loaded: {loaded}); "
                                 f"load it with `preload serve`")
+        check_new_name(name)
         model = models[name] = Model(name)
     return model
 

@@ -205,3 +205,12 @@ def check_name(name: str) -> None:
     if not name or len(name) > 256 or not name.isprintable():
         raise InvalidRequestError(f"model name {name[:80]!r} must be 1..256 printable characters (no NUL, line "
                                   "breaks or other control characters)")
+
+
+def check_new_name(name: str) -> None:
+    """The stricter rules for a name a load creates: one a user can type back (`MODEL@N` splits at
+    the last '@'). Names already held (adopted from an older daemon) need only check_name."""
+    check_name(name)
+    if "@" in name or name != name.strip():
+        raise InvalidRequestError(f"model name {name!r} has an '@' or spaces at an end, which `preload evict "
+                                  "MODEL@N` and the other commands could not name back; give another with --name")

@@ -20,6 +20,7 @@ from preload_daemon.default_model import default_model_path
 from preload_daemon.errors import DaemonUnavailableError, InvalidRequestError
 from preload_daemon.hfconfig import read_config
 from preload_daemon.plan import LoadSpec
+from preload_daemon.records import check_new_name
 from preload_daemon.runtime_dir import ensure_private_dir
 from preload_daemon.versions import Target, publish_dir
 
@@ -121,6 +122,7 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     model = os.path.abspath(model or str(default_model_path()))
     device_list = resolve_devices(devices, tp_size)
     spec = LoadSpec(path=model, name=name, dtype=dtype, quantization=quantization, tp_size=tp_size)
+    check_new_name(spec.name)  # before any daemon starts
     # A checkpoint with MTP layers gets its draft component too (it shares the main one's embedding and lm_head).
     components = ("main", "draft") if ArchSpec.from_config(read_config(model), model).num_mtp_layers else ("main",)
     targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r, component=c) for c in components])

@@ -111,6 +111,12 @@ def test_serve_bad_input_is_one_clear_line(runtime_dir, tiny_llama, tmp_path):
     assert out.returncode == 1 and "give one distinct device per rank" in out.stderr
     out = run_cli("serve", tiny_llama, "--quantization", "fp5", runtime_dir=runtime_dir)
     assert out.returncode == 2 and "invalid choice: 'fp5'" in out.stderr
+    for name in ("llama@3", " llama"):  # `evict llama@3` would mean version 3 of llama
+        out = run_cli("serve", tiny_llama, "--name", name, "--no-supervise", runtime_dir=runtime_dir)
+        assert out.returncode == 1 and f"model name {name!r} has an '@' or spaces at an end" in out.stderr, out.stderr
+        assert "give another with --name" in out.stderr
+    out = run_cli("status", "--json", runtime_dir=runtime_dir, check=True)
+    assert [m for d in json.loads(out.stdout)["daemons"] for m in d.get("summaries", [])] == []
     for pid in daemon_pids(runtime_dir):
         os.kill(pid, signal.SIGTERM)
 

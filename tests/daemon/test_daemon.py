@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from preload_cli.models import synthetic_checkpoint
 from preload_daemon.checkpoint import stat_identity
-from preload_daemon.errors import CheckpointError, LeasedError, NotFoundError, StaleError
+from preload_daemon.errors import CheckpointError, InvalidRequestError, LeasedError, NotFoundError, StaleError
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.sessions import session_path
 from tests.conftest import REPO, copy_checkpoint, run_preload, wait_until
@@ -139,6 +139,9 @@ def test_bad_checkpoints_leave_the_daemon_serving(daemon, tiny_llama, tmp_path):
         daemon.client.load(LoadSpec(path=str(bad)))
     with pytest.raises(CheckpointError, match="not a directory"):
         daemon.client.load(LoadSpec(path=str(tmp_path / "nowhere")))
+    for name in ("tiny@2", "tiny "):  # a name the commands could not name back (`tiny@2`: version 2 of tiny)
+        with pytest.raises(InvalidRequestError, match="has an '@' or spaces at an end"):
+            daemon.client.load(LoadSpec(path=str(tiny_llama), name=name))
     probe = Probe(daemon.config.socket_path, "tiny-llama", "--compare", str(tiny_llama), "--exit")
     probe.close()
     assert probe.report["equal"]
