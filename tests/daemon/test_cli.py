@@ -10,9 +10,11 @@ import sys
 import time
 
 import pytest
-
 from safetensors.torch import save_file
 
+from preload_daemon.client import DaemonClient
+from preload_daemon.errors import CheckpointError
+from preload_daemon.plan import LoadSpec
 from tests.conftest import REPO, copy_checkpoint, exited, run_cli, run_preload, wait_until
 
 
@@ -96,7 +98,15 @@ def test_publish_rollback_pin_and_wait_ready_codes(runtime_dir, tiny_llama, tmp_
         assert bad.returncode == 1 and "not a directory" in bad.stderr and "active version of m is unchanged" in bad.stderr
         failed = run_cli("wait-ready", "--model", "m", "--version", "3", "--timeout", "5", runtime_dir=runtime_dir)
         assert failed.returncode == 3 and "not a directory" in failed.stderr
-        assert "recent failed loads" in run_cli("status", runtime_dir=runtime_dir).stdout
+        broken = tmp_path / "broken"  # a load that fails before it is given a number
+        copy_checkpoint(tiny_llama, broken)
+        (broken / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes()[:5000])
+        with DaemonClient(runtime_dir / "daemon-cpu-0.sock") as client, pytest.raises(CheckpointError):
+            client.load(LoadSpec(path=str(broken), name="m"))  # a bare LoadModel asks for no number (serve and publish do)
+        status = run_cli("status", runtime_dir=runtime_dir).stdout
+        failures = status.partition("recent failed loads:\n")[2].splitlines()
+        assert failures[0].startswith("  m a new version: CheckpointError: ") and failures[0].endswith("(on cpu:0)")
+        assert failures[1].startswith("  m v3: CheckpointError: ") and "not a directory" in failures[1], status
         assert run_cli("rollback", "m", "--to", "7", runtime_dir=runtime_dir).returncode == 1
         assert run_cli("pin", "m", runtime_dir=runtime_dir).returncode == 2
     finally:
