@@ -19,6 +19,10 @@ TOKENIZER_CONFIG_MAX_BYTES = 16 << 20
 """Largest tokenizer_config.json read (real ones are KiB to a few MiB)."""
 MAX_SPECIAL_TOKEN_CHARS = 1024
 """Longest bos_token or eos_token handed to the chat template (real ones are a few characters)."""
+MAX_CHARS_PER_TOKEN = 256
+"""Most characters of text one token stands for, as far as the bound on a prompt's text before it is
+tokenized goes (WorkerState.encode: more than the context times this cannot fit); real tokenizers'
+longest tokens are under a hundred-odd characters (the default model's: 81)."""
 FIX = "fix or re-export tokenizer.json and tokenizer_config.json"
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -52,6 +56,7 @@ class Tokenizer:
             return read_regular(inside(root, path / name, allow_external), limit, FIX, None if allow_external else root)
 
         self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
+        self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         self._bytes: dict[int, bytes] = {}
         self._added = self._tok.get_added_tokens_decoder()
         config_path = path / "tokenizer_config.json"
@@ -78,10 +83,17 @@ class Tokenizer:
                                   "re-export tokenizer.json and tokenizer_config.json") from None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+        """The text's ids. The library's batch call lets the GIL go while it works, where its encode
+        holds it: an 8 Mi-character prompt stopped the engine's every other thread for 7 s, /health's
+        and the scheduler's too."""
+        try:
+            return _library_call(self._encode_many, [text])[0].ids
+        except TypeError:  # the library's own words: "TextEncodeInput must be Union[TextInputSequence, ...]"
+            raise InvalidRequestError("the text cannot be tokenized: it is not valid Unicode (a lone surrogate "
+                                      "such as \\ud800 is not); send valid text") from None
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True)
+        return _library_call(self._tok.decode, ids, skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes:
         """The UTF-8 bytes one token adds to a text: a character may span tokens (an emoji is often
@@ -117,6 +129,20 @@ class Tokenizer:
             raise InvalidRequestError("this checkpoint has no chat template; send a plain prompt")
         return RENDERER.render(self._template, self._template_origin,
                                dict(messages=messages, add_generation_prompt=True, **self._special))
+
+
+def _library_call(call, *args, **kwargs):
+    """call(*args, **kwargs) into the tokenizers library, whose panics (a regex past its limit of
+    retries, in a checkpoint's pre-tokenizer) come up as pyo3's PanicException, a BaseException that
+    no handler for Exception catches: a plain-text 500 and a traceback, or a `preload generate`
+    traceback. Its errors other than TypeError are the tokenizer's doing: a CheckpointError."""
+    try:
+        return call(*args, **kwargs)
+    except (TypeError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:
+        raise CheckpointError(f"the checkpoint's tokenizer failed on this text ({type(e).__name__}: "
+                              f"{str(e)[:200]}); {FIX}") from None
 
 
 def _special_token(config: dict, key: str, where: pathlib.Path) -> str:

@@ -293,6 +293,8 @@ def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
     (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, "nested too deeply"),
     (b'{"prompt": "a\\ud800b", "max_tokens": 1}', 400, "the text cannot be tokenized"),
     (b'{"prompt": "' + b"a" * ((8 << 20) + 1) + b'", "max_tokens": 1}', 400, "over 8388608 characters"),
+    (b'{"prompt": "' + b"a" * (1 << 20) + b'", "max_tokens": 1}', 400,  # EngineProcess: --max-model-len 256
+     "the prompt's text is 1048576 characters, more than this engine's context of 256 tokens can hold (65536 "),
     (b'{"messages": [' + b",".join([b'{"role": "user", "content": "' + b"a" * (1 << 20) + b'"}'] * 9) + b"]}", 400,
      "the messages hold 9437184 characters in all, over the 8388608-character limit"),
     (b'{"messages": [' + b",".join([b'{"role": "user", "content": ""}'] * 65_537) + b"]}", 400,
@@ -300,7 +302,8 @@ def test_stop_prefix_is_the_longest_end_of_the_text_a_stop_string_begins_with():
 ])
 def test_hostile_bodies_get_a_400_that_names_the_problem(default_engine, raw, status, message):
     """Before: a traceback and a plain-text 500 (deep nesting), the tokenizer's 'TextInputSequence
-    must be str' (a lone surrogate), 8 s of tokenizing on the event loop before the length check,
+    must be str' (a lone surrogate), 8 s of tokenizing on the event loop before the length check
+    (and then, off the loop but holding the GIL, 8 s for a prompt far longer than the context),
     and chat messages of 64 MiB sent whole to the template's renderer (a second of the engine's
     time to encode)."""
     path = "/v1/chat/completions" if raw.startswith(b'{"messages"') else "/v1/completions"

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import shutil
+import threading
 import time
 
 import pytest
@@ -344,3 +345,52 @@ def test_oversized_and_malformed_tokenizer_files_are_refused(tmp_path, monkeypat
         with pytest.raises(CheckpointError, match=f"tokenizer_config.json {message}") as e:
             Tokenizer.load(path)
         assert_one_line(e)
+
+
+def test_encoding_lets_other_threads_run_and_gives_the_librarys_ids(default_model):
+    """The batch call lets the GIL go (encode held it: an 8 Mi-character prompt stopped the engine's
+    every other thread, /health's too, for 7 s); the ids are the library's encode's."""
+    tokenizer = Tokenizer.load(default_model)
+    library = tokenizers.Tokenizer.from_file(str(default_model / "tokenizer.json"))
+    for text in ("", "hello", "The capital of France is", "naïve 日本語 🙂\n\n  x", "<|im_start|>user\nhi"):
+        assert tokenizer.encode(text) == library.encode(text).ids
+    text, ticks, done = "the quick brown fox jumps over the lazy dog. " * 20_000, [], threading.Event()
+
+    def tick():
+        while not done.is_set():
+            ticks.append(1)
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        time.sleep(0.01)
+        before = len(ticks)
+        ids = tokenizer.encode(text)
+        during = len(ticks) - before
+    finally:
+        done.set()
+        ticker.join()
+    assert len(ids) > 100_000 and during > 5, during  # with the GIL held: none, or the one under way
+
+
+def test_a_panic_in_the_library_is_the_checkpoints_error_in_one_line(tmp_path, default_model):
+    """A pre-tokenizer's regex past Oniguruma's retry limit panics in Rust: pyo3's PanicException,
+    which no `except Exception` catches (a plain-text 500 and a traceback before)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, path / name)
+    spec = json.loads((default_model / "tokenizer.json").read_text())
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "(a|aa)+$"}, "behavior": "Isolated", "invert": False},
+        spec["pre_tokenizer"]]}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    tokenizer = Tokenizer.load(path)
+    assert tokenizer.encode("aab") == tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")).encode("aab").ids
+    with pytest.raises(CheckpointError, match="the checkpoint's tokenizer failed on this text") as e:
+        tokenizer.encode("a" * 40 + "b")
+    assert_one_line(e)
+    with pytest.raises(InvalidRequestError, match="it is not valid Unicode"):
+        tokenizer.encode("a\ud800b")
