@@ -9,7 +9,7 @@ import typing
 import torch
 
 from kernels import formats, quant
-from preload_daemon.arch import DTYPE_CHOICES, SCHEMES, ArchSpec, Shard, TensorKind, classify, ignored
+from preload_daemon.arch import DTYPE_CHOICES, KIND, SCHEMES, ArchSpec, Shard, TensorKind, classify, ignored
 from preload_daemon.buffers import DTYPES, gc_paused
 from preload_daemon.checkpoint import Checkpoint
 from preload_daemon.errors import CheckpointError, PlanError
@@ -303,8 +303,9 @@ def _target_dtype(arch: ArchSpec, spec) -> torch.dtype:
 def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -> list[tuple[str, TensorKind]]:
     """(name, kind) of the component's tensors in a stable order: MTP layers (index >=
     num_hidden_layers) belong to the draft, everything else to the main model. A tensor no kind
-    matches is refused, and so is a main component that lacks a tensor the config needs."""
-    known, unknown = [], []
+    matches, or of a layer the config has not, is refused, and so is a main component that lacks a
+    tensor the config needs."""
+    known, unknown, beyond = [], [], []
     for name in checkpoint.tensors:
         if ignored(name) or name.endswith(".weight_scale_inv"):  # scales are planned with their weight
             continue
@@ -314,7 +315,9 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
             continue
         kind, layer = found
         is_draft = layer is not None and layer >= arch.num_layers
-        if kind.mtp and not is_draft:
+        if layer is not None and layer >= arch.num_layers + arch.num_mtp_layers:
+            beyond.append(name)  # dropped unseen before: a 30-layer model ran on 29 (or 1) of its layers
+        elif kind.mtp and not is_draft:
             unknown.append(name)
         elif kind.key in SHARED_WITH_MAIN:
             continue  # an MTP layer's copy of the embedding or lm_head: the draft uses the main one's
@@ -324,10 +327,20 @@ def _component_tensors(checkpoint: Checkpoint, arch: ArchSpec, component: str) -
         raise CheckpointError(f"{checkpoint.path}: {len(unknown)} tensor(s) of no kind {arch.architecture} has, e.g. "
                               f"{', '.join(map(short_text, sorted(unknown)[:3]))}; is config.json's architecture "
                               "right?")
+    if beyond:
+        raise CheckpointError(f"{checkpoint.path}: {len(beyond)} tensor(s) of layers past config.json's "
+                              f"num_hidden_layers ({arch.num_layers}) and num_nextn_predict_layers "
+                              f"({arch.num_mtp_layers}), e.g. {', '.join(map(short_text, sorted(beyond)[:3]))}; "
+                              "config.json does not belong to these weights")
     if component == "main":
         # A required name present is among `known`: it is its kind's template (so classified as that
         # kind) in a main layer, and no required kind is skipped above.
         missing = [n for n in arch.required() if n not in checkpoint.tensors]
+        # An MTP layer the config declares has its own kinds: else config.json's num_hidden_layers
+        # is short, and the main model would run on its first layers alone.
+        mtp_layer = KIND["eh_proj"].template
+        missing += [name for i in range(arch.num_layers, arch.num_layers + arch.num_mtp_layers)
+                    if (name := mtp_layer.replace("{layer}", str(i))) not in checkpoint.tensors]
         if missing:
             raise CheckpointError(f"{_file_set(checkpoint)}: {len(missing)} tensor(s) that config.json needs are "
                                   f"missing, e.g. {', '.join(missing[:3])}; the checkpoint is incomplete (copy or "

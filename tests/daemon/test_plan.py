@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -177,6 +178,24 @@ def test_unknown_and_missing_tensors_are_refused(tmp_path, tiny_llama):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="1 tensor.s. that config.json needs are missing, e.g. "
                                               "model.layers.1.mlp.up_proj.weight"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+
+
+def test_layers_past_the_configs_are_refused_not_dropped(tmp_path, tiny_llama):
+    """config.json with fewer layers than the weights: the layers past them were dropped unseen (as
+    if they were MTP layers, with none in the config), and the model ran on the first ones alone."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    shutil.copy(tiny_llama / "model.safetensors", tmp_path / "model.safetensors")
+    assert config["num_hidden_layers"] == 2
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    with pytest.raises(CheckpointError, match=r"9 tensor.s. of layers past config.json's num_hidden_layers \(1\) and "
+                                              r"num_nextn_predict_layers \(0\), e.g. model.layers.1.input_layernorm."
+                                              r"weight.* does not belong to these weights"):
+        build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
+    # the last layer taken for an MTP layer (the draft's), which has none of an MTP layer's own tensors
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, "num_nextn_predict_layers": 1}))
+    with pytest.raises(CheckpointError, match="1 tensor.s. that config.json needs are missing, e.g. "
+                                              "model.layers.1.eh_proj.weight"):
         build_plan(Checkpoint(tmp_path), LoadSpec(path=str(tmp_path)))
 
 
