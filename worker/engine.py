@@ -33,12 +33,15 @@ def _prefill_key(request: Request) -> tuple[int, bool]:
 
 class Engine:
     def __init__(self, model: CausalLM, max_batch: int = 8, max_len: int = 2048,
-                 speculator: Speculator | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 speculator: Speculator | None = None, prefill_chunk: int = PREFILL_CHUNK,
+                 eos_token_ids: tuple[int, ...] = ()):
         """With a `speculator`, its draft proposes tokens that one main forward per step verifies
         (worker/speculative.py); the caches get room for the K positions a step may look ahead.
         A prompt longer than `prefill_chunk` that arrives while others decode is prefilled that
-        many tokens at a time, between their steps (0: always whole)."""
+        many tokens at a time, between their steps (0: always whole). A request stops at the
+        config's eos tokens and at `eos_token_ids` (generation_config.json's) unless it ignores them."""
         self.model = model
+        self.eos = frozenset(model.spec.eos_token_ids) | frozenset(eos_token_ids)
         self.prefill_chunk = prefill_chunk
         self.max_len = model.spec.context_len(max_len)
         self.speculator = speculator
@@ -113,7 +116,7 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams, on_token: Callable[[int], None],
                on_done: Callable[[str], None], enqueue: bool = True) -> Request:
         self.check(prompt, params)
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.model.spec.eos_token_ids))
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos)
         generator = seeded(params.seed)
         request = Request(prompt, params, on_token, on_done, generator, stop_ids=frozenset(stop))
         if enqueue:

@@ -38,7 +38,7 @@ from worker.quiesce import Quiescer
 from worker.speculative import Speculator
 from worker.server import build_app
 from worker.state import WorkerState, process_start_time
-from worker.tokenizer import FIX, TOKENIZER_MAX_BYTES, Tokenizer
+from worker.tokenizer import FIX, TOKENIZER_MAX_BYTES, Tokenizer, generation_eos
 
 log = logging.getLogger(__name__)
 # The processes of TP ranks 1..N-1 that this engine started: [(rank, process)].
@@ -155,7 +155,8 @@ def start_engine(config: EngineConfig, built: Built) -> Engine:
         log.warning("--max-model-len %d is past the model's max_position_embeddings (%d): a request gets at most "
                     "%d positions", config.max_model_len, positions, positions)
     engine = Engine(built.model, max_batch=config.max_batch, max_len=config.max_model_len,
-                    speculator=built.speculator, prefill_chunk=config.prefill_chunk).start()
+                    speculator=built.speculator, prefill_chunk=config.prefill_chunk,
+                    eos_token_ids=generation_eos(config.model, config.allow_external_links)).start()
     try:
         engine.generate([0], SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up: the first request pays nothing
     except BaseException as e:  # Ctrl-C meanwhile: the scheduler ends its step before the interpreter exits

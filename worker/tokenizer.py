@@ -131,6 +131,30 @@ class Tokenizer:
                                dict(messages=messages, add_generation_prompt=True, **self._special))
 
 
+GENERATION_CONFIG_MAX_BYTES = 1 << 20
+"""Largest generation_config.json read (real ones are under a KiB)."""
+
+
+def generation_eos(path: pathlib.Path, allow_external: bool = False) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an integer or a list of them), or () without one.
+    transformers' generate and vLLM stop on these too: some checkpoints list an end-of-turn token
+    only here (config.json's eos was all the engine stopped on, and a chat ran past its turn)."""
+    file = path / "generation_config.json"
+    if not os.path.lexists(file):
+        return ()
+    root = pathlib.Path(os.path.realpath(path))
+    fix = "fix generation_config.json or remove it"
+    data = read_regular(inside(root, file, allow_external), GENERATION_CONFIG_MAX_BYTES, fix,
+                        None if allow_external else root)
+    config = load_json(data, str(file), fix)
+    eos = config.get("eos_token_id") if isinstance(config, dict) else None
+    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        raise CheckpointError(f"{file}: eos_token_id must be an integer or a list of integers, got "
+                              f"{str(eos)[:80]}; {fix}")
+    return tuple(eos)
+
+
 def _library_call(call, *args, **kwargs):
     """call(*args, **kwargs) into the tokenizers library, whose panics (a regex past its limit of
     retries, in a checkpoint's pre-tokenizer) come up as pyo3's PanicException, a BaseException that

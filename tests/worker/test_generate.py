@@ -1,6 +1,7 @@
 """`preload generate`, the one-shot command."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -69,3 +70,29 @@ def test_ctrl_c_while_generating_stops_the_scheduler_first(tiny_llama, monkeypat
     with pytest.raises(KeyboardInterrupt):
         run_generate(config, [1, 2, 3], SamplingParams(max_tokens=4))
     assert len(calls) == 2 and not [t for t in threading.enumerate() if t.name == "engine"]
+
+
+def test_generation_configs_eos_ends_a_turn_too(default_model, runtime_dir, tmp_path):
+    """Some checkpoints list an end-of-turn token only in generation_config.json (transformers and
+    vLLM stop on it): config.json's eos alone let a chat run on past its turn into made-up ones."""
+    model = tmp_path / "model"
+    shutil.copytree(default_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "eos_token_id": 0}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+
+    def generate():
+        out = run_preload("generate", model, "--prompt", "What is the capital of France?", "--chat",
+                          "--max-tokens", "48", runtime_dir=runtime_dir)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    answer = generate()
+    assert answer["finish_reason"] == "stop" and "Paris" in answer["text"] and 2 not in answer["token_ids"], answer
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": ["2"]}))
+    out = run_preload("generate", model, "--prompt-ids", "1,2", runtime_dir=runtime_dir)
+    assert out.returncode == 1 and "generation_config.json: eos_token_id must be an integer or a list of integers, " \
+        "got ['2']; fix generation_config.json or remove it" in out.stderr.strip().splitlines()[-1], out.stderr
+    (model / "generation_config.json").unlink()
+    answer = generate()  # the chat's turn ends with <|im_end|> (2), which only config.json's eos (0) would stop
+    assert answer["finish_reason"] == "length" and 2 in answer["token_ids"], answer
