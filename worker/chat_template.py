@@ -32,9 +32,10 @@ MAX_RENDER_SECONDS = 5.0
 
 
 def read_template(path: pathlib.Path, config: dict, read: Callable[[str, int], bytes]) -> tuple[str | None, str]:
-    """The chat template's source (chat_template.jinja, else tokenizer_config.json's chat_template)
-    and where it came from, for error messages; refuses one over MAX_TEMPLATE_BYTES. `read(name,
-    limit)` reads a file of the checkpoint as the tokenizer's other files are (worker/tokenizer.py)."""
+    """The chat template's source (chat_template.jinja, else tokenizer_config.json's chat_template,
+    or the one named "default" where that is a list) and where it came from, for error messages;
+    refuses one over MAX_TEMPLATE_BYTES. `read(name, limit)` reads a file of the checkpoint as the
+    tokenizer's other files are (worker/tokenizer.py)."""
     file = path / "chat_template.jinja"
     if os.path.lexists(file):  # a FIFO, a device or a link out of the directory: `read` refuses it
         origin = str(file)
@@ -44,6 +45,13 @@ def read_template(path: pathlib.Path, config: dict, read: Callable[[str, int], b
             raise CheckpointError(f"{origin}: the chat template is not UTF-8 ({e}); re-save it as UTF-8") from None
         return source, origin
     origin, source = f"{path / 'tokenizer_config.json'} (chat_template)", config.get("chat_template")
+    if isinstance(source, list):  # named templates, as transformers saves them: chats use "default"
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        if not isinstance(named.get("default"), str):
+            names = ", ".join(sorted(repr(n)[:40] for n in named)[:8]) or "none"
+            raise CheckpointError(f"{origin}: a list of templates (names: {names}) with no 'default' one, which chats "
+                                  "use; name one 'default', or put the model's published template in its place")
+        origin, source = f"{path / 'tokenizer_config.json'} (chat_template 'default')", named["default"]
     if not isinstance(source, str):
         return None, origin
     if len(source.encode()) > MAX_TEMPLATE_BYTES:

@@ -124,6 +124,21 @@ def test_helpers_real_templates_use(tmp_path):
     assert render(tmp_path, template, [{"role": "user", "content": c} for c in "abc"]) == "ab=2"
 
 
+def test_named_templates_render_the_default_one(tmp_path):
+    """tokenizer_config.json's chat_template as a list of named templates (transformers saves them
+    so): chats use the one named "default", as transformers does; the list read as no template."""
+    path = checkpoint(tmp_path / "model")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": CHATML}]
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named}))
+    (tmp_path / "plain").mkdir()
+    assert Tokenizer.load(path).chat_prompt(USER) == render(tmp_path / "plain", CHATML)
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": named[:1]}))
+    with pytest.raises(CheckpointError, match=r"a list of templates \(names: 'tool_use'\) with no 'default' one") as e:
+        Tokenizer.load(path)
+    assert_one_line(e)
+
+
 def test_oversized_template_is_refused_at_load(tmp_path):
     with pytest.raises(CheckpointError, match=rf"chat_template.jinja is {MAX_TEMPLATE_BYTES + 1} bytes, more than the "
                                               "1 MiB a chat_template.jinja may be") as e:
