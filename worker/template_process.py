@@ -14,10 +14,11 @@ The parent side is one TemplateProcess per engine process (RENDERER): a pool of 
 MAX_CHILDREN children, so that one slow render (a template's own loops, up to the 5 s deadline; a
 chat of 65,536 one-character messages takes 1.3 s in ChatML) holds up one child, not every chat. A
 request waits at most as long as a render may take for a free child, then gets RendererBusyError
-(a 503). The engine starts one child as it becomes ready (warm()); the snapshot's quiet point stops
-them all (stop(), which holds until resume(): a render that was waiting is refused rather than
-starting a child the snapshot would hold). Frames on a child's stdin and stdout: a 4-byte
-big-endian length, then UTF-8 JSON."""
+(a 503). A tokenizer's load compiles its template in a child (check(): a template that does not
+compile fails the load), which stays for the renders; warm() starts one where none runs (after a
+snapshot's restore); the snapshot's quiet point stops them all (stop(), which holds until
+resume(): a render that was waiting is refused rather than starting a child the snapshot would
+hold). Frames on a child's stdin and stdout: a 4-byte big-endian length, then UTF-8 JSON."""
 
 import atexit
 import ctypes
@@ -110,12 +111,21 @@ class TemplateProcess:
 
     def render(self, source: str, origin: str, context: dict) -> str:
         """The template rendered on `context` (JSON values), or the PreloadError that says why not."""
+        return self._run(source, origin, {"context": context}, "on these messages")
+
+    def check(self, source: str, origin: str) -> None:
+        """Compiles the template in a child, as a load checks it (a syntax error fails the load, not
+        a request): a template of 1 MiB of nested expressions took the engine 29 s and 4.4 GB to
+        compile, kept for good. The child stays, for the first render."""
+        self._run(source, origin, {"check": True}, "while it compiled")
+
+    def _run(self, source: str, origin: str, fields: dict, doing: str) -> str:
         seconds = chat_template.MAX_RENDER_SECONDS  # read now: tests shorten it
-        request = _encode({"source": source, "origin": origin, "context": context, "seconds": seconds})
+        request = _encode({"source": source, "origin": origin, "seconds": seconds, **fields})
         for attempt in (1, 2):
             child = self._acquire(seconds + KILL_MARGIN_S)
             try:
-                reply = child.render(request, seconds + KILL_MARGIN_S, origin)
+                reply = child.render(request, seconds + KILL_MARGIN_S, origin, doing)
                 break
             except _DiedUnread:  # before it read the request: not this request's doing
                 if attempt == 2:
@@ -188,7 +198,7 @@ class _Child:
         its pipes (closing them here could close descriptor numbers that thread reuses)."""
         self.proc.kill()
 
-    def render(self, request: bytes, within: float, origin: str) -> dict:
+    def render(self, request: bytes, within: float, origin: str, doing: str) -> dict:
         """Sends the request and reads the reply; the reply must come `within` seconds of the child
         having the request (the write has its own such deadline). Kills the child on any failure."""
         fd, big = self.proc.stdin.fileno(), len(request) > DEFAULT_PIPE
@@ -202,13 +212,13 @@ class _Child:
             except TimeoutError:
                 raise _stalled(within) from None
             except OSError as e:
-                raise self._failed(origin, e, within) from None
+                raise self._failed(origin, e, within, doing) from None
             try:
                 reply = _decode(_read_frame(self.proc.stdout.fileno(), time.monotonic() + within))
             except (OSError, EOFError, TimeoutError, ValueError) as e:
                 if _unread(fd):  # it never had all of the request: the template did not run
                     raise (_stalled(within) if isinstance(e, TimeoutError) else _DiedUnread()) from None
-                raise self._failed(origin, e, within) from None
+                raise self._failed(origin, e, within, doing) from None
             if big:
                 _resize(fd, DEFAULT_PIPE)  # empty: the child read it all
             return reply
@@ -216,14 +226,13 @@ class _Child:
             self.kill(grace=1.0)  # whatever went wrong (a MemoryError here too), no reply is half read
             raise
 
-    def _failed(self, origin: str, error: Exception, within: float) -> CheckpointError:
+    def _failed(self, origin: str, error: Exception, within: float, doing: str) -> CheckpointError:
         if isinstance(error, TimeoutError):
             self.kill()
-            return CheckpointError(f"{origin}: the chat template did not finish within {within:g} s on these "
-                                   f"messages and its renderer was killed (real ones take milliseconds); {_FIX}")
+            return CheckpointError(f"{origin}: the chat template did not finish within {within:g} s {doing} "
+                                   f"and its renderer was killed (real ones take milliseconds); {_FIX}")
         how = self.kill(grace=1.0)
-        return CheckpointError(f"{origin}: the chat template's renderer died on these messages ({how or error}); "
-                               f"{_FIX}")
+        return CheckpointError(f"{origin}: the chat template's renderer died {doing} ({how or error}); {_FIX}")
 
     def kill(self, grace: float = 0.0) -> str:
         """Ends the child, after `grace` seconds to end on its own (one that closed its output is
@@ -345,17 +354,18 @@ def _child(parent: int) -> None:
             _resize(out, DEFAULT_PIPE)
             raised = False
         request = _decode(frame)
+        spent = False  # memory exhausted: this child answers, then ends
         try:
             template = templates.get(request["source"])
             if template is None:
                 if len(templates) >= 8:
                     templates.clear()
-                template = templates[request["source"]] = chat_template.compile_template(request["source"],
-                                                                                         request["origin"])
-            reply = {"text": chat_template.render_template(template, request["origin"], request["context"],
-                                                           request["seconds"])}
+                template = templates[request["source"]] = _compile(request["source"], request["origin"])
+            reply = {"text": "" if request.get("check") else chat_template.render_template(
+                template, request["origin"], request["context"], request["seconds"])}
         except PreloadError as e:
             reply = {"error": type(e).__name__, "message": str(e)}
+            spent = isinstance(e.__cause__, MemoryError)
         data = _encode(reply)
         if len(data) > DEFAULT_PIPE:
             _resize(out, PIPE_BYTES)
@@ -364,9 +374,21 @@ def _child(parent: int) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(out, view):]
+        if spent:
+            os._exit(0)
         if len(frame) + len(data) > TRIM_AFTER:  # else the child keeps the peak of its largest render
             del frame, request, reply, data, view
             ctypes.CDLL(None).malloc_trim(0)
+
+
+def _compile(source: str, origin: str):
+    """chat_template.compile_template, where a template too big for the child's memory, or nested
+    too deeply for Python's stack, is the template's fault too."""
+    try:
+        return chat_template.compile_template(source, origin)
+    except (MemoryError, RecursionError) as e:
+        raise CheckpointError(f"{origin}: the chat template is too large or nested too deeply to compile "
+                              f"({type(e).__name__}, in a renderer of {MEMORY_LIMIT >> 20} MiB); {_FIX}") from e
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Text <-> token ids with the checkpoint's tokenizer.json (the `tokenizers` library, not the much
 slower-to-import transformers), plus its chat template (rendered in a sandbox: chat_template.py)."""
 
+import logging
 import os
 import pathlib
 import re
+import threading
+from typing import Callable
 
 import tokenizers
 
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
 from preload_daemon.hfconfig import load_json
 from preload_daemon.safepath import inside, read_regular
-from worker.chat_template import compile_template, read_template
+from worker.chat_template import read_template
 from worker.template_process import RENDERER
 
 TOKENIZER_MAX_BYTES = 256 << 20
@@ -25,6 +28,7 @@ tokenized goes (WorkerState.encode: more than the context times this cannot fit)
 longest tokens are under a hundred-odd characters (the default model's: 81)."""
 FIX = "fix or re-export tokenizer.json and tokenizer_config.json"
 BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+log = logging.getLogger(__name__)
 
 
 def _byte_level() -> dict[str, int]:
@@ -55,10 +59,6 @@ class Tokenizer:
         def read(name: str, limit: int) -> bytes:
             return read_regular(inside(root, path / name, allow_external), limit, FIX, None if allow_external else root)
 
-        self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
-        self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
-        self._bytes: dict[int, bytes] = {}
-        self._added = self._tok.get_added_tokens_decoder()
         config_path = path / "tokenizer_config.json"
         config = load_json(read(config_path.name, TOKENIZER_CONFIG_MAX_BYTES), str(config_path), FIX) \
             if os.path.lexists(config_path) else {}
@@ -66,8 +66,16 @@ class Tokenizer:
             raise CheckpointError(f"{config_path} is not a JSON object; {FIX}")
         self._special = {k: _special_token(config, k, config_path) for k in ("bos_token", "eos_token")}
         self._template, self._template_origin = read_template(path, config, read)
-        if self._template is not None:
-            compile_template(self._template, self._template_origin)  # a syntax error fails the load, not a request
+        # A syntax error fails the load, not a request: the template compiles in a renderer child
+        # (bounded in memory and time, as its renders are), beside the vocabulary's parse here.
+        checked = _in_background(RENDERER.check, self._template, self._template_origin) \
+            if self._template is not None else None
+        self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
+        self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
+        self._bytes: dict[int, bytes] = {}
+        self._added = self._tok.get_added_tokens_decoder()
+        if checked is not None:
+            checked()
 
     @classmethod
     def load(cls, path: pathlib.Path, allow_external: bool = False) -> "Tokenizer | None":
@@ -153,6 +161,32 @@ def generation_eos(path: pathlib.Path, allow_external: bool = False) -> tuple[in
         raise CheckpointError(f"{file}: eos_token_id must be an integer or a list of integers, got "
                               f"{str(eos)[:80]}; {fix}")
     return tuple(eos)
+
+
+def _in_background(call, *args) -> Callable[[], None]:
+    """Starts call(*args) on a thread; the function returned waits for it and raises what it raised.
+    A renderer that cannot start (no processes left to this user) is the host's, not the template's:
+    logged, and chat requests say why."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call(*args)
+        except BaseException as e:
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="template-check", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if failed and isinstance(failed[0], CheckpointError):
+            raise failed[0]
+        if failed:
+            log.warning("the chat template could not be checked as the tokenizer loaded (%s: %s); chat requests "
+                        "will say why", type(failed[0]).__name__, failed[0])
+
+    return wait
 
 
 def _library_call(call, *args, **kwargs):

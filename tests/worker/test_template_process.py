@@ -110,12 +110,30 @@ def test_a_child_that_does_not_take_the_request_is_not_the_templates_fault(tmp_p
     says to replace the template."""
     monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
     monkeypatch.setattr(template_process, "KILL_MARGIN_S", 0.2)
+    tokenizer = Tokenizer.load(checkpoint(tmp_path / "model", CHATML))  # its template checked in the child
     [first] = renderers()
     first.suspend()  # SIGSTOP
     with pytest.raises(RendererBusyError, match="did not take the request within 0.5 s"):
-        render(tmp_path, CHATML)
+        tokenizer.chat_prompt(USER)
     assert exited(first)
-    assert render(tmp_path, CHATML).endswith(ONE_CHAT)
+    assert tokenizer.chat_prompt(USER).endswith(ONE_CHAT)
+
+
+def test_a_template_that_costs_too_much_to_compile_fails_the_load_in_a_child(tmp_path, monkeypatch):
+    """A load compiles the template in a renderer (a syntax error fails the load): 1 MiB of nested
+    expressions took the engine itself 29 s and 4.4 GB to compile, kept for good. The child is
+    stopped at the render's deadline, and nothing compiled stays in this process."""
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(template_process, "KILL_MARGIN_S", 0.2)
+    [first] = renderers()
+    source = "{{ " + "~".join(["a"] * 300_000) + " }}"
+    compiled = []
+    monkeypatch.setattr(chat_template, "compile_template", lambda *args: compiled.append(args))
+    with pytest.raises(CheckpointError, match="the chat template did not finish within 0.5 s while it compiled "
+                                              "and its renderer was killed") as e:
+        Tokenizer.load(checkpoint(tmp_path / "model", source))
+    assert_one_line(e)
+    assert exited(first) and compiled == []
 
 
 def test_pipes_grow_for_a_big_frame_and_shrink_back(tmp_path):
@@ -148,12 +166,13 @@ def test_a_slow_render_holds_up_one_child_not_every_chat(tmp_path):
 def test_requests_wait_for_a_free_child_a_bounded_time(tmp_path, monkeypatch):
     monkeypatch.setattr(template_process, "MAX_CHILDREN", 1)
     tokenizer = Tokenizer.load(checkpoint(tmp_path / "slow", LOOPS))
+    other = Tokenizer.load(checkpoint(tmp_path / "model", CHATML))
     slow, _ = in_thread(tokenizer.chat_prompt, USER)  # holds the only child up to 5 s
     time.sleep(0.3)
     monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)  # this request waits 0.3 + 2 s at most
     started = time.monotonic()
     with pytest.raises(RendererBusyError, match="all 1 chat template renderers stayed busy for 2.3 s"):
-        render(tmp_path, CHATML)
+        other.chat_prompt(USER)
     assert time.monotonic() - started < 4.5
     slow.join(30)
 
