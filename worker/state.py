@@ -11,7 +11,7 @@ from worker import metrics
 from worker.engine import Engine
 from worker.loader import LeaseKeeper, LoadedWeights
 from worker.clock import process_start_time
-from worker.tokenizer import MAX_CHARS_PER_TOKEN, Tokenizer
+from worker.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +90,11 @@ class WorkerState:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InvalidRequestError("this checkpoint ships no tokenizer.json; send token ids as the prompt")
-        limit = self.engine.max_len * MAX_CHARS_PER_TOKEN  # before tokenizing: seconds of a core past it
+        limit = self.tokenizer.max_text_chars(self.engine.max_len)  # before tokenizing: seconds of a core past it
         if len(text) > limit:
             raise InvalidRequestError(f"the prompt's text is {len(text)} characters, more than this engine's context "
-                                      f"of {self.engine.max_len} tokens can hold ({limit} at most, "
-                                      f"{MAX_CHARS_PER_TOKEN} a token); send a shorter prompt")
+                                      f"of {self.engine.max_len} tokens can hold ({limit} at most); send a shorter "
+                                      "prompt")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: list[int]) -> str:

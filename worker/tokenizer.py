@@ -22,6 +22,10 @@ TOKENIZER_CONFIG_MAX_BYTES = 16 << 20
 """Largest tokenizer_config.json read (real ones are KiB to a few MiB)."""
 MAX_SPECIAL_TOKEN_CHARS = 1024
 """Longest bos_token or eos_token handed to the chat template (real ones are a few characters)."""
+MAX_REPLACEMENT_CHARS = 64
+"""Longest text a normalizer, pre-tokenizer or decoder step of tokenizer.json puts in place of what
+it matches (a Replace's content, a Prepend's or Metaspace's text; real ones are a character or
+two): one of 100,000 characters for 'æ' took an engine 9 MB of memory a character of prompt."""
 MAX_CHARS_PER_TOKEN = 256
 """Most characters of text one token stands for, as far as the bound on a prompt's text before it is
 tokenized goes (WorkerState.encode: more than the context times this cannot fit); real tokenizers'
@@ -74,6 +78,8 @@ class Tokenizer:
         self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         self._bytes: dict[int, bytes] = {}
         self._added = self._tok.get_added_tokens_decoder()
+        self.expansion = _expansion(self._tok)
+        """The most characters a step of the tokenizer makes of one (1, or what MAX_REPLACEMENT_CHARS bounds)."""
         if checked is not None:
             checked()
 
@@ -89,6 +95,11 @@ class Tokenizer:
         except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
             raise CheckpointError(f"{path}: cannot read its tokenizer ({type(e).__name__}: {str(e)[:200]}); fix or "
                                   "re-export tokenizer.json and tokenizer_config.json") from None
+
+    def max_text_chars(self, max_tokens: int) -> int:
+        """The longest text worth tokenizing for a context of `max_tokens`: one longer cannot fit
+        (MAX_CHARS_PER_TOKEN), or would cost more than a context's worth of characters, expanded."""
+        return max_tokens * MAX_CHARS_PER_TOKEN // self.expansion
 
     def encode(self, text: str) -> list[int]:
         """The text's ids. The library's batch call lets the GIL go while it works, where its encode
@@ -161,6 +172,27 @@ def generation_eos(path: pathlib.Path, allow_external: bool = False) -> tuple[in
         raise CheckpointError(f"{file}: eos_token_id must be an integer or a list of integers, got "
                               f"{str(eos)[:80]}; {fix}")
     return tuple(eos)
+
+
+def _expansion(tok: tokenizers.Tokenizer) -> int:
+    """The longest replacement text in the tokenizer's normalizer, pre-tokenizer and decoder (at
+    least 1); CheckpointError past MAX_REPLACEMENT_CHARS. Read from each step's own JSON."""
+    longest, where = 1, ""
+    for part, name in ((tok.normalizer, "normalizer"), (tok.pre_tokenizer, "pre_tokenizer"), (tok.decoder, "decoder")):
+        stack = [load_json(part.__getstate__(), f"tokenizer.json's {name}", FIX)] if part is not None else []
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                for key in ("content", "prepend", "replacement"):
+                    if isinstance(text := node.get(key), str) and len(text) > longest:
+                        longest, where = len(text), f"{name}'s {node.get('type')} {key}"
+                stack += node.values()
+            elif isinstance(node, list):
+                stack += node
+    if longest > MAX_REPLACEMENT_CHARS:
+        raise CheckpointError(f"tokenizer.json's {where} is {longest} characters, over the {MAX_REPLACEMENT_CHARS} "
+                              f"a step may put in place of what it matches (real ones: one or two); {FIX}")
+    return longest
 
 
 def _in_background(call, *args) -> Callable[[], None]:

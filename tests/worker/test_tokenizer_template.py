@@ -409,3 +409,31 @@ def test_a_panic_in_the_library_is_the_checkpoints_error_in_one_line(tmp_path, d
     assert_one_line(e)
     with pytest.raises(InvalidRequestError, match="it is not valid Unicode"):
         tokenizer.encode("a\ud800b")
+
+
+def test_a_step_that_expands_text_is_bounded(tmp_path, default_model):
+    """A normalizer's Replace of 100,000 characters for one took an engine 9 MB a character of
+    prompt: refused at load past 64, and what a prompt may hold shrinks by the expansion allowed."""
+    path = tmp_path / "model"
+    path.mkdir()
+    spec = json.loads((default_model / "tokenizer.json").read_text())
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    assert Tokenizer.load(path).max_text_chars(2048) == 2048 * 256
+    for content, ok in (("b" * 64, True), ("b" * 65, False)):
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "NFC"}, {"type": "Replace", "pattern": {"String": "æ"}, "content": content}]}
+        (path / "tokenizer.json").write_text(json.dumps(spec))
+        if ok:
+            tokenizer = Tokenizer.load(path)
+            assert tokenizer.expansion == 64 and tokenizer.max_text_chars(2048) == 2048 * 4
+            assert len(tokenizer.encode("æ")) > 1
+        else:
+            with pytest.raises(CheckpointError, match="tokenizer.json's normalizer's Replace content is 65 characters, "
+                                                      "over the 64 a step may put in place of what it matches"):
+                Tokenizer.load(path)
+    spec["normalizer"] = None
+    spec["decoder"] = {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "▁"},
+                                                         "content": " " * 1000}, spec["decoder"]]}
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    with pytest.raises(CheckpointError, match="tokenizer.json's decoder's Replace content is 1000 characters"):
+        Tokenizer.load(path)
