@@ -19,14 +19,20 @@ def port(text: str) -> int:
     return value
 
 
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Longest wait or timeout a flag takes: 1e10 s passed the parser and then overflowed the clock's
+arithmetic deep in a snapshot, with the engine already quiet."""
+
+
 def seconds(text: str) -> float:
-    """A finite, non-negative number of seconds."""
+    """A finite, non-negative number of seconds, at most MAX_SECONDS (a week)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number >= 0")
+    if not math.isfinite(value) or not 0 <= value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"{text!r}: seconds must be a finite number from 0 to {MAX_SECONDS:.0f} "
+                                         "(a week)")
     return value
 
 

@@ -189,6 +189,8 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     (("evict", "m@²"), "bad version '²' in 'm@²'"),
     (("pin", "m@²"), "'m@²': use NAME@VERSION"),
     (("snapshot", "restore", "D", "--port", "65536"), "argument --port: 65536 is not a port"),
+    (("snapshot", "create", "--engine", "http://x", "--dir", "D", "--drain-timeout", "1e10"),
+     "argument --drain-timeout: '1e10': seconds must be a finite number from 0 to 604800 (a week)"),
     (("evict", "@3"), "no model name in '@3'; use MODEL or MODEL@N"),
     (("wait-ready", "--device", "foo"), "preload wait-ready: bad device 'foo': use cpu:N or cuda:N"),
     (("wait-ready", "--device", "cpu:99999999999999999999999"), "bad device 'cpu:99999999999999999999999'"),
