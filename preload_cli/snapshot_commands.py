@@ -76,8 +76,20 @@ def cmd_check(args) -> int:
     return 0 if ok else 1
 
 
+def _interrupt_on_termination() -> None:
+    """SIGTERM and SIGHUP unwind as Ctrl-C does: a create then resumes the engine it quieted and
+    removes what it wrote, a restore ends its copy (the default action left an engine parked for
+    10 minutes, or a restored copy unwoken)."""
+    def interrupt(signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, interrupt)
+
+
 def cmd_create(args) -> int:
     from worker.snapshot import create
+    _interrupt_on_termination()
     manifest = create(args.engine, args.dir, stop=args.stop, drain_timeout=args.drain_timeout,
                       runtime_dir=args.runtime_dir, log=lambda m: print(m, file=sys.stderr))
     if args.json:
@@ -121,11 +133,17 @@ def summary(directory: pathlib.Path, m: dict) -> str:
 
 def cmd_restore(args) -> int:
     from worker import control
+    from worker.criu import SnapshotError
     from worker.snapshot import restore
+    _interrupt_on_termination()
     if args.detach:  # the engine outlives this command: it must not hold our stdout open
         default = control.control_dir(args.runtime_dir) / f"engine-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
         log_path = args.log or default
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise SnapshotError(f"cannot open the log {log_path}: {e.strerror}; give --log a file in a directory "
+                                "that exists") from None
         streams = [os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC), fd, fd]
     else:
         streams = [0, 1, 2]
@@ -139,13 +157,7 @@ def cmd_restore(args) -> int:
           f"{r.get('ready', 0) - r.get('restore_start', 0):.3f}s after the restore started", file=sys.stderr)
     if args.detach:
         return 0
-
-    def stop(signum, _frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, stop)  # the terminal gone; a SIGKILL ends the engine too (tied)
-    try:
+    try:  # SIGTERM, or SIGHUP (the terminal gone), ends the engine; a SIGKILL too (tied)
         while restored.process.poll() is None:
             time.sleep(0.2)
         return restored.process.returncode

@@ -36,6 +36,7 @@ import torch
 
 import preload_daemon
 from kernels import native
+from preload_daemon.errors import DaemonUnavailableError
 from worker import control, template_process
 from worker.requests import SamplingParams
 
@@ -54,6 +55,7 @@ DRAIN_SLACK_S = 10.0
 (`preload snapshot create` waits drain + 120 s for the quiet point, the canary included)."""
 PARKED_LIMIT_S = 600.0
 """A quiet engine nobody resumes (the snapshot command died) resumes itself after this long parked."""
+REATTACH_S = 60.0  # a resume's re-attaching while the daemon does not answer (a stopped one ended the engine)
 SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 158, 0x1023, 18  # x86-64 Linux
 
 
@@ -74,6 +76,7 @@ class Quiescer:
         self._next_listen: list | None = None
         self._listen_ready = threading.Event()
         self._quiet = False
+        self._wakes = b""  # what the wake pipe gave past the last whole line taken
         self._pidns = ""
         self.problem = own_session() if not config.device.startswith("cuda:") else \
             "its weights are CUDA IPC memory, which cannot be parked at the same addresses: snapshots of GPU " \
@@ -118,7 +121,10 @@ class Quiescer:
                 log.warning("snapshot agent: cannot reach %r: %s", wake.get("control"), e)
                 continue
             try:
-                if wake.get("op") != "resume":
+                if wake.get("op") != "resume" and self._quiet:  # the identity would say ready: it served before
+                    control.send(conn, {"error": "this engine is at a quiet point for another snapshot; try again "
+                                                 "once it serves"})
+                elif wake.get("op") != "resume":
                     self._snapshot(conn)
                 elif not self._quiet:
                     control.send(conn, {"error": "this engine is not at a quiet point; nothing to resume"})
@@ -133,18 +139,19 @@ class Quiescer:
     def _wait_wake(self) -> dict | None:
         """The next wake message; None if parked (quiet) for PARKED_LIMIT_S. Parked time is summed
         over short waits, so that the clock jump of a restore does not count as time waited."""
-        parked, line = 0.0, b""
-        while not line.endswith(b"\n"):
+        parked = 0.0
+        while b"\n" not in self._wakes:  # two commands' lines may come in one read: each is taken in turn
             before = time.monotonic()
             # Only this thread changes _quiet: serving, the agent sleeps until a wake comes.
             if control.wait_readable(self._read, 1.0 if self._quiet else None):
                 chunk = os.read(self._read, WAKE_LIMIT)
-                line = (line + chunk)[-WAKE_LIMIT:]
+                self._wakes = (self._wakes + chunk)[-WAKE_LIMIT:]
             elif self._quiet:
                 parked += min(time.monotonic() - before, 1.5)
                 if parked > PARKED_LIMIT_S:
                     return None
-        message = json.loads(line.splitlines()[-1])
+        line, _, self._wakes = self._wakes.partition(b"\n")
+        message = json.loads(line)
         if not isinstance(message, dict):
             raise ValueError("the wake message must be a JSON object")
         return message
@@ -187,9 +194,11 @@ class Quiescer:
         except Exception as e:  # serve again as before, and tell the command why not
             reason = f"{type(e).__name__}: {e}"
             log.warning("snapshot: could not reach a quiet point: %s; serving on", reason)
-            control.send(conn, {"error": reason})
-            if self._quiet:
-                self._resume({"op": "resume"}, [], None)
+            try:
+                control.send(conn, {"error": reason})
+            finally:  # the command gone too (an OSError): serve again all the same
+                if self._quiet:
+                    self._resume({"op": "resume"}, [], None)
             return
         timings["quiet"] = time.time()
         # The standard streams go to the command (the resume hands them back) and are /dev/null
@@ -251,7 +260,7 @@ class Quiescer:
             self.host_pid = int(message.get("host_pid") or self.host_pid)
             for attached in (w.attached for w in self.state.attachments()):
                 if attached.suspended:  # each lease on a session of its own, as when it was first taken
-                    attached.resume(DaemonClient.for_device(self.config.device, self._runtime_dir(), timeout=10))
+                    self._reattach(attached, DaemonClient)
             timings["reattached"] = time.time()
             engine = self.state.engine
             if engine.parked:  # not when a quiet point was given up half way (requests still running)
@@ -293,6 +302,19 @@ class Quiescer:
             control.send(conn, {"ready": body, "timings": timings})
         if self.state.tokenizer is not None and self.state.tokenizer.has_chat_template:
             template_process.RENDERER.warm()  # after ready: not on the restore's path
+
+    def _reattach(self, attached, client_class) -> None:
+        """attached.resume on a new session, for REATTACH_S while the daemon does not answer."""
+        deadline = time.monotonic() + REATTACH_S
+        while True:
+            try:
+                attached.resume(client_class.for_device(self.config.device, self._runtime_dir(), timeout=10))
+                return
+            except DaemonUnavailableError as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("snapshot: the daemon does not answer (%s); trying again", e)
+                time.sleep(1.0)
 
     def _fail(self, conn, reason: str) -> None:
         """Resuming failed: say why and end the process (it must not serve what it cannot vouch for)."""

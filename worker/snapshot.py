@@ -9,8 +9,7 @@ restore: check the manifest against this host and the daemon, restore the image 
 
 This module is what the restore command runs before the engine is back, so it imports neither
 torch nor grpc: the restore's own start-up is part of the time to ready. CRIU and the host are
-worker/criu.py's; the images on disk, worker/snapshot_images.py's; the manifest, snapshot_manifest.py's.
-"""
+worker/criu.py's; the images on disk, snapshot_images.py's; the manifest, snapshot_manifest.py's."""
 
 import dataclasses
 import json
@@ -27,7 +26,7 @@ import time
 from preload_daemon.config import default_runtime_dir
 from worker import control
 from worker.criu import SnapshotError, find_criu, host_facts, kill_namespace, restored_pid, run_criu
-from worker.procs import die_with_parent
+from worker.procs import die_with_parent, kill_and_wait, process_alive, process_uid
 from worker.snapshot_images import IMAGES, image_bytes, pack, seed_unpacked, unpacked
 from worker.snapshot_manifest import (FORMAT, MANIFEST, check_ours, daemon_problem, host_mismatches, read_manifest,
                                       write_atomically)
@@ -101,11 +100,20 @@ def _wake(pid: int, fd: int, message: dict) -> None:
 
 
 def _ensure_new_dir(directory: pathlib.Path) -> None:
-    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
-        raise SnapshotError(f"{directory} exists and is not empty; choose a new directory (snapshots are never "
-                            "overwritten)")
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    check_ours(directory)
+    """A new or empty directory of ours, claimed by making its images directory in it (another
+    create into the same new directory fails here, before it quiets its engine or wipes ours)."""
+    try:
+        if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+            raise SnapshotError(f"{directory} exists and is not empty; choose a new directory (snapshots are never "
+                                "overwritten)")
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_ours(directory)
+        (directory / IMAGES).mkdir(mode=0o700)
+    except FileExistsError:
+        raise SnapshotError(f"{directory} is taken (another snapshot is being written there, or a link of that "
+                            "name points nowhere); choose a new directory") from None
+    except OSError as e:  # /proc/x, a name too long, a read-only place
+        raise SnapshotError(f"cannot make {directory}: {e.strerror or e}; choose a directory you can write") from None
 
 
 def create(url: str, directory: pathlib.Path, *, stop: bool = False, drain_timeout: float = 30.0,
@@ -118,7 +126,7 @@ def create(url: str, directory: pathlib.Path, *, stop: bool = False, drain_timeo
     criu, _ = find_criu()
     directory = pathlib.Path(directory).absolute()
     _check_engine_process(ready["pid"], url)
-    created = not directory.exists()
+    created = not os.path.lexists(directory)
     _ensure_new_dir(directory)
     runtime = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
     try:
@@ -131,6 +139,8 @@ def create(url: str, directory: pathlib.Path, *, stop: bool = False, drain_timeo
                 directory.rmdir()
         if isinstance(e, control.ControlError):  # an OSError, which the command line would print as a traceback
             raise SnapshotError(f"engine pid {ready['pid']}: {e}") from None
+        if isinstance(e, OSError):  # packing into a full disk: the engine was resumed (or it says why not)
+            raise SnapshotError(f"cannot write the snapshot in {directory}: {e.strerror or e}") from None
         raise
 
 
@@ -145,18 +155,15 @@ def _check_engine_process(pid: int, url: str) -> None:
                             "snapshot commands on the engine's host") from None
     if not any(b"preload" in a for a in argv) or b"engine" not in argv:
         raise SnapshotError(f"the engine at {url} names pid {pid}, which is not a `preload engine` process")
-    uid = process_uid(pid)
+    try:
+        uid = process_uid(pid)
+    except OSError:
+        raise SnapshotError(f"engine pid {pid} ended before its snapshot began") from None
     if uid != os.getuid():  # its control socket and images belong to its user, in its runtime directory
         raise SnapshotError(f"engine pid {pid} runs as uid {uid}, and this command as uid {os.getuid()}; run the "
                             f"snapshot commands as the engine's user (e.g. `sudo -u '#{uid}' preload snapshot ...`)")
 
 
-def process_uid(pid: int) -> int:
-    with open(f"/proc/{int(pid)}/status") as f:
-        for line in f:
-            if line.startswith("Uid:"):
-                return int(line.split()[1])
-    raise SnapshotError(f"cannot read pid {pid}'s user")
 
 
 def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: bool, drain_timeout: float,
@@ -181,7 +188,8 @@ def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: boo
         why = "" if identity else str(hello.get("error", "the engine did not introduce itself"))
         why = why or refusal({**ready, **identity, "status": "ready" if identity.get("ready") else "loading"}, url)
         if why:
-            control.send(conn, {"op": "cancel"})
+            if identity:  # else the engine said why, and closed
+                control.send(conn, {"op": "cancel"})
             raise SnapshotError(why)
         log(f"snapshot: draining {url} (up to {drain_timeout:g}s) and quieting pid {pid}")
         control.send(conn, {"op": "quiesce", "drain_timeout": drain_timeout})
@@ -203,21 +211,25 @@ def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: boo
 
 def _dump(url: str, directory: pathlib.Path, criu: str, stop: bool, runtime: pathlib.Path, pid: int,
           identity: dict, quiet: dict, streams: list[int], t0: float) -> dict:
-    """CRIU's dump of the quiet engine, the original's resume (or its end, with --stop), the image
-    packed, and the manifest written last."""
-    images = directory / IMAGES
-    images.mkdir(mode=0o700)
-    toggled = False
+    """CRIU's dump of the quiet engine, the original's resume, the image packed, the manifest written
+    last. With --stop the original, parked, is ended once the snapshot is whole (a dump that killed
+    it lost both when the packing failed); a failure before then resumes it."""
+    images = directory / IMAGES  # made by _ensure_new_dir
+    timings, toggled = {"start": t0}, False
     try:
-        t_dump = time.time()
+        timings["dump_start"] = time.time()
         toggled = _cuda_checkpoint(identity, pid)
         run_criu([criu, "dump", "-t", str(pid), "-D", str(images), "--shell-job", "-o", "dump.log", "-v2",
-                   *([] if stop else ["--leave-running"])], images / "dump.log", "dump")
-        dumped = time.time()
+                  "--leave-running"], images / "dump.log", "dump")
+        timings["dumped"] = time.time()
         if not stop and toggled:
             toggled = not _cuda_checkpoint(identity, pid)
+        if stop:
+            manifest = _finish(directory, criu, identity, quiet, timings, runtime, "stopped")
+            kill_and_wait(pid)  # as CRIU's dump without --leave-running would have (SIGKILL)
+            return manifest
     except BaseException as e:
-        if process_alive(pid):  # a failed dump leaves it parked (--stop too): it serves on as it was
+        if process_alive(pid):  # it is parked: it serves on as it was
             try:
                 if toggled:  # its device state back on the GPU first
                     _cuda_checkpoint(identity, pid)
@@ -225,12 +237,19 @@ def _dump(url: str, directory: pathlib.Path, criu: str, stop: bool, runtime: pat
             except SnapshotError as resume_error:
                 raise SnapshotError(f"{e}; and then {resume_error}") from None
         raise
-    resumed, lost = {}, None
-    if not stop:  # first the original (its downtime), then the packing
-        try:
-            resumed = _resume_original(runtime, identity, quiet, streams)
-        except SnapshotError as e:
-            lost = e
+    try:  # first the original (its downtime), then the packing
+        resumed = _resume_original(runtime, identity, quiet, streams)
+    except SnapshotError as e:
+        _finish(directory, criu, identity, quiet, timings, runtime, f"did not resume: {e}")
+        raise SnapshotError(f"the snapshot in {directory} is complete, but {e}") from None
+    timings["original_ready"] = resumed["timings"]["ready"]
+    return _finish(directory, criu, identity, quiet, timings, runtime, "serving")
+
+
+def _finish(directory: pathlib.Path, criu: str, identity: dict, quiet: dict, timings: dict, runtime: pathlib.Path,
+            original: str) -> dict:
+    """The dumped image packed and the manifest written, last (what makes the directory a snapshot)."""
+    images = directory / IMAGES
     unpacked_bytes = image_bytes(images)
     raw = directory / ".unpacked"
     packed = pack(images, raw)
@@ -240,22 +259,10 @@ def _dump(url: str, directory: pathlib.Path, criu: str, stop: bool, runtime: pat
         "host": host_facts(criu), "engine": identity, "canary": quiet["canary"],
         "image": {"bytes": image_bytes(images), "unpacked_bytes": unpacked_bytes, "packed": packed,
                   "weight_bytes": identity["model"]["weight_bytes"]},
-        "timings": {"start": t0, **quiet["timings"], "dump_start": t_dump, "dumped": dumped,
-                    **({"original_ready": resumed["timings"]["ready"]} if resumed else {})},
-        "original": "stopped" if stop else "serving" if lost is None else f"did not resume: {lost}",
+        "timings": {**quiet["timings"], **timings}, "original": original,
     }
     write_atomically(directory / MANIFEST, json.dumps(manifest, indent=2).encode())
-    if lost is not None:
-        raise SnapshotError(f"the snapshot in {directory} is complete, but {lost}")
     return manifest
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
-    except OSError:
-        return False
 
 
 def _resume_original(runtime: pathlib.Path, identity: dict, quiet: dict, streams: list[int]) -> dict:
@@ -351,6 +358,9 @@ def restore(directory: pathlib.Path, *, port: int | None = None, host: str | Non
                             "like the one it was taken on, or take a new snapshot here")
     runtime = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
     engine = manifest["engine"]
+    if os.path.realpath(str(engine.get("runtime_dir", runtime))) != os.path.realpath(runtime):  # its control sockets'
+        raise SnapshotError(f"the snapshot's engine used the runtime directory {engine['runtime_dir']}, not {runtime}; "
+                            f"restore it with PRELOAD_RUNTIME_DIR={engine['runtime_dir']} (or --runtime-dir)")
     listen = {"host": host or engine["listen"].get("host", "127.0.0.1"),
               "port": engine["listen"].get("port") if port is None else port}
     images = unpacked(directory, manifest, runtime)

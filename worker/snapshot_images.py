@@ -61,9 +61,11 @@ def seed_unpacked(directory: pathlib.Path, images: pathlib.Path, raw: pathlib.Pa
             if not f.name.endswith(ZST):
                 shutil.copyfile(f, raw / f.name)
         (raw / ".complete").touch()
-        os.rename(raw, cache_path(directory, images, runtime))
+        os.rename(raw, cache := cache_path(directory, images, runtime))
     except OSError:
         shutil.rmtree(raw, ignore_errors=True)
+        return
+    trim(cache.parent, keep=cache)  # creates add copies too (each about the engine's memory)
 
 
 def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> pathlib.Path:

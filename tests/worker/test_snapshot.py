@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -171,6 +172,101 @@ def test_a_failed_dump_leaves_the_engine_serving(served, snap, tmp_path, monkeyp
 
 
 @needs_criu
+def test_with_stop_a_failure_after_the_dump_resumes_the_engine(served, snap, tmp_path, monkeypatch):
+    """--stop ended the engine with the dump itself: packing into a full disk then lost both the
+    engine and the snapshot. The engine is ended only once the snapshot is whole now, and serves on
+    when anything before that fails."""
+    def full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot, "pack", full)
+    engine = served["engine"]
+    with pytest.raises(criu.SnapshotError, match="cannot write the snapshot in .*: No space left on device"):
+        snapshot.create(engine.url, tmp_path / "full", stop=True, runtime_dir=served["runtime"], log=lambda _: None)
+    assert not (tmp_path / "full").exists()
+    assert engine.proc.poll() is None and get_ready(engine.url)["status"] == "ready"
+    assert complete(engine.url) == snap["text"]
+
+
+@needs_criu
+def test_a_second_snapshot_of_a_quiet_engine_is_refused(served, snap, tmp_path, monkeypatch):
+    """A create that read /ready just before another quieted the engine: the quiet engine said it was
+    ready, failed on its stopped server, and resumed itself in the middle of the first one's dump."""
+    real, _ = criu.find_criu()
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = dump ] && sleep 3; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o700)
+    monkeypatch.setenv(criu.CRIU_ENV, str(wrapper))
+    engine = served["engine"]
+    ready = snapshot.engine_readiness(engine.url)
+    first = []
+    thread = threading.Thread(target=lambda: first.append(snapshot.create(
+        engine.url, tmp_path / "first", runtime_dir=served["runtime"], log=lambda _: None)))
+    thread.start()
+    try:
+        wait_until(lambda: (tmp_path / "first" / "images" / "dump.log").exists(), 60, "the first dump to begin")
+        (tmp_path / "second").mkdir(mode=0o700)
+        with pytest.raises(criu.SnapshotError, match="at a quiet point for another snapshot; try again once it serves"):
+            snapshot._create(engine.url, ready, tmp_path / "second", real, False, 5.0, served["runtime"],
+                             lambda _: None)
+    finally:
+        thread.join(120)
+    assert first and first[0]["original"] == "serving"
+    assert get_ready(engine.url)["status"] == "ready" and complete(engine.url) == snap["text"]
+
+
+@needs_criu
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_create_terminated_during_the_dump_resumes_the_engine(served, snap, tmp_path, sig):
+    """SIGTERM or SIGHUP (a supervisor, a closed terminal) to `snapshot create` mid-dump ended the
+    command at once and left the engine parked for 10 minutes; now it unwinds as Ctrl-C does."""
+    real, _ = criu.find_criu()
+    wrapper = tmp_path / "criu"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = dump ] && sleep 3; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o700)
+    engine = served["engine"]
+    command = subprocess.Popen([sys.executable, "-m", "preload_cli", "snapshot", "create", "--engine", engine.url,
+                                "--dir", str(tmp_path / "snap")], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, cwd=REPO, env={**os.environ, "PRELOAD_RUNTIME_DIR": str(served["runtime"]),
+                                                         criu.CRIU_ENV: str(wrapper)})
+    wait_until(lambda: (tmp_path / "snap" / "images" / "dump.log").exists(), 60, "the dump to begin")
+    command.send_signal(sig)
+    assert command.wait(60) != 0
+    assert "Traceback" not in command.stderr.read()
+    def serving() -> bool:
+        try:
+            return get_ready(engine.url)["status"] == "ready"
+        except OSError:  # not listening yet
+            return False
+
+    wait_until(serving, 30, "the engine to serve again")
+    assert complete(engine.url) == snap["text"] and not (tmp_path / "snap").exists()
+
+
+def test_a_new_directory_is_claimed_before_the_engine_is_quieted(tmp_path, monkeypatch):
+    """Two creates into one new directory: the second failed with a traceback after quieting its
+    engine (left parked), and its cleanup wiped the first one's images."""
+    snapshot._ensure_new_dir(tmp_path / "snap")
+    with pytest.raises(criu.SnapshotError, match="exists and is not empty"):
+        snapshot._ensure_new_dir(tmp_path / "snap")
+    assert (tmp_path / "snap" / "images").is_dir()
+    real = snapshot.check_ours
+
+    def raced(directory):  # the other create claims it between this one's look and its claim
+        real(directory)
+        (directory / "images").mkdir()
+
+    monkeypatch.setattr(snapshot, "check_ours", raced)
+    with pytest.raises(criu.SnapshotError, match="is taken .another snapshot is being written there"):
+        snapshot._ensure_new_dir(tmp_path / "other")
+    monkeypatch.undo()
+    (tmp_path / "nowhere").symlink_to(tmp_path / "missing")
+    for bad in (tmp_path / "nowhere", pathlib.Path("/proc/preload-snap"), tmp_path / ("x" * 300)):
+        with pytest.raises(criu.SnapshotError, match="is taken|cannot make"):
+            snapshot._ensure_new_dir(bad)
+
+
+@needs_criu
 def test_create_from_another_runtime_directory_says_so(served, tmp_path):
     """The engine connects only to a control socket in its own runtime directory: a create run with
     another one waited 10 s and ended in a ControlError traceback, leaving its directory behind."""
@@ -193,9 +289,9 @@ def test_create_from_another_runtime_directory_says_so(served, tmp_path):
 @needs_criu
 def test_two_restores_serve_beside_the_original(served, snap):
     running = len(restore_processes(served["runtime"]))
-    unpacked = list((served["runtime"] / "snapshots").glob("unpacked-*"))
-    assert len(unpacked) == 1  # create left this host's unpacked copy; drop it: the first restore unpacks
-    shutil.rmtree(unpacked[0])
+    unpacked = snapshot_images.cache_path(snap["dir"], snap["dir"] / "images", served["runtime"])
+    assert unpacked.is_dir()  # create left this host's unpacked copy; drop it: the first restore unpacks
+    shutil.rmtree(unpacked)
     first = Restore(snap["dir"], served["runtime"], "--port", "0")
     second = Restore(snap["dir"], served["runtime"], "--port", "0")
     served["restores"] += [first, second]
@@ -229,6 +325,37 @@ def test_a_foreground_restore_killed_takes_its_engine_with_it(served, snap):
                "the restored engine to end")
     with pytest.raises(OSError):
         urllib.request.urlopen(url + "/health", timeout=5)
+
+
+@needs_criu
+def test_restore_from_another_runtime_directory_names_the_engines(served, snap, tmp_path):
+    """The copy takes control sockets only from its own runtime directory: a restore from another
+    waited out its whole --timeout (120 s) and then said nothing of why."""
+    other = pathlib.Path(tempfile.mkdtemp(prefix="pl-other-", dir="/tmp"))
+    try:
+        restored = Restore(snap["dir"], other, "--port", "0", "--timeout", "20")
+        assert restored.run.returncode == 1 and "Traceback" not in restored.run.stderr, restored.run.stderr
+        assert f"restore it with PRELOAD_RUNTIME_DIR={served['runtime']}" in restored.run.stderr
+    finally:
+        shutil.rmtree(other)
+
+
+@needs_criu
+def test_stop_ends_the_engine_once_its_snapshot_is_whole(served, snap, tmp_path):
+    """--stop: the manifest says so, the engine is gone when the command returns, and its snapshot
+    restores on the port it listened on."""
+    engine = EngineProcess(served["model"], "ipc_cache", served["runtime"])
+    try:
+        run = run_preload("snapshot", "create", "--engine", engine.url, "--dir", tmp_path / "stopped", "--stop",
+                          "--json", runtime_dir=served["runtime"], timeout=180)
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["original"] == "stopped" and exited(engine.proc.pid)
+        restored = Restore(tmp_path / "stopped", served["runtime"])
+        served["restores"].append(restored)
+        assert restored.run.returncode == 0, restored.run.stderr
+        assert restored.url == engine.url and complete(restored.url) == snap["text"]
+    finally:
+        engine.stop()
 
 
 @needs_criu
