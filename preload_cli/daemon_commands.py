@@ -86,8 +86,8 @@ def cmd_status(args) -> int:
             for v in m.versions:
                 versions.append([m.name, str(v.version), s.device, "*" if v.active else "", "pin" if v.pinned else "",
                                  v.state, str(v.num_variants), human_bytes(v.bytes), str(v.num_leases), v.source])
-            failures += [f"{m.name} {'a new version' if f.startswith('-:') else 'v'}{f.removeprefix('-')} (on {s.device})"
-                         for f in m.failures]  # "-": a load that failed before it got a number
+            failures += [f"{m.name} {'a new version' if f.startswith('-:') else 'v'}{f.removeprefix('-')} "
+                         f"(on {s.device})" for f in m.failures]  # "-": failed before it was given a number
         for m in s.models:
             variants.append([m.name, str(m.version), s.device, f"{m.key.tp_rank}/{m.key.tp_size}", m.key.dtype,
                              m.key.quantization, m.key.component, human_bytes(m.slab_bytes), str(m.num_tensors),
