@@ -236,13 +236,38 @@ def _read_state(shm_dir: pathlib.Path, device: str, report: list[str]) -> dict[s
     if not path.exists():
         return {}
     try:
-        state = _read_json(path, "the state file")
-        return {str(m["name"]): {"active": int(m["active"]), "last": int(m["last"]), "keep": int(m["keep"]),
-                                 "max_bytes": int(m["max_bytes"]), "pinned": [int(n) for n in m["pinned"]]}
-                for m in state["models"]}
+        models = _read_json(path, "the state file")["models"]
+        if not isinstance(models, list):
+            raise ValueError("its models are not a list")
     except Exception as e:
         report.append(f"ignored {path.name}: {e} (active versions default to the newest adopted)")
         return {}
+    saved = {}
+    for m in models:
+        try:
+            saved[str(m["name"])] = _saved_pointers(m)
+        except Exception as e:  # one model's record: the others' still count
+            report.append(f"ignored {str(m.get('name', '?'))[:80]!r} in {path.name}: {e} (its active version "
+                          "defaults to the newest adopted)" if isinstance(m, dict) else f"ignored an entry of "
+                          f"{path.name}: not an object")
+    return saved
+
+
+def _saved_pointers(m: dict) -> dict:
+    """One model's record of the state file, each number in the range the daemon itself would give
+    it (a last of 2**33 or a negative keep, adopted, failed every GetStats after)."""
+    def number(key: str, low: int, high: int) -> int:
+        value = m[key]
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{key} {str(value)[:40]} is not an integer in [{low}, {high}]")
+        return value
+
+    pinned = m["pinned"]
+    if not isinstance(pinned, list) or not all(type(n) is int and 1 <= n <= MAX_VERSION for n in pinned):
+        raise ValueError(f"pinned is not a list of versions in [1, {MAX_VERSION}]")
+    return {"active": number("active", 0, MAX_VERSION), "last": number("last", 0, MAX_VERSION),
+            "keep": number("keep", 0, MAX_VERSION), "max_bytes": number("max_bytes", 0, 2**63 - 1),
+            "pinned": list(pinned)}
 
 
 def _read_json(path: pathlib.Path, what: str):

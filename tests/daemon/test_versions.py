@@ -2,6 +2,7 @@
 byte budget, failed publishes that leave nothing behind, and trainer-streamed versions that equal
 directory-loaded ones bit for bit."""
 
+import json
 import os
 import pathlib
 import signal
@@ -13,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from preload_daemon.adopt import state_path
 from preload_daemon.checkpoint import stat_identity
 from preload_daemon.errors import (BudgetError, CheckpointError, InvalidRequestError, LeasedError, LoadingError,
                                    NotFoundError)
@@ -95,6 +97,30 @@ def test_a_number_is_never_given_out_again_after_every_version_is_evicted(start_
     assert publish(again, "m", one).version == 4
     with pytest.raises(InvalidRequestError, match="never reused"):
         again.client.load(LoadSpec(path=str(two), name="m"), version=2)
+
+
+def test_a_state_file_record_out_of_range_is_ignored_alone(start_daemon, tiny_llama, tmp_path):
+    """A state file whose numbers the daemon itself would never write (a keep of -1, a last past
+    2**31) was adopted as it was, and every GetStats failed after: status found the daemon
+    unreachable, and serve stopped it, freeing every adopted slab. Such a record is ignored, alone."""
+    daemon = start_daemon()
+    one, _ = variant_of(tiny_llama, tmp_path, "one", 0.0)
+    two, _ = variant_of(tiny_llama, tmp_path, "two", 0.5)
+    for name in ("m", "n"):
+        assert [publish(daemon, name, path).version for path in (one, two)] == [1, 2]
+        daemon.client.set_active(name, 1)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    path = state_path(daemon.config.shm_dir, "cpu:0")
+    state = json.loads(path.read_text())
+    for record in state["models"]:
+        if record["name"] == "n":
+            record["keep"] = -1
+    path.write_text(json.dumps(state))
+    again = start_daemon()
+    stats = again.client.stats()
+    assert any("ignored 'n' in" in line and "keep -1 is not an integer in [0, " in line for line in stats.recovery)
+    assert {s.name: s.active_version for s in again.client.summaries()} == {"m": 1, "n": 2}
 
 
 def test_serving_the_same_files_with_another_tp_size_keeps_their_version_on_every_rank(start_daemon, tiny_llama):
