@@ -29,7 +29,7 @@ from worker.criu import SnapshotError, find_criu, host_facts, kill_namespace, re
 from worker.procs import die_with_parent, kill_and_wait, process_alive, process_uid
 from worker.snapshot_images import IMAGES, image_bytes, pack, seed_unpacked, unpacked
 from worker.snapshot_manifest import (FORMAT, MANIFEST, check_ours, daemon_problem, host_mismatches, read_manifest,
-                                      write_atomically)
+                                      refusal, write_atomically)
 
 MAX_READY_BYTES = 1 << 20
 
@@ -58,29 +58,6 @@ def engine_readiness(url: str, timeout: float = 5.0) -> dict:
     except ValueError:
         raise SnapshotError(f"{url}/ready did not answer with a preload engine's JSON") from None
     return ready
-
-
-def refusal(ready: dict, url: str) -> str:
-    """Why this engine cannot be snapshotted ("" when it can)."""
-    if ready.get("status") != "ready":
-        return f"the engine at {url} is not ready ({ready.get('reason', ready.get('status'))}); try once it is"
-    if int(ready.get("tp_size") or 1) != 1:
-        return (f"the engine at {url} runs TP {ready['tp_size']}: only single-device (TP 1) engines can be snapshotted "
-                "(a process group's connections between ranks cannot be dumped)")
-    if ready.get("load_format") != "ipc_cache":
-        return (f"the engine at {url} loaded its weights with {ready.get('load_format')!r}, so they are in its own "
-                "memory and would fill the image; start it with --load-format ipc_cache (and a daemon holding the "
-                "model) to snapshot it")
-    if not isinstance(ready.get("snapshot"), dict) or not isinstance(ready.get("pid"), int):
-        return f"the engine at {url} cannot be snapshotted (a DP replica behind a router, or an older preload)"
-    if problem := ready["snapshot"].get("problem"):
-        return f"the engine at {url} cannot be snapshotted: {problem}"
-    if "host_pid" in ready and ready["pid"] != ready["host_pid"]:
-        return (f"the engine at {url} was itself restored from a snapshot (it runs in a PID namespace of its own); "
-                "restore more copies from that snapshot instead")
-    if str(ready.get("device", "cpu")).startswith("cuda") and not shutil.which("cuda-checkpoint"):
-        return "the engine runs on a GPU, and NVIDIA's cuda-checkpoint is not on PATH"
-    return ""
 
 
 def _wake(pid: int, fd: int, message: dict) -> None:

@@ -1,12 +1,13 @@
 """A snapshot's manifest: written atomically, read with its shape and ownership checked (CRIU
 restores as root from the files beside it), and checked against this host and the daemon before a
-restore (worker/snapshot.py)."""
+restore (worker/snapshot.py); and what an engine's /ready must say for a create to snapshot it."""
 
 import json
 import os
 import pathlib
 import re
 import secrets
+import shutil
 import stat
 
 from preload_daemon.errors import InvalidRequestError
@@ -146,4 +147,30 @@ def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     if model.get("follows_active") and answers[1].manifest.version != model["version"]:
         return (f"the engine followed the active version of {model['name']}, which is v{answers[1].manifest.version} "
                 f"now; the snapshot holds v{model['version']}. Take a new snapshot (or roll back)")
+    return ""
+
+
+def refusal(ready: dict, url: str) -> str:
+    """Why this engine cannot be snapshotted ("" when it can)."""
+    if ready.get("status") != "ready":
+        return f"the engine at {url} is not ready ({ready.get('reason', ready.get('status'))}); try once it is"
+    if "dp_size" in ready:  # a data-parallel router: its replicas are processes of their own
+        return (f"the engine at {url} is a data-parallel router over {ready['dp_size']} replicas, which cannot be "
+                "snapshotted; snapshot a --dp-size 1 engine")
+    if int(ready.get("tp_size") or 1) != 1:
+        return (f"the engine at {url} runs TP {ready['tp_size']}: only single-device (TP 1) engines can be snapshotted "
+                "(a process group's connections between ranks cannot be dumped)")
+    if ready.get("load_format") != "ipc_cache":
+        return (f"the engine at {url} loaded its weights with {ready.get('load_format')!r}, so they are in its own "
+                "memory and would fill the image; start it with --load-format ipc_cache (and a daemon holding the "
+                "model) to snapshot it")
+    if not isinstance(ready.get("snapshot"), dict) or not isinstance(ready.get("pid"), int):
+        return f"the engine at {url} cannot be snapshotted (a DP replica behind a router, or an older preload)"
+    if problem := ready["snapshot"].get("problem"):
+        return f"the engine at {url} cannot be snapshotted: {problem}"
+    if "host_pid" in ready and ready["pid"] != ready["host_pid"]:
+        return (f"the engine at {url} was itself restored from a snapshot (it runs in a PID namespace of its own); "
+                "restore more copies from that snapshot instead")
+    if str(ready.get("device", "cpu")).startswith("cuda") and not shutil.which("cuda-checkpoint"):
+        return "the engine runs on a GPU, and NVIDIA's cuda-checkpoint is not on PATH"
     return ""

@@ -22,7 +22,7 @@ from preload_daemon.config import DaemonConfig
 from preload_daemon.plan import LoadSpec
 from tests.conftest import REPO, DaemonHandle, exited, run_preload, wait_until
 from tests.worker.conftest import EngineProcess, post
-from worker import criu, snapshot, snapshot_images
+from worker import criu, snapshot, snapshot_images, snapshot_manifest
 from worker.quiesce import canary_mismatch, request_matrix_units
 
 
@@ -439,10 +439,11 @@ def test_restore_refuses_without_the_daemon_or_with_other_weights(served, snap, 
     ({"status": "ready", "tp_size": 2}, "TP 2"),
     ({"status": "ready", "tp_size": 1, "load_format": "safetensors"}, "--load-format ipc_cache"),
     ({"status": "ready", "tp_size": 1, "load_format": "ipc_cache"}, "DP replica"),
+    ({"status": "ready", "dp_size": 2, "replicas_ready": 2}, "a data-parallel router over 2 replicas"),
     ({"status": "ready", "tp_size": 1, "load_format": "ipc_cache", "pid": 7, "snapshot": {"wake_fd": 4}}, ""),
 ])
 def test_refusal_names_the_reason(ready, expected):
-    why = snapshot.refusal(ready, "http://127.0.0.1:1")
+    why = snapshot_manifest.refusal(ready, "http://127.0.0.1:1")
     assert (expected in why) if expected else why == ""
 
 
