@@ -36,6 +36,27 @@ def seconds(text: str) -> float:
     return value
 
 
+MAX_SYNTHETIC_GB = 256.0
+"""Largest synthetic checkpoint a benchmark builds (1e9 was taken, and built until memory ran out)."""
+
+
+def gigabytes(text: str, zero: bool = False) -> float:
+    """A synthetic checkpoint's size in GB: finite, in (0, MAX_SYNTHETIC_GB] (0 too if `zero`: none)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size in GB") from None
+    if not (math.isfinite(value) and (0 < value <= MAX_SYNTHETIC_GB or zero and value == 0)):
+        raise argparse.ArgumentTypeError(f"{text!r}: a size in GB must be a number in {'[' if zero else '('}0, "
+                                         f"{MAX_SYNTHETIC_GB:g}]")
+    return value
+
+
+def gigabytes_list(text: str) -> list[float]:
+    """Comma-separated sizes in GB, each as gigabytes() takes it."""
+    return [gigabytes(part) for part in text.split(",") if part.strip()]
+
+
 def bounded(low: int, high: int, what: str):
     """An integer type in [low, high]."""
     def parse(text: str) -> int:

@@ -9,6 +9,7 @@ import argparse
 import json
 import pathlib
 
+from preload_cli import argtypes
 from preload_cli.bench.restart import Engine, measure, snapshot_lines, summarise, table, take_snapshot, with_daemon
 
 
@@ -50,6 +51,6 @@ def run(args) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=3)
     parser.add_argument("--question", default="What is the capital of France? Answer in one sentence.")
 

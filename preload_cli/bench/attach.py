@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 
+from preload_cli import argtypes
 from preload_cli.bench import machine
 from preload_daemon.arch import SCHEMES
 
@@ -172,7 +173,7 @@ def run(args) -> int:
     from preload_cli.models import bench_dir, synthetic_checkpoint
 
     work = bench_dir()
-    checkpoints = [(f"synthetic-{gb:g}gb", gb, 0) for gb in (float(s) for s in args.sizes_gb.split(",") if s)]
+    checkpoints = [(f"synthetic-{gb:g}gb", gb, 0) for gb in args.sizes_gb]
     if args.tensors:
         checkpoints.append((f"synthetic-{args.tensors}-tensors", 0.0, args.tensors))
     runtime = pathlib.Path(tempfile.mkdtemp(prefix="plb-", dir="/tmp"))
@@ -284,12 +285,13 @@ def report(result: dict) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes-gb", default="0.1,1,4", help="checkpoint sizes, comma-separated")
-    parser.add_argument("--tensors", type=int, default=20000, help="tensors of the many-tensor row (0: none)")
-    parser.add_argument("--tp-gb", type=float, default=1.0, help="size whose TP=2 row to add (0: none)")
+    parser.add_argument("--sizes-gb", type=argtypes.gigabytes_list, default="0.1,1,4",
+                        help="checkpoint sizes, comma-separated")
+    parser.add_argument("--tensors", type=argtypes.bounded(0, 1_000_000, "tensors"), default=20000, help="tensors of the many-tensor row (0: none)")
+    parser.add_argument("--tp-gb", type=lambda t: argtypes.gigabytes(t, zero=True), default=1.0, help="size whose TP=2 row to add (0: none)")
     parser.add_argument("--quantization", default="none", choices=SCHEMES,
                         help="quantize every load's projections with this scheme")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5)
     parser.add_argument("--json", action="store_true")
 
 

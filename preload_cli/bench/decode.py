@@ -23,6 +23,7 @@ import statistics
 import threading
 import time
 
+from preload_cli import argtypes
 from preload_cli.bench import machine
 from preload_cli.bench.llama_cpp import LlamaCpp
 
@@ -178,18 +179,18 @@ def _count(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a token count; give a whole number, 1 or more") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a token count; give 1 or more")
+    if not 1 <= value <= 1 << 17:
+        raise argparse.ArgumentTypeError(f"{value} is not a token count; give 1 to {1 << 17}")
     return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=argtypes.bounded(2, 1 << 17, "new tokens"), default=64)
     parser.add_argument("--prompt-tokens", type=_count, default=0,
                         help="repeat the prompt's tokens to this many (decode at a longer context); default: the prompt's")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5)
+    parser.add_argument("--batch", type=argtypes.bounded(1, 256, "requests"), default=8)
     parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
     parser.add_argument("--gguf", help="the same model as a GGUF file at the same weight bits, for the llama.cpp row "
                                        "(default model: derived from its own GGUF)")

@@ -36,6 +36,7 @@ import statistics
 import tempfile
 import time
 
+from preload_cli import argtypes
 from preload_cli.bench.machine import describe as machine
 from preload_cli.bench.restart import Engine, with_daemon
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
@@ -220,5 +221,5 @@ def run(args) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--repeats", type=int, default=5, help="alternated runs of each kind (default 5)")
+    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5, help="alternated runs of each kind (default 5)")
     parser.add_argument("--json", action="store_true")
