@@ -39,7 +39,7 @@ import time
 from preload_cli import argtypes
 from preload_cli.bench.machine import describe as machine
 from preload_cli.bench.restart import Engine, with_daemon
-from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
+from preload_daemon.errors import CheckpointError, PreloadError
 
 DEVICE = "cpu:0"
 NOISE = 1e-2  # of each weight's standard deviation: another version, the same model for all practical purposes
@@ -187,8 +187,6 @@ def table(summary: dict, ratios: dict) -> str:
 def run(args) -> int:
     from preload_daemon.default_model import default_model_path
 
-    if args.repeats < 1:
-        raise InvalidRequestError(f"--repeats must be at least 1, got {args.repeats}")
     model = pathlib.Path(args.model).resolve() if args.model else default_model_path()
     name = model.name
     work = pathlib.Path(tempfile.mkdtemp(prefix="preload-bench-rollback-"))
