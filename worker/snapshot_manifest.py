@@ -56,6 +56,8 @@ def read_manifest(directory: pathlib.Path) -> dict:
     path = directory / MANIFEST
     if not path.is_file():
         raise SnapshotError(f"{directory} is not a snapshot (no {MANIFEST}; a create that did not finish leaves none)")
+    if not (directory / IMAGES).is_dir() or (directory / IMAGES).is_symlink():
+        raise SnapshotError(f"{directory} has no {IMAGES} directory; the snapshot is incomplete: take a new one")
     for p in (directory, path, directory / IMAGES):
         check_ours(p)
     for p in (directory / IMAGES).iterdir():  # CRIU reads each of them as root
@@ -79,12 +81,26 @@ def read_manifest(directory: pathlib.Path) -> dict:
                                   *((model["cache_key"].get(k, 0), int, f"cache key {k}")
                                     for k in ("tp_size", "tp_rank")),
                                   *((model["cache_key"].get(k, ""), str, f"cache key {k}")
-                                    for k in ("dtype", "quantization", "component"))):
+                                    for k in ("dtype", "quantization", "component")),
+                                  (engine["kernels"], str, "kernels"), (model["weight_bytes"], int, "weight bytes"),
+                                  (model["content_digest"], str, "content digest"), (manifest["created"], str, "created"),
+                                  (manifest["image"]["bytes"], int, "image bytes"),
+                                  (manifest["image"]["weight_bytes"], int, "image weight bytes"),
+                                  (canary["prompt_ids"], list, "canary prompt ids"),
+                                  (manifest["host"].get("cpu_flags", []), list, "host cpu_flags"),
+                                  *((manifest["host"].get(k, ""), str, f"host {k}")
+                                    for k in ("kernel", "machine", "criu", "python", "torch", "preload"))):
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise SnapshotError(f"{path}: {what} is not a {kind.__name__}")
         if not re.fullmatch(r"(cpu|cuda):[0-9]{1,4}", engine["device"]):
             raise SnapshotError(f"{path}: device {engine['device'][:40]!r} is not cpu:N or cuda:N")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        key = model["cache_key"]
+        if not (1 <= model["version"] < 2**31 and 1 <= key.get("tp_size", 1) <= 4096
+                and 0 <= key.get("tp_rank", 0) < key.get("tp_size", 1)):
+            raise SnapshotError(f"{path}: the model's version or TP rank is out of range")
+        if not all(isinstance(flag, str) for flag in manifest["host"].get("cpu_flags", [])):
+            raise SnapshotError(f"{path}: host cpu_flags is not a list of strings")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise SnapshotError(f"{path} is not a valid snapshot manifest ({type(e).__name__}: {e})") from None
     return manifest
 

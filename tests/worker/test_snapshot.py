@@ -479,9 +479,11 @@ def test_manifest_checks(tmp_path):
         snapshot.read_manifest(tmp_path)
 
 
-MINIMAL = {"format": 1, "host": {}, "canary": {"tokens": []}, "image": {},
-           "engine": {"listen": {}, "wake_fd": 4, "pid": 7, "device": "cpu:0",
-                      "model": {"name": "m", "version": 1, "cache_key": {"tp_size": 1}}}}
+MINIMAL = {"format": 1, "created": "2026-12-07T00:00:00Z", "host": {}, "canary": {"tokens": [], "prompt_ids": []},
+           "image": {"bytes": 4, "weight_bytes": 8},
+           "engine": {"listen": {}, "wake_fd": 4, "pid": 7, "device": "cpu:0", "kernels": "avx2",
+                      "model": {"name": "m", "version": 1, "cache_key": {"tp_size": 1}, "weight_bytes": 8,
+                                "content_digest": "xxh3_128:0"}}}
 
 
 def _snapshot_dir(path: pathlib.Path, manifest: dict) -> pathlib.Path:
@@ -502,6 +504,16 @@ def _snapshot_dir(path: pathlib.Path, manifest: dict) -> pathlib.Path:
     (lambda d: _rewrite(d, lambda m: m["engine"]["model"]["cache_key"].update(tp_size="2")),
      "cache key tp_size is not a int"),
     (lambda d: _rewrite(d, lambda m: m.pop("image")), "not a valid snapshot manifest (KeyError: 'image')"),
+    # what `inspect` and `restore` read past the checks ended in tracebacks (one after CRIU had started)
+    (lambda d: shutil.rmtree(d / "images"), "has no images directory"),
+    (lambda d: _rewrite(d, lambda m: m["engine"].pop("kernels")), "(KeyError: 'kernels')"),
+    (lambda d: _rewrite(d, lambda m: m["engine"]["model"].update(weight_bytes="8")), "weight bytes is not a int"),
+    (lambda d: _rewrite(d, lambda m: m["host"].update(cpu_flags=7)), "host cpu_flags is not a list"),
+    (lambda d: _rewrite(d, lambda m: m["host"].update(cpu_flags="avx2")), "host cpu_flags is not a list"),
+    (lambda d: _rewrite(d, lambda m: m["engine"]["model"].update(version=2**70)), "version or TP rank is out of range"),
+    (lambda d: _rewrite(d, lambda m: m["engine"]["model"]["cache_key"].update(tp_size=-1)), "out of range"),
+    (lambda d: (d / "manifest.json").write_text('{"format": 1, "x": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+     "(RecursionError"),
 ])
 def test_every_file_and_field_a_restore_uses_is_checked(tmp_path, change, message):
     """CRIU restores as root from each file in images/ (only the directory and the manifest were
