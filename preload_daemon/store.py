@@ -8,8 +8,7 @@ version a request means is matching.py's to say; the leases are kept in leasing.
   cache key. Loading another variant of a version never creates a version or moves the pointer.
 - Nothing leased, pinned or active is ever freed by retention: of the other versions, the newest
   `keep` stay and older ones go, and a load that would break the byte budget first frees the
-  oldest of them or fails.
-"""
+  oldest of them or fails."""
 
 import dataclasses
 import json
@@ -21,7 +20,7 @@ from collections.abc import Callable
 from preload_daemon import adopt, stream
 from preload_daemon.arch import ArchSpec
 from preload_daemon.checkpoint import Checkpoint
-from preload_daemon.errors import LeasedError, LoadingError, NotFoundError, PlanError
+from preload_daemon.errors import DeviceError, LeasedError, LoadingError, NotFoundError, PlanError
 from preload_daemon.execute import execute
 from preload_daemon.fill import Filler, free_slab
 from preload_daemon.hfconfig import parse_config
@@ -79,12 +78,10 @@ class ModelStore:
         return found
 
     def _on_change(self) -> None:
-        """After every change of models, versions or pointers: saves the pointers for a daemon
-        that adopts this one's slabs, and tells the server (health)."""
+        """After every change: saves the pointers for a daemon that adopts these slabs; tells the server."""
         with self._lock:
-            models = [m for m in self._models.values() if m.versions or m.last]  # (last: numbers never reused)
             try:
-                adopt.write_state(self.shm_dir, self.device, models)
+                self._write_state()
             except OSError as e:
                 log.warning("cannot save the model pointers in %s: %s (a restarted daemon would activate the newest "
                             "versions)", self.shm_dir, e)
@@ -250,20 +247,37 @@ class ModelStore:
             if not version.variants:
                 raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
             previous, model.active = model.active, number
+            self._save_or_undo(lambda: setattr(model, "active", previous), f"{name}'s active version stays v{previous}")
         log.info("%s: active version v%d -> v%d on %s", name, previous, number, self.device)
-        self._on_change()
+        self._notify()
         self._retain(model)
         return model
 
     def pin(self, name: str, number: int, pinned: bool) -> Model:
         model = self._model(name)
         with self._lock:
-            find_version(model, number, self.device).pinned = pinned
+            version = find_version(model, number, self.device)
+            before, version.pinned = version.pinned, pinned
+            self._save_or_undo(lambda: setattr(version, "pinned", before), f"{name} v{number} stays as it was")
         log.info("%s v%d %s on %s", name, number, "pinned" if pinned else "unpinned", self.device)
-        self._on_change()
+        self._notify()
         if not pinned:
             self._retain(model)
         return model
+
+    def _write_state(self) -> None:  # caller holds the lock
+        adopt.write_state(self.shm_dir, self.device, [m for m in self._models.values() if m.versions or m.last])
+
+    def _save_or_undo(self, undo, kept: str) -> None:
+        """Saves the pointers after a change a user asked for, or undoes it and says why (a rollback
+        /dev/shm had no room to record reported success, and a restart after a crash undid it)."""
+        try:
+            self._write_state()
+        except OSError as e:
+            undo()
+            raise DeviceError(f"cannot save the model pointers in {self.shm_dir} ({e.strerror or e}), which a daemon "
+                              f"restarted after a crash reads; {kept}: free space there (`df {self.shm_dir}`), then "
+                              "try again") from None
 
     def evict(self, name: str, version: int = 0, force: bool = False) -> list[Variant]:
         """Removes one version (or all, version=0). Leased or pinned versions need force; mapped

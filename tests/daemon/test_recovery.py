@@ -2,11 +2,13 @@
 (versions, variants, pointers, pins, numbering), re-hashing each; anything partial, corrupt or
 changed is discarded and reported; another device's slabs are left alone."""
 
+import errno
 import os
 
 import pytest
 
-from preload_daemon.errors import LoadingError
+from preload_daemon import adopt
+from preload_daemon.errors import DeviceError, LoadingError
 from preload_daemon.plan import LoadSpec
 from preload_daemon.store import ModelStore
 from tests.conftest import copy_checkpoint, me
@@ -169,3 +171,35 @@ def test_verify_passes_over_a_slab_evicted_while_it_ran(tmp_path, tiny_llama, mo
     held.slab.path.unlink()
     assert [actual for _, actual in store.verify()] == ["gone: file deleted"]
     store.close()
+
+
+def test_a_rollback_or_pin_that_cannot_be_saved_is_undone_and_says_so(tmp_path, tiny_llama, monkeypatch):
+    """/dev/shm full (any user can fill it): a rollback and a pin reported success while only the
+    daemon's memory had them, and a daemon restarted after a crash activated the newest version,
+    unpinned. Now each is undone, and the caller told why."""
+    store = ModelStore("cpu:0", tmp_path / "shm")
+    store.load(LoadSpec(path=str(tiny_llama), name="m"))
+    store.load(LoadSpec(path=str(tiny_llama), name="m", dtype="bfloat16"))
+    copy = tmp_path / "copy"
+    copy_checkpoint(tiny_llama, copy)
+    store.load(LoadSpec(path=str(copy), name="m"))
+    assert [v.number for v in next(m for m in store.models() if m.name == "m").versions.values()] == [1, 2]
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(adopt, "write_state", full)
+    with pytest.raises(DeviceError, match=r"No space left on device\), which a daemon restarted after a crash reads; "
+                                          r"m's active version stays v2: free space there"):
+        store.set_active("m", 1)
+    with pytest.raises(DeviceError, match="m v1 stays as it was"):
+        store.pin("m", 1, True)
+    model = next(m for m in store.models() if m.name == "m")
+    assert model.active == 2 and not model.versions[1].pinned
+    monkeypatch.undo()
+    store.set_active("m", 1)
+    store.pin("m", 1, True)
+    again = ModelStore("cpu:0", tmp_path / "shm")  # `store` never closed: as if its daemon was killed
+    again.adopt()
+    model = next(m for m in again.models() if m.name == "m")
+    assert model.active == 1 and model.versions[1].pinned
