@@ -141,8 +141,6 @@ def _check_engine_process(pid: int, url: str) -> None:
                             f"snapshot commands as the engine's user (e.g. `sudo -u '#{uid}' preload snapshot ...`)")
 
 
-
-
 def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: bool, drain_timeout: float,
             runtime: pathlib.Path, log) -> dict:
     t0 = time.time()
