@@ -26,6 +26,10 @@ MAX_REPLACEMENT_CHARS = 64
 """Longest text a normalizer, pre-tokenizer or decoder step of tokenizer.json puts in place of what
 it matches (a Replace's content, a Prepend's or Metaspace's text; real ones are a character or
 two): one of 100,000 characters for 'æ' took an engine 9 MB of memory a character of prompt."""
+MAX_TOKEN_CHARS = 4096
+"""Longest text one token of the vocabulary may stand for (real ones: under a hundred-odd characters).
+Checked as tokens are first decoded, not at load (a scan of the vocabulary costs 25-45 ms of every
+start): a token of 32 MiB made an echo of 24 of them 805 MB and 4 GB of an engine's memory."""
 MAX_CHARS_PER_TOKEN = 256
 """Most characters of text one token stands for, as far as the bound on a prompt's text before it is
 tokenized goes (WorkerState.encode: more than the context times this cannot fit); real tokenizers'
@@ -77,6 +81,7 @@ class Tokenizer:
         self._tok = tokenizers.Tokenizer.from_str(read("tokenizer.json", TOKENIZER_MAX_BYTES).decode("utf-8"))
         self._encode_many = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)  # fast: no offsets
         self._bytes: dict[int, bytes] = {}
+        self._lengths: dict[int, int] = {}  # each token's text's length, as decode() first meets it
         self._added = self._tok.get_added_tokens_decoder()
         self.expansion = _expansion(self._tok)
         """The most characters a step of the tokenizer makes of one (1, or what MAX_REPLACEMENT_CHARS bounds)."""
@@ -112,7 +117,20 @@ class Tokenizer:
                                       "such as \\ud800 is not); send valid text") from None
 
     def decode(self, ids: list[int]) -> str:
+        self._check_lengths(ids)
         return _library_call(self._tok.decode, ids, skip_special_tokens=True)
+
+    def _check_lengths(self, ids: list[int]) -> None:
+        """CheckpointError if a token's text is over MAX_TOKEN_CHARS (each token looked up once)."""
+        lengths = self._lengths
+        for token in ids:
+            n = lengths.get(token)
+            if n is None:
+                added = self._added.get(token)
+                n = lengths[token] = len(added.content if added is not None else self._tok.id_to_token(token) or "")
+            if n > MAX_TOKEN_CHARS:
+                raise CheckpointError(f"token {token} of the checkpoint's tokenizer stands for {n} characters, over "
+                                      f"the {MAX_TOKEN_CHARS} one token may (real ones: a hundred-odd); {FIX}")
 
     def token_bytes(self, token: int) -> bytes:
         """The UTF-8 bytes one token adds to a text: a character may span tokens (an emoji is often
@@ -126,6 +144,7 @@ class Tokenizer:
         return known
 
     def _read_bytes(self, token: int) -> bytes:
+        self._check_lengths([token])
         added = self._added.get(token)
         if added is not None:
             return added.content.encode()

@@ -437,3 +437,18 @@ def test_a_step_that_expands_text_is_bounded(tmp_path, default_model):
     (path / "tokenizer.json").write_text(json.dumps(spec))
     with pytest.raises(CheckpointError, match="tokenizer.json's decoder's Replace content is 1000 characters"):
         Tokenizer.load(path)
+
+
+def test_a_token_that_stands_for_too_much_text_is_refused_when_met(tmp_path):
+    """A vocabulary entry of 32 MiB made an echo of 24 such tokens 805 MB and 4 GB of the engine's
+    memory. Checked as tokens are first decoded (a scan of the vocabulary at load costs 25-45 ms)."""
+    path = tmp_path / "model"
+    path.mkdir()
+    vocab = {"<unk>": 0, "hi": 1, "x" * 4097: 2, "y" * 4096: 3}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>")).save(str(path / "tokenizer.json"))
+    tokenizer = Tokenizer.load(path)
+    assert tokenizer.decode([1, 3]) == "hi " + "y" * 4096
+    for call in (lambda: tokenizer.decode([1, 2]), lambda: tokenizer.token_bytes(2)):
+        with pytest.raises(CheckpointError, match="token 2 of the checkpoint's tokenizer stands for 4097 characters, "
+                                                  "over the 4096 one token may"):
+            call()
