@@ -66,9 +66,11 @@ class WorkerState:
                                 **({"problem": self.snapshot_agent.problem} if self.snapshot_agent.problem else {})}
         if self.weights is not None:
             formats = {r.get("load_format") for r in self.ranks} or {self.weights.load_format}
+            # This host's pid for this process: a restored copy's own (in its namespace) is the original's.
+            ranks = [{**r, "pid": body["pid"]} if r.get("pid") == os.getpid() else r for r in self.ranks]
             body.update(load_format=formats.pop() if len(formats) == 1 else "mixed",
                         fallback_reason=self.weights.fallback_reason, weights_version=self.weights.version,
-                        content_digest=self.weights.content_digest, tp_size=len(self.ranks), ranks=self.ranks)
+                        content_digest=self.weights.content_digest, tp_size=len(self.ranks), ranks=ranks)
             if self.ranks and "draft" in self.ranks[0]:
                 body["draft"] = self.ranks[0]["draft"]
             if self.engine is not None and self.engine.speculator is not None:

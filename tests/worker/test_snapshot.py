@@ -367,6 +367,8 @@ def test_restore_after_the_original_is_killed(served, snap):
     assert restored.run.returncode == 0, restored.run.stderr
     ready = get_ready(restored.url)
     assert ready["status"] == "ready" and ready["weights_version"] == 1
+    # this host's pid for the copy, in the ranks too (its own namespace's is the original's)
+    assert ready["pid"] == ready["ranks"][0]["pid"] == restored.ready["pid"] != served["engine"].proc.pid
     assert ready["restored"]["snapshot"] == str(snap["dir"])
     assert ready["restored"]["restore_start"] <= ready["restored"]["reattached"] <= ready["restored"]["ready"]
     assert complete(restored.url) == snap["text"]
