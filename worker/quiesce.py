@@ -225,14 +225,15 @@ class Quiescer:
             raise RuntimeError(f"the engine is not ready ({state.not_ready_reason()}); try again once it is")
         if self.problem:  # before anything drains
             raise RuntimeError(f"this engine cannot be snapshotted: {self.problem}")
-        self._quiet = True
-        self._pidns = os.readlink("/proc/self/ns/pid")
+        self._quiet, self._pidns = True, os.readlink("/proc/self/ns/pid")
         self._stopped.clear()
         deadline = time.monotonic() + drain + DRAIN_SLACK_S  # for the whole drain: the command waits longer
-        self.server.config.timeout_graceful_shutdown = drain  # then open requests are cancelled
+        self.server.config.timeout_graceful_shutdown = drain + 1.0  # then open requests are cancelled ...
         self.server.should_exit = True
-        if not self._stopped.wait(drain + DRAIN_SLACK_S):
-            raise RuntimeError(f"the HTTP server did not drain within {drain + DRAIN_SLACK_S:g}s")
+        if not self._stopped.wait(drain):  # ... but they end before, each with a message to retry
+            state.interrupt_generations("error: the engine is pausing for a snapshot; send the request again")
+        if not self._stopped.wait(1.0 + DRAIN_SLACK_S):
+            raise RuntimeError(f"the HTTP server did not drain within {drain + 1.0 + DRAIN_SLACK_S:g}s")
         engine = state.engine
         if not engine.pause(max(deadline - time.monotonic(), 1.0)):
             raise RuntimeError(f"requests still running after {drain:g}s of draining")

@@ -107,8 +107,9 @@ def build_app(state: WorkerState) -> Starlette:
         finally:
             watcher.cancel()
         failed = [c.reason for c in run.choices if (c.reason or "").startswith("error")]
-        if failed:
-            return error(500, failed[0].removeprefix("error: "), "server_error")
+        if failed:  # a 503 when the engine paused for a snapshot: the request may simply be sent again
+            return error(503 if run.interrupted else 500, failed[0].removeprefix("error: "),
+                         "unavailable" if run.interrupted else "server_error")
         return JSONResponse(response)
 
     async def completions(request: Request):
@@ -212,6 +213,7 @@ class Generation:
         self.created = int(time.time())
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
+        self.interrupted = False
         n = len(options.params)
         self.choices: list[Choice] = []
         engine = state.engine
@@ -224,6 +226,7 @@ class Generation:
             for choice, request in zip(group, requests):
                 choice.request = request
             self.choices += group
+        state.track(self, True)
 
     def _put(self, choice: Choice, kind: str, value) -> None:
         """Called on the engine's thread. Once the event loop is gone (the server shut down) nobody
@@ -235,8 +238,17 @@ class Generation:
 
     def cancel(self) -> None:
         """Stops generating every choice (the client went away, or the answer is complete)."""
+        self.state.track(self, False)
         for choice in self.choices:
             choice.request.cancelled = True
+
+    def interrupt(self, reason: str) -> None:
+        """From any thread: every choice not done yet ends now with `reason` (the engine pausing for a
+        snapshot, its drain time up), where the server's cancelled task answered a bare 500 or cut
+        a stream mid-chunk."""
+        self.interrupted = True
+        for choice in self.choices:
+            self._put(choice, "interrupted", reason)
 
     def _delta(self, choice: Choice, final: bool) -> str:
         """New text of one choice since the last call. A trailing partial UTF-8 character waits for
@@ -271,10 +283,13 @@ class Generation:
                 choice.tokens.append(value)
                 if not choice.request.cancelled:
                     yield choice, self._delta(choice, False), None
-            else:
+            elif choice.reason is None:  # not ended already (interrupted, then by the engine)
                 remaining -= 1
-                choice.reason = "stop" if choice.request.cancelled else value
-                yield choice, self._delta(choice, True), choice.reason
+                choice.reason = value if kind == "interrupted" or not choice.request.cancelled else "stop"
+                delta = self._delta(choice, True)
+                if kind == "interrupted":
+                    choice.request.cancelled = choice.stopped = True
+                yield choice, delta, choice.reason
 
     def _logprobs(self, choice: Choice, upto: int, first: bool) -> dict | None:
         """The log-probabilities of choice's tokens from the last ones sent up to `upto` (with the

@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 from preload_daemon.errors import InvalidRequestError
 from worker import metrics
@@ -35,6 +36,8 @@ class WorkerState:
         self.snapshot_agent = None
         """worker/quiesce.Quiescer where this engine can be snapshotted."""
         self._ready = threading.Event()
+        self._generations = weakref.WeakSet()  # the HTTP server's under way (server.Generation)
+        self._generations_lock = threading.Lock()
 
     def set_ready(self, weights: LoadedWeights, engine: Engine, tokenizer: Tokenizer | None,
                   ranks: list[dict]) -> dict:
@@ -82,6 +85,18 @@ class WorkerState:
         if self.restored:
             body["restored"] = self.restored
         return body
+
+    def track(self, generation, running: bool) -> None:
+        """A generation of the HTTP server's starts (running) or ends, for interrupt_generations."""
+        with self._generations_lock:
+            (self._generations.add if running else self._generations.discard)(generation)
+
+    def interrupt_generations(self, reason: str) -> None:
+        """From any thread: every generation under way ends with `reason` (the snapshot's drain)."""
+        with self._generations_lock:
+            running = list(self._generations)
+        for generation in running:
+            generation.interrupt(reason)
 
     def health(self) -> dict:
         """The /health body: alive, or degraded (serving, but without its daemon) and why."""

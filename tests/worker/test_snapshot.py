@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import psutil
@@ -241,6 +242,47 @@ def test_a_create_terminated_during_the_dump_resumes_the_engine(served, snap, tm
 
     wait_until(serving, 30, "the engine to serve again")
     assert complete(engine.url) == snap["text"] and not (tmp_path / "snap").exists()
+
+
+@needs_criu
+def test_requests_past_the_drain_time_end_with_a_message_to_retry(served, snap, tmp_path):
+    """Requests still running when --drain-timeout ran out were cancelled by the HTTP server: a bare
+    "500 Internal Server Error", or a stream cut mid-chunk (and tracebacks in the log). They end
+    through their generation now: a 503 in OpenAI's shape, or a last chunk that says why, and [DONE]."""
+    engine = served["engine"]
+    body = {"prompt": "The capital of France is", "max_tokens": 200, "ignore_eos": True, "temperature": 0}
+    answers, lines, first = [], [], threading.Event()
+
+    def plain():
+        try:
+            post(f"{engine.url}/v1/completions", body)
+            answers.append("answered")
+        except urllib.error.HTTPError as e:
+            answers.append((e.code, json.load(e)))
+
+    def streamed():
+        request = urllib.request.Request(f"{engine.url}/v1/completions", json.dumps({**body, "stream": True}).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for line in response:
+                lines.append(line.decode().strip())
+                first.set()
+
+    threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
+    for thread in threads:
+        thread.start()
+    assert first.wait(30)
+    snapshot.create(engine.url, tmp_path / "drained", drain_timeout=0.3, runtime_dir=served["runtime"],
+                    log=lambda _: None)
+    for thread in threads:
+        thread.join(60)
+    assert answers and answers[0][0] == 503, answers
+    assert answers[0][1]["error"]["message"] == "the engine is pausing for a snapshot; send the request again"
+    lines = [line for line in lines if line]
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "error: the engine is pausing for a snapshot; send the " \
+        "request again" and lines[-1] == "data: [DONE]", lines[-3:]
+    assert complete(engine.url) == snap["text"]
 
 
 def test_a_new_directory_is_claimed_before_the_engine_is_quieted(tmp_path, monkeypatch):
