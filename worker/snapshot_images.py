@@ -78,8 +78,13 @@ def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> 
         return images
     cache = cache_path(directory, images, runtime)
     if (cache / ".complete").exists():
-        os.utime(cache)
-        return cache
+        expected = manifest["image"].get("unpacked_bytes")
+        if not isinstance(expected, int) or image_bytes(cache) == expected:
+            os.utime(cache)
+            return cache
+        # A file of it truncated or removed (by hand: the cache may be cleared at any time) made
+        # restores wait out their timeout, or fail in CRIU: it is unpacked again.
+        shutil.rmtree(cache, ignore_errors=True)
     tmp = cache.with_name(f"{cache.name}.tmp-{secrets.token_hex(4)}")
     tmp.mkdir(mode=0o700)
     try:

@@ -608,6 +608,23 @@ def test_damaged_page_images_fail_the_restore_with_a_clear_error(tmp_path, damag
     assert not list((runtime / "snapshots").iterdir())  # no half-unpacked copy left
 
 
+def test_an_unpacked_copy_damaged_by_hand_is_unpacked_again(tmp_path):
+    """A cached copy with a file truncated or removed made restores wait out their timeout (or fail
+    in CRIU, with no hint to clear the cache): its size against the manifest's says it is damaged."""
+    directory = _snapshot_dir(tmp_path / "snap", MINIMAL)
+    (directory / "images" / "pages-1.img").write_bytes(os.urandom(1 << 16) * 8)
+    manifest = {"image": {"unpacked_bytes": snapshot_images.image_bytes(directory / "images"),
+                          "packed": snapshot_images.pack(directory / "images", tmp_path / "raw")}}
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    cache = snapshot_images.unpacked(directory, manifest, runtime)
+    whole = (cache / "pages-1.img").read_bytes()
+    for damage in (lambda: os.truncate(cache / "pages-1.img", 1000), lambda: (cache / "core-1.img").unlink()):
+        damage()
+        assert snapshot_images.unpacked(directory, manifest, runtime) == cache
+        assert (cache / "pages-1.img").read_bytes() == whole and (cache / "core-1.img").read_bytes() == b"core"
+
+
 def test_a_restore_keeps_only_the_newest_failed_restores_logs(tmp_path):
     """Each failed restore leaves its work directory (CRIU's logs, named in its error); they piled up."""
     now = time.time()
