@@ -52,6 +52,11 @@ def gigabytes(text: str, zero: bool = False) -> float:
     return value
 
 
+def gigabytes_or_none(text: str) -> float:
+    """gigabytes(), where 0 (none) is taken too."""
+    return gigabytes(text, zero=True)
+
+
 def gigabytes_list(text: str) -> list[float]:
     """Comma-separated sizes in GB, each as gigabytes() takes it."""
     return [gigabytes(part) for part in text.split(",") if part.strip()]
@@ -66,6 +71,10 @@ def bounded(low: int, high: int, what: str):
         return value
     parse.__name__ = what  # argparse names the type in its own messages
     return parse
+
+
+repeats = bounded(1, 1000, "repeats")
+"""A benchmark's --repeats (0 failed in statistics after all the work)."""
 
 
 def _int(text: str, what: str) -> int:

@@ -51,6 +51,6 @@ def run(args) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=3)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=3)
     parser.add_argument("--question", default="What is the capital of France? Answer in one sentence.")
 

@@ -287,11 +287,13 @@ def report(result: dict) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes-gb", type=argtypes.gigabytes_list, default="0.1,1,4",
                         help="checkpoint sizes, comma-separated")
-    parser.add_argument("--tensors", type=argtypes.bounded(0, 1_000_000, "tensors"), default=20000, help="tensors of the many-tensor row (0: none)")
-    parser.add_argument("--tp-gb", type=lambda t: argtypes.gigabytes(t, zero=True), default=1.0, help="size whose TP=2 row to add (0: none)")
+    parser.add_argument("--tensors", type=argtypes.bounded(0, 1_000_000, "tensors"), default=20000,
+                        help="tensors of the many-tensor row (0: none)")
+    parser.add_argument("--tp-gb", type=argtypes.gigabytes_or_none, default=1.0,
+                        help="size whose TP=2 row to add (0: none)")
     parser.add_argument("--quantization", default="none", choices=SCHEMES,
                         help="quantize every load's projections with this scheme")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=5)
     parser.add_argument("--json", action="store_true")
 
 

@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=argtypes.bounded(2, 1 << 17, "new tokens"), default=64)
     parser.add_argument("--prompt-tokens", type=_count, default=0,
                         help="repeat the prompt's tokens to this many (decode at a longer context); default: the prompt's")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=5)
     parser.add_argument("--batch", type=argtypes.bounded(1, 256, "requests"), default=8)
     parser.add_argument("--quantization", default="none", help="scheme of our engine's projections")
     parser.add_argument("--gguf", help="the same model as a GGUF file at the same weight bits, for the llama.cpp row "

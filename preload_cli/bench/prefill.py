@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default="none")
     parser.add_argument("--prompt-tokens", type=int, default=1900, help="the long prompt's length (default 1900)")
     parser.add_argument("--chunk", type=int, default=256, help="--prefill-chunk of the engine in parts (default 256)")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=3)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=3)
     parser.add_argument("--json", action="store_true")
 
 

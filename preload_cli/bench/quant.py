@@ -212,7 +212,8 @@ def _mib(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5, help="timings per figure, at least (more for fast calls)")
+    parser.add_argument("--repeats", type=argtypes.repeats, default=5,
+                        help="timings per figure, at least (more for fast calls)")
     parser.add_argument("--sizes", type=_sizes, default=(2048, 4096),
                         help="square weights' sizes to time, comma-separated (default 2048,4096)")
     parser.add_argument("--memory-mib", type=_mib, metavar="MIB",

@@ -281,11 +281,11 @@ def run(args) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=5)
     parser.add_argument("--drop-cache", action="store_true", help="also time cold starts that read from disk")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks per engine (default 1; the "
                         "default model's 9 heads and 3 kv heads fit TP 1 and 3)")
-    parser.add_argument("--synthetic-gb", type=lambda t: argtypes.gigabytes(t, zero=True), default=0.0,
+    parser.add_argument("--synthetic-gb", type=argtypes.gigabytes_or_none, default=0.0,
                         help="instead of MODEL, a synthetic Llama-shaped checkpoint of this size (built once)")
     parser.add_argument("--no-snapshot", action="store_true", help="skip the snapshot restore column (TP 1 CPU "
                         "engines only; it needs CRIU and root: `preload snapshot check`)")

@@ -219,5 +219,5 @@ def run(args) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=5, help="alternated runs of each kind (default 5)")
+    parser.add_argument("--repeats", type=argtypes.repeats, default=5, help="alternated runs of each kind (default 5)")
     parser.add_argument("--json", action="store_true")

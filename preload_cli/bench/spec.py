@@ -228,5 +228,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="single-file checkpoint directory (default: the embedded default model)")
     parser.add_argument("--num-speculative-tokens", type=int, default=2, help="K, tokens the draft proposes per step")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per decode run")
-    parser.add_argument("--repeats", type=argtypes.bounded(1, 1000, "repeats"), default=3)
+    parser.add_argument("--repeats", type=argtypes.repeats, default=3)
     parser.add_argument("--json", action="store_true")
