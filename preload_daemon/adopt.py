@@ -141,7 +141,7 @@ def adopt(shm_dir: pathlib.Path, device: str) -> Adopted:
             continue
         _restore_pointers(model, state.get(name, {}))
     for name, saved in state.items():  # every version evicted: the numbers given out are still never reused
-        if name not in models and 0 < saved["last"] <= MAX_VERSION:
+        if name not in models and saved["last"]:  # (_saved_pointers checked its range)
             try:
                 check_name(name)
             except InvalidRequestError:

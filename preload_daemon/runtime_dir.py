@@ -222,13 +222,13 @@ def remove_dead_routers_dirs(runtime_dir: pathlib.Path) -> None:
     (their exit never ran): engine-PID-HEX, its process gone, holding nothing but Unix sockets that
     no one listens on. Anything else in one keeps it, as does a live process of that pid."""
     try:
-        entries = [e for e in os.scandir(runtime_dir)
-                   if _ROUTER_DIR.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+        entries = [(e, int(found[1])) for e in os.scandir(runtime_dir)
+                   if (found := _ROUTER_DIR.fullmatch(e.name)) and e.is_dir(follow_symlinks=False)]
     except OSError:
         return
-    for entry in entries:
+    for entry, pid in entries:
         try:
-            os.kill(int(_ROUTER_DIR.fullmatch(entry.name).group(1)), 0)
+            os.kill(pid, 0)
             continue  # alive (or another user's process of that pid): kept
         except ProcessLookupError:
             pass
