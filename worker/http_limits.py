@@ -56,6 +56,10 @@ class BodyRefused(Exception):
         self.status = status
 
 
+def _too_large() -> BodyRefused:
+    return BodyRefused(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
+
+
 class BodyBudget:
     """The bytes of request bodies held in memory at once, all requests together (one event loop:
     no lock). read() counts a body against it until release(len(body))."""
@@ -71,7 +75,7 @@ class BodyBudget:
         before a byte of it is read (a client that sent none of it waited out the request's deadline)."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and (len(declared) > 18 or int(declared) > MAX_BODY_BYTES + DRAIN_BYTES):
-            raise BodyRefused(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send a shorter prompt")
+            raise _too_large()
         chunks, size, refused, drained = [], 0, None, 0
         try:
             async for chunk in request.stream():
@@ -84,8 +88,7 @@ class BodyBudget:
                 size += len(chunk)
                 self.held += len(chunk)
                 if size > MAX_BODY_BYTES:
-                    refused = BodyRefused(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB; send a "
-                                               "shorter prompt")
+                    refused = _too_large()
                 elif self.held > self.limit:
                     refused = BodyRefused(503, f"the server holds {self.limit >> 20} MiB of request bodies "
                                                "already; retry shortly")
