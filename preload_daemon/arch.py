@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 from kernels import formats
 from preload_daemon.errors import CheckpointError, PlanError
-from preload_daemon.hfconfig import MAX_LAYERS, architecture_name, bool_field, float_field, int_field, rope_config
+from preload_daemon.hfconfig import (MAX_LAYERS, architecture_name, bool_field, eos_field, float_field, int_field,
+                                     rope_config)
 from preload_daemon.safepath import short_repr
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
@@ -188,11 +189,7 @@ class ArchSpec:
         max_pos = int_field(config, "max_position_embeddings", source, 4096)
         head_dim = int_field(config, "head_dim", source, hidden // heads)
         theta, scaling = rope_config(config, source, head_dim, max_pos)
-        eos = config.get("eos_token_id")
-        eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-            raise CheckpointError(f"{source}: eos_token_id must be an integer or a list of integers, "
-                                  f"got {short_repr(eos)}")
+        eos = eos_field(config, source)
         dtype = config.get("torch_dtype") or config.get("dtype") or ""
         if not isinstance(dtype, str):
             raise CheckpointError(f"{source}: torch_dtype must be a string such as \"bfloat16\", "
@@ -206,7 +203,7 @@ class ArchSpec:
             rms_norm_eps=float_field(config, "rms_norm_eps", source, 1e-6),
             rope_theta=theta, rope_scaling=scaling,
             tie_word_embeddings=bool_field(config, "tie_word_embeddings", source),
-            max_position_embeddings=max_pos, eos_token_ids=tuple(eos), torch_dtype=dtype,
+            max_position_embeddings=max_pos, eos_token_ids=eos, torch_dtype=dtype,
             # Qwen2's q/k/v biases are fixed (flags.qkv_bias); Llama and Qwen3 follow attention_bias.
             attention_bias=arch != "Qwen2ForCausalLM" and bool_field(config, "attention_bias", source))
 

@@ -145,6 +145,16 @@ def _check_frequencies(head_dim: int, theta: float, scaling: dict | None, where:
                               f"({problem}); fix the config")
 
 
+def eos_field(config: dict, source: str, fix: str = "") -> tuple[int, ...]:
+    """eos_token_id: an integer or a list of them (config.json's, generation_config.json's), or ()."""
+    eos = config.get("eos_token_id")
+    eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+        raise CheckpointError(f"{source}: eos_token_id must be an integer or a list of integers, got "
+                              f"{short_repr(eos)}{f'; {fix}' if fix else ''}")
+    return tuple(eos)
+
+
 def int_field(config: dict, key: str, source: str, default: int | None = None, minimum: int = 1,
               maximum: int = MAX_DIMENSION) -> int:
     value = config.get(key)

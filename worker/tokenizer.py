@@ -11,7 +11,7 @@ from typing import Callable
 import tokenizers
 
 from preload_daemon.errors import CheckpointError, InvalidRequestError, PreloadError
-from preload_daemon.hfconfig import load_json
+from preload_daemon.hfconfig import eos_field, load_json
 from preload_daemon.safepath import inside, read_regular
 from worker.chat_template import read_template
 from worker.template_process import RENDERER
@@ -185,12 +185,7 @@ def generation_eos(path: pathlib.Path, allow_external: bool = False) -> tuple[in
     data = read_regular(inside(root, file, allow_external), GENERATION_CONFIG_MAX_BYTES, fix,
                         None if allow_external else root)
     config = load_json(data, str(file), fix)
-    eos = config.get("eos_token_id") if isinstance(config, dict) else None
-    eos = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
-        raise CheckpointError(f"{file}: eos_token_id must be an integer or a list of integers, got "
-                              f"{str(eos)[:80]}; {fix}")
-    return tuple(eos)
+    return eos_field(config, str(file), fix) if isinstance(config, dict) else ()
 
 
 def _expansion(tok: tokenizers.Tokenizer) -> int:
