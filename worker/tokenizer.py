@@ -58,14 +58,10 @@ BYTE_LEVEL = _byte_level()
 
 class Tokenizer:
     def __init__(self, path: pathlib.Path, allow_external: bool = False):
-        """Reads the tokenizer's files as the checkpoint's are read: regular files only (a FIFO
-        would block the engine for good), bounded in size, and inside the directory unless
-        `allow_external` (a link out of it would hand its target to every client: a chat template's
-        text comes back in prompt_token_ids)."""
-        root = pathlib.Path(os.path.realpath(path))
-
+        """Reads the tokenizer's files with read_file (a link out of the directory would hand its
+        target to every client: a chat template's text comes back in prompt_token_ids)."""
         def read(name: str, limit: int) -> bytes:
-            return read_regular(inside(root, path / name, allow_external), limit, FIX, None if allow_external else root)
+            return read_file(path, name, limit, allow_external)
 
         config_path = path / "tokenizer_config.json"
         config = load_json(read(config_path.name, TOKENIZER_CONFIG_MAX_BYTES), str(config_path), FIX) \
@@ -169,6 +165,14 @@ class Tokenizer:
                                dict(messages=messages, add_generation_prompt=True, **self._special))
 
 
+def read_file(path: pathlib.Path, name: str, limit: int, allow_external: bool, fix: str = FIX) -> bytes:
+    """A file of the checkpoint beside the tokenizer, read as the checkpoint's are: a regular file
+    only (a FIFO would block the engine for good), bounded in size, and inside the directory unless
+    `allow_external` (a link out of it would hand its target to every client)."""
+    root = pathlib.Path(os.path.realpath(path))
+    return read_regular(inside(root, path / name, allow_external), limit, fix, None if allow_external else root)
+
+
 GENERATION_CONFIG_MAX_BYTES = 1 << 20
 """Largest generation_config.json read (real ones are under a KiB)."""
 
@@ -180,11 +184,8 @@ def generation_eos(path: pathlib.Path, allow_external: bool = False) -> tuple[in
     file = path / "generation_config.json"
     if not os.path.lexists(file):
         return ()
-    root = pathlib.Path(os.path.realpath(path))
     fix = "fix generation_config.json or remove it"
-    data = read_regular(inside(root, file, allow_external), GENERATION_CONFIG_MAX_BYTES, fix,
-                        None if allow_external else root)
-    config = load_json(data, str(file), fix)
+    config = load_json(read_file(path, file.name, GENERATION_CONFIG_MAX_BYTES, allow_external, fix), str(file), fix)
     return eos_field(config, str(file), fix) if isinstance(config, dict) else ()
 
 
