@@ -174,20 +174,10 @@ def run(args) -> int:
     return 0
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; give a whole number, 1 or more") from None
-    if not 1 <= value <= 1 << 17:
-        raise argparse.ArgumentTypeError(f"{value} is not a token count; give 1 to {1 << 17}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="checkpoint directory (default: the embedded default model)")
     parser.add_argument("--new-tokens", type=argtypes.bounded(2, 1 << 17, "new tokens"), default=64)
-    parser.add_argument("--prompt-tokens", type=_count, default=0,
+    parser.add_argument("--prompt-tokens", type=argtypes.bounded(1, 1 << 17, "a token count"), default=0,
                         help="repeat the prompt's tokens to this many (decode at a longer context); default: the prompt's")
     parser.add_argument("--repeats", type=argtypes.repeats, default=5)
     parser.add_argument("--batch", type=argtypes.bounded(1, 256, "requests"), default=8)
