@@ -47,11 +47,14 @@ def token_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids, e.g. 1,2,3") from None
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
+def add_common(parser: argparse.ArgumentParser, runtime_dir: bool = True) -> None:
+    """--log-level, and --runtime-dir unless the command makes a private one of its own (demo, bench)."""
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    if not runtime_dir:
+        return
     parser.add_argument("--runtime-dir", type=pathlib.Path, default=None,
                         help="private directory of sockets and logs (default: $PRELOAD_RUNTIME_DIR, "
                              "$XDG_RUNTIME_DIR/preload or /tmp/preload-$UID)")
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
 
 
 def add_module_command(parser: argparse.ArgumentParser, module: ModuleType) -> None:
@@ -266,7 +269,7 @@ def build_parser(prog: str = "preload", argv: list[str] | None = None) -> argpar
     for names, build in COMMANDS:
         if chosen is None or chosen in names:
             for p in build(sub):
-                add_common(p)
+                add_common(p, runtime_dir=names[0] not in ("demo", "bench"))
         else:
             for name in names:
                 sub.add_parser(name, help=HELP[name])
@@ -278,7 +281,8 @@ def main(argv=None) -> int:
     args = build_parser(argv=argv).parse_args(argv)
     args.argv = argv  # engines start their other ranks and replicas as the same command
     configure_logging(args.log_level)
-    args.runtime_dir = pathlib.Path(os.path.abspath(args.runtime_dir)) if args.runtime_dir else default_runtime_dir()
+    if hasattr(args, "runtime_dir"):
+        args.runtime_dir = pathlib.Path(os.path.abspath(args.runtime_dir)) if args.runtime_dir else default_runtime_dir()
     if args.command in ("demo", "bench"):  # SIGTERM (timeout, a supervisor) unwinds: engines and temp dirs go
         signal.signal(signal.SIGTERM, _terminated)
     try:
