@@ -170,6 +170,7 @@ def digest_throughput(nbytes: int = 1 << 30) -> dict:
 def run(args) -> int:
     from preload_daemon.client import DaemonClient
     from preload_daemon.plan import LoadSpec
+    from preload_daemon.supervisor import DaemonProcess
     from preload_cli.models import bench_dir, synthetic_checkpoint
 
     work = bench_dir()
@@ -177,13 +178,11 @@ def run(args) -> int:
     if args.tensors:
         checkpoints.append((f"synthetic-{args.tensors}-tensors", 0.0, args.tensors))
     runtime = pathlib.Path(tempfile.mkdtemp(prefix="plb-", dir="/tmp"))
-    daemon = subprocess.Popen([sys.executable, "-m", "preload_daemon", "--runtime-dir", str(runtime), "--log-level",
-                               "WARNING"], cwd=ROOT)
-    rows, tp_row = [], None
+    rows, tp_row, daemon = [], None, None
     try:
-        socket_path = runtime / "daemon-cpu-0.sock"
-        while not socket_path.exists():
-            time.sleep(0.05)
+        daemon = DaemonProcess("cpu:0", runtime, "WARNING")
+        daemon.wait_started()  # bounded: a daemon that fails to start is reported with its log's tail
+        socket_path = daemon.config.socket_path
         client = DaemonClient(socket_path, timeout=3600)
         for name, gb, num_tensors in checkpoints:
             path = work / name
@@ -228,8 +227,8 @@ def run(args) -> int:
             if args.tp_gb and gb == args.tp_gb:
                 tp_row = tp2(path, args.repeats, row, args.quantization)
     finally:
-        daemon.terminate()  # a graceful stop: the daemon frees its slabs and removes its /dev/shm directory
-        daemon.wait()
+        if daemon is not None:
+            daemon.stop()  # a graceful stop: the daemon frees its slabs and removes its /dev/shm directory
         shutil.rmtree(runtime, ignore_errors=True)
     result = {"machine": machine.measure(), "repeats": args.repeats, "quantization": args.quantization,
               "rows": rows, "tp2": tp_row,
