@@ -220,7 +220,7 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) 
     holding = [(dev, next((m for m in s.summaries if m.name == model), None)) for dev, s in answering]
     holding = [(dev, m) for dev, m in holding if m is not None]
     if not holding:
-        loaded = sorted({m.name for _, s in answering for m in s.summaries})
+        loaded = sorted({m.name for _, s in answering for m in s.summaries if m.versions})
         return TIMED_OUT, f"model {model!r} is not loaded (loaded: {', '.join(loaded) or 'none'})"
     for dev, m in holding:
         number = version or m.active_version

@@ -48,6 +48,11 @@ class InvalidRequestError(PreloadError):
     """A request that is malformed or out of bounds."""
 
 
+class VersionTakenError(InvalidRequestError):
+    """The version number asked for is another version's, or was used before: another publish of
+    the model took it first. Publishing again takes the next one."""
+
+
 class DeviceError(PreloadError):
     """The device cannot do what was asked: no driver or GPU, a device that does not exist, CUDA
     out of memory, a slab on another GPU than the one named."""
@@ -57,6 +62,7 @@ STATUS_CODES: dict[type[PreloadError], str] = {  # grpc.StatusCode names
     CheckpointError: "INVALID_ARGUMENT",
     PlanError: "INVALID_ARGUMENT",
     InvalidRequestError: "INVALID_ARGUMENT",
+    VersionTakenError: "ALREADY_EXISTS",
     NotFoundError: "NOT_FOUND",
     StaleError: "FAILED_PRECONDITION",
     LeasedError: "RESOURCE_EXHAUSTED",

@@ -26,8 +26,10 @@ class Lease:
         now = time.time()
         return cls(secrets.token_hex(8), pid, pid_start_time, model, version, now, now, session)
 
-    def holder_alive(self) -> bool:
-        return self.pid_start_time >= 0 and process_start_time(self.pid) == self.pid_start_time
+
+def holder_alive(pid: int, pid_start_time: float) -> bool:
+    """Whether the process that started at `pid_start_time` still runs as `pid`."""
+    return pid_start_time >= 0 and process_start_time(pid) == pid_start_time
 
 
 def process_start_time(pid: int) -> float:

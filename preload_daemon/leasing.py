@@ -7,12 +7,16 @@ import logging
 import time
 from collections.abc import Callable
 
-from preload_daemon.errors import AccessDeniedError, NotFoundError
-from preload_daemon.leases import Lease
+from preload_daemon.errors import AccessDeniedError, InvalidRequestError, NotFoundError
+from preload_daemon.leases import Lease, holder_alive
 from preload_daemon.records import Model, Variant
 from preload_daemon.sessions import Session
 
 log = logging.getLogger(__name__)
+
+MAX_LEASES_PER_SESSION = 1024
+"""An engine holds a lease per variant it maps (two with a draft, four while it switches versions);
+without a bound one process could take millions, each listed by every ListModels."""
 
 
 class Leases:
@@ -26,6 +30,8 @@ class Leases:
         self._ended_set: set[str] = set()
         """Sessions that closed recently (the last 4096; the set for lookups): an Attach racing its
         session's close is refused."""
+        self._per_session: collections.Counter = collections.Counter()
+        """Standing leases by session token."""
         self.ended: collections.Counter = collections.Counter()
         """By how: released, session (its process exited), reaped, evicted."""
 
@@ -33,11 +39,21 @@ class Leases:
         """A new lease on `variant` for the session's process (caller holds the lock)."""
         if session.token in self._ended_set:
             raise NotFoundError(f"the session of pid {session.pid} closed while attaching; attach again")
+        if self._per_session[session.token] >= MAX_LEASES_PER_SESSION:
+            raise InvalidRequestError(f"pid {session.pid} holds {MAX_LEASES_PER_SESSION} leases on this daemon, the "
+                                      "most one session may; release those it no longer maps before attaching again")
         version = variant.version
         lease = Lease.new(session.pid, session.pid_start_time, version.model.name, version.number, session.token)
         variant.leases[lease.id] = lease
         self._variants[lease.id] = variant
+        self._per_session[session.token] += 1
         return lease
+
+    def _forget(self, lease: Lease) -> None:
+        """Drops a lease from the per-session count (caller holds the lock)."""
+        self._per_session[lease.session] -= 1
+        if self._per_session[lease.session] <= 0:
+            del self._per_session[lease.session]
 
     def renew(self, lease_id: str, session: str | None = None) -> Lease:
         """`session`: the token of the session asking (an RPC's), which must be the lease's."""
@@ -59,6 +75,7 @@ class Leases:
             _check_holder(variant.leases[lease_id], session, "released")
             del self._variants[lease_id]
             lease = variant.leases.pop(lease_id)
+            self._forget(lease)
             self.ended[how] += 1
         log.info("lease %s of pid %d on %s v%d %s", lease_id, lease.pid, lease.model, lease.version, why)
         self._on_release(variant.version.model)
@@ -78,10 +95,12 @@ class Leases:
                 continue
 
     def reap(self) -> list[Lease]:
-        """Drops the leases of processes that are gone; returns them."""
+        """Drops the leases of processes that are gone; returns them. Each process is looked up once,
+        however many leases it holds."""
         with self._lock:
             leases = [v.leases[i] for i, v in self._variants.items()]
-        dead = [lease for lease in leases if not lease.holder_alive()]
+        alive = {holder: holder_alive(*holder) for holder in {(lease.pid, lease.pid_start_time) for lease in leases}}
+        dead = [lease for lease in leases if not alive[lease.pid, lease.pid_start_time]]
         for lease in dead:
             try:
                 self.release(lease.id, "reaped: its process is gone", "reaped")
@@ -91,13 +110,15 @@ class Leases:
 
     def evicted(self, variant: Variant) -> None:
         """The variant's slab is being freed with its leases standing (caller holds the lock)."""
-        for lease_id in variant.leases:
-            self._variants.pop(lease_id, None)
-            self.ended["evicted"] += 1
+        for lease_id, lease in variant.leases.items():
+            if self._variants.pop(lease_id, None) is not None:
+                self._forget(lease)
+                self.ended["evicted"] += 1
 
     def clear(self) -> None:
         """Forgets every lease: the store is freeing every slab (caller holds the lock)."""
         self._variants.clear()
+        self._per_session.clear()
 
 
 def _check_holder(lease: Lease, session: str | None, done: str) -> None:

@@ -4,8 +4,10 @@ of the failure and undoes the retention it set."""
 
 from collections.abc import Callable
 
-from preload_daemon.errors import LoadingError
+from preload_daemon.errors import LoadingError, VersionTakenError
 from preload_daemon.records import MAX_VERSION, LoadProgress, Model, Retention, Version
+
+MAX_IDLE_RECORDS = 256
 
 
 class Loads:
@@ -23,7 +25,8 @@ class Loads:
 class Loading:
     """One load of a model at a time. A failed one is remembered (`preload status`, wait-ready)
     under the version number it asked for (publish asks for one), which is then never given to
-    another version; the retention it set is undone."""
+    another version, or the one it made and freed; the retention it set is undone. One refused
+    because its number was taken (VersionTakenError) failed no load and is not remembered."""
 
     def __init__(self, loads: Loads, model: Model, number: int, on_progress, wait: bool = True):
         self.loads, self.model, self.on_progress, self.wait = loads, model, on_progress, wait
@@ -72,15 +75,24 @@ class Loading:
             self.loads.count -= 1
             if error is not None:
                 self.model.keep, self.model.max_bytes = self.retention
+            if error is not None and not isinstance(error, VersionTakenError):  # (a number taken: no load failed)
                 if isinstance(self.number, Version):
                     what = f"{self.number.number} (a variant)"
-                elif 0 < self.requested <= MAX_VERSION:  # a number asked for (publish): never given out later
-                    what = str(self.requested)
+                elif 0 < self.requested <= MAX_VERSION:
+                    what = str(self.requested)  # a number asked for (publish): never given out later
                     self.model.last = max(self.model.last, self.requested)
+                elif 0 < self.number <= self.model.last and self.number not in self.model.versions:
+                    what = str(self.number)  # the next number, made and freed again: used up
                 else:
                     what = "-"
                 self.model.failures.appendleft(f"{what}: {kind.__name__}: {error}"[:500])
             self.model.load_lock.release()
             if not self.model.versions and not self.model.failures and self.loads.models.get(self.model.name) is self.model:
                 self.loads.models.pop(self.model.name)
+            # Records of names with no version left (failed loads, numbers given out) stay for status
+            # and wait-ready; the oldest beyond MAX_IDLE_RECORDS go, or a loop of failing loads under
+            # new names would grow ListModels and status without end.
+            idle = [name for name, m in self.loads.models.items() if not m.versions and not m.load_lock.locked()]
+            for name in idle[:max(0, len(idle) - MAX_IDLE_RECORDS)]:
+                del self.loads.models[name]
         self.loads.on_change()

@@ -4,7 +4,7 @@ active one; and which version a load or publish goes into."""
 
 from preload_daemon.cachekey import file_differences
 from preload_daemon.checkpoint import refresh_identity
-from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, StaleError
+from preload_daemon.errors import InvalidRequestError, LoadingError, NotFoundError, StaleError, VersionTakenError
 from preload_daemon.records import Model, Version, check_name, check_new_name, check_number, common_dir
 from preload_daemon.safetensors_file import FileIdentity
 
@@ -40,11 +40,11 @@ def version_for(model: Model, files: tuple[FileIdentity, ...], number: int, devi
     holds the store's lock)."""
     same = [v for v in model.versions.values() if v.files and not file_differences(v.files, files)]
     if number and number in model.versions and model.versions[number] not in same:
-        raise InvalidRequestError(f"{model.name} v{number} exists on {device} with other weights "
-                                  f"(from {model.versions[number].source}); publish as a new version")
+        raise VersionTakenError(f"{model.name} v{number} exists on {device} with other weights "
+                                f"(from {model.versions[number].source}); publish as v{model.last + 1} or later")
     if number and number not in model.versions and number <= model.last:
-        raise InvalidRequestError(f"{model.name} v{number} was used before on {device} (numbers are "
-                                  f"never reused); publish as v{model.last + 1} or later")
+        raise VersionTakenError(f"{model.name} v{number} was used before on {device} (numbers are "
+                                f"never reused); publish as v{model.last + 1} or later")
     if same:
         return max(same, key=lambda v: v.number)
     return check_number(model, number or model.last + 1)
@@ -55,8 +55,8 @@ def new_number(model: Model, number: int, device: str) -> int:
     (caller holds the store's lock)."""
     number = check_number(model, number or model.last + 1)
     if number in model.versions or number <= model.last:
-        raise InvalidRequestError(f"{model.name} v{number} was used before on {device}; publish "
-                                  f"as v{model.last + 1} or later")
+        raise VersionTakenError(f"{model.name} v{number} was used before on {device}; publish "
+                                f"as v{model.last + 1} or later")
     return number
 
 

@@ -76,11 +76,14 @@ class Version:
     pinned: bool = False
     loading: int = 0
     """Loads adding variants right now."""
+    creating: bool = False
+    """The load that makes this version has not finished: it may still fail and free every variant,
+    so none is attached and the version is not activated until it does."""
     stale_reason: str = ""
 
     @property
     def state(self) -> str:
-        return "loading" if self.loading and not self.variants else "stale" if self.stale_reason else "ready"
+        return "loading" if self.creating else "stale" if self.stale_reason else "ready"
 
     @property
     def bytes(self) -> int:

@@ -74,7 +74,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
     def LoadModel(self, request, context):
         try:
             spec = wire.spec_from_proto(request.spec)
-            layouts = tuple(wire.layout(x) for x in request.layouts)
+            layouts = wire.layouts(request.layouts)
             retention = wire.retention(request.retention)
         except PreloadError as e:
             context.abort(*to_status(e))
@@ -115,7 +115,7 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
                 raise InvalidRequestError("PublishStream must start with a header (model, config_json, tensors)")
             header = first.header
             table = stream.StreamedCheckpoint(header)
-            layouts = tuple(wire.layout(x) for x in header.layouts)
+            layouts = wire.layouts(header.layouts)
             retention = wire.retention(header.retention)
         except PreloadError as e:
             context.abort(*to_status(e))

@@ -148,7 +148,7 @@ class ModelStore:
         if created:
             path, files, config_json = source()
             target = Version(model, target, path, files, config_json,
-                             ArchSpec.from_config(parse_config(config_json, path), path), time.time())
+                             ArchSpec.from_config(parse_config(config_json, path), path), time.time(), creating=True)
         number = target.number
         existing = {p.layout: target.variants.get(p.layout) for p in plans}
         todo = [p for p in plans if existing[p.layout] is None]
@@ -174,28 +174,29 @@ class ModelStore:
             else:
                 for plan in todo:
                     made.append(filler.one(target, plan, execute_one))
-                    with self._lock:  # attachable before the other layouts of this load
+                    with self._lock:  # shown at once; of a version that exists, attachable too
                         target.variants[plan.layout] = made[-1]
         except BaseException:
-            for variant in made:
-                free_slab(variant.slab)
             with self._lock:
                 target.loading -= 1
                 for variant in made:
                     target.variants.pop(variant.layout, None)
+                    self.leases.evicted(variant)  # its slab goes: a lease on it must not stand
                 if created:
                     model.versions.pop(number, None)
+            for variant in made:
+                free_slab(variant.slab)
             self._on_change()
             raise
         with self._lock:
-            target.loading -= 1
+            target.loading, target.creating = target.loading - 1, False
             for variant in made:
                 target.variants[variant.layout] = variant
             activated = created and (activate or model.active not in model.versions)
             if activated:
                 model.active = number
-        if activated:  # as SetActive would: the version it replaced may fall out of retention
-            self._retain(model)
+        if created:  # as SetActive would: the version it replaced may fall out of retention, or
+            self._retain(model, protect=target)  # an older one, where a publish does not activate
         self._on_change()
         if created:
             log.info("%s v%d on %s from %s: %d variant(s)%s", model.name, number, self.device, target.source,
@@ -212,7 +213,7 @@ class ModelStore:
         mismatch is an error naming what differs and what there is."""
         target = pick_version(self._model(name), version, files, self.device, self._lock, self._on_change)
         with self._lock:
-            if target.loading and not target.variants:
+            if target.creating:
                 raise LoadingError(f"{name} v{target.number} is still loading on {self.device}; retry shortly "
                                    "(`preload wait-ready --model NAME --version V` waits for it)")
             if target.model.versions.get(target.number) is not target:
@@ -244,7 +245,7 @@ class ModelStore:
         model = self._model(name)
         with self._lock:
             version = find_version(model, number, self.device)
-            if not version.variants:
+            if version.creating:
                 raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
             previous, model.active = model.active, number
             self._save_or_undo(lambda: setattr(model, "active", previous), f"{name}'s active version stays v{previous}")
@@ -319,10 +320,10 @@ class ModelStore:
             self._models.pop(model.name, None)  # (a record that gave out numbers stays: they are never reused)
         return freed
 
-    def _retain(self, model: Model) -> None:
-        """Frees the versions beyond the newest `keep` evictable ones."""
+    def _retain(self, model: Model, protect: Version | None = None) -> None:
+        """Frees the versions beyond the newest `keep` evictable ones (but `protect`, just made)."""
         with self._lock:
-            victims = evictable(model)[model.keep:]
+            victims = evictable(model, protect)[model.keep:]
             if victims:
                 log.info("retention (keep %d) frees %s v%s on %s", model.keep, model.name,
                          ", v".join(str(v.number) for v in victims), self.device)
@@ -344,12 +345,6 @@ class ModelStore:
     def _model(self, name: str, create: bool = False) -> Model:
         with self._lock:
             return find_model(self._models, name, self.device, create)
-
-    def get(self, name: str, number: int = 0) -> Version:
-        """A version (0: the active one)."""
-        model = self._model(name)
-        with self._lock:
-            return find_version(model, number or model.active, self.device)
 
     def variants(self) -> list[Variant]:
         """Every variant of every version, by model, version and load order."""

@@ -18,12 +18,14 @@ from preload_daemon.checkpoint import stat_identity
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import default_runtime_dir
 from preload_daemon.errors import (AccessDeniedError, CheckpointError, DaemonUnavailableError, NotFoundError,
-                                   PreloadError)
+                                   PreloadError, VersionTakenError)
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.runtime_dir import check_runtime_dir, socket_abandoned
 from protos import preload_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+PUBLISH_TRIES = 5
 
 
 @dataclasses.dataclass(slots=True)
@@ -135,17 +137,21 @@ def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathli
     """Loads the checkpoint directory on every target as the next version (or finds the version
     already loaded from those files) and then makes it active everywhere: always, or, without
     `always_activate` (`preload serve`), only if it is new or the model had none."""
-    found = holders(name, runtime_dir)
-    number, held = _held_version(name, path, found)
-    number = number or _next_number(name, found)
     spec = LoadSpec(path=path, name=name)
 
-    def load(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
-        first, *rest = target.layouts
-        return client.load_all(spec.with_layout(first), on_progress, layouts=tuple(rest), version=number,
-                               activate=False, keep=keep, max_bytes=max_bytes)
+    def attempt() -> Published:
+        found = holders(name, runtime_dir)
+        number, held = _held_version(name, path, found)
+        number = number or _next_number(name, found)
 
-    return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress, held)
+        def load(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
+            first, *rest = target.layouts
+            return client.load_all(spec.with_layout(first), on_progress, layouts=tuple(rest), version=number,
+                                   activate=False, keep=keep, max_bytes=max_bytes)
+
+        return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress, held)
+
+    return _racing(name, attempt)
 
 
 def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | None = None,
@@ -158,16 +164,35 @@ def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | No
     pointer once every rank is ready. Returns the new version number."""
     runtime_dir = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
     targets = targets_for(name, runtime_dir, devices, layouts or [Layout()] * len(devices or ()))
-    number = next_version(name, runtime_dir)
     tensors = dict(tensors)
 
-    def send(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
-        def progress(sent: int, total: int) -> None:
-            on_progress(pb.LoadProgress(stage="sending", bytes_done=sent, bytes_total=total))
-        return client.publish(name, tensors, config, version=number, layouts=tuple(target.layouts), activate=False,
-                              keep=keep, max_bytes=max_bytes, label=label, on_progress=progress)
+    def attempt() -> Published:
+        number = next_version(name, runtime_dir)
 
-    return _publish(name, number, targets, runtime_dir, send, True, show_progress).version
+        def send(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:
+            def progress(sent: int, total: int) -> None:
+                on_progress(pb.LoadProgress(stage="sending", bytes_done=sent, bytes_total=total))
+            return client.publish(name, tensors, config, version=number, layouts=tuple(target.layouts),
+                                  activate=False, keep=keep, max_bytes=max_bytes, label=label, on_progress=progress)
+
+        return _publish(name, number, targets, runtime_dir, send, True, show_progress)
+
+    return _racing(name, attempt).version
+
+
+def _racing(name: str, attempt: Callable[[], Published]) -> Published:
+    """`attempt()`, again with the next number while another publish of `name` took the one it
+    picked (every rank must load one number, so the caller picks it, and two callers may pick the
+    same); a few times at most."""
+    for tries in range(1, PUBLISH_TRIES + 1):
+        try:
+            return attempt()
+        except VersionTakenError as e:
+            if tries == PUBLISH_TRIES:
+                raise VersionTakenError(f"{e}; other publishes of {name} took the next number {PUBLISH_TRIES} times "
+                                        "in a row: publish again once they finish") from None
+            log.info("another publish of %s took the number this one picked (%s); picking the next", name, e)
+    raise AssertionError("unreachable")
 
 
 def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib.Path, load: Callable,
@@ -187,7 +212,7 @@ def _publish(name: str, number: int, targets: list[Target], runtime_dir: pathlib
                                 target.device, e)
         freed = f"v{number} was freed on {', '.join(t.device for t in made)}; " if made else ""
         raise type(failed[0][1])("; ".join(f"{t.device}: {r}" for t, r in failed) +
-                                 f" ({freed}the active version of {name} is unchanged)")
+                                 f" ({freed}this publish left the active version of {name} as it was)")
     versions = {r[0].version for r in results}
     if len(versions) != 1:
         raise PreloadError(f"the daemons hold these files as different versions of {name} "
