@@ -292,6 +292,9 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `preload status | head`: the reader is gone, and so is what is left to print
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (or the exit's flush raises again)
+        return 141  # as a process that SIGPIPE ended
 
 
 def _terminated(signum, frame) -> None:

@@ -361,3 +361,16 @@ def test_a_criu_named_by_preload_criu_is_used_or_refused_never_passed_over(runti
     out = run_preload("snapshot", "check", runtime_dir=runtime_dir, env_extra={"PRELOAD_CRIU": "/bin/false"})
     assert out.returncode == 1 and "PRELOAD_CRIU=/bin/false is not a CRIU >= 4.1 that runs here" in out.stdout, \
         out.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(runtime_dir):
+    """`preload status --json | head -3` printed a BrokenPipeError traceback once the output passed
+    the pipe's buffer; a reader gone at once shows it with any output."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, "-m", "preload_cli", "status", "--json", "--runtime-dir",
+                              str(runtime_dir)], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == ""
