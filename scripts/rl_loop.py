@@ -30,6 +30,7 @@ step 1's version unpinned again.
 import argparse
 import json
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -200,9 +201,17 @@ def main(argv=None) -> int:
     return 0
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds through main's `finally`: the pin undone, a daemon we started stopped
+
+
 if __name__ == "__main__":
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminated)
     try:
         sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
     except (PreloadError, RuntimeError, OSError) as e:
         print(f"rl_loop: {e}", file=sys.stderr)
         sys.exit(1)

@@ -105,6 +105,25 @@ def test_rl_loop_serves_each_published_step_and_rolls_back(tiny_llama, runtime_d
     assert not psutil.pid_exists(pid), "rl_loop must stop the daemon it started"
 
 
+def test_rl_loop_stopped_by_sigterm_unpins_what_it_pinned(daemon, tiny_llama, runtime_dir):
+    """SIGTERM skipped the script's `finally`: step 1's version stayed pinned in a reused daemon."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "scripts" / "rl_loop.py"), "--model", str(tiny_llama),
+                             "--steps", "50", "--runtime-dir", str(runtime_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 1:"):
+                break
+        assert any(v.pinned for s in daemon.client.summaries() for v in s.versions)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "Traceback" not in proc.stderr.read()
+    assert not any(v.pinned for s in daemon.client.summaries() for v in s.versions)
+
+
 @pytest.mark.slow
 def test_bench_rollback_produces_json(tiny_llama):
     out = run_preload("bench", "rollback", "--model", tiny_llama, "--repeats", "1", "--json", timeout=600)
