@@ -174,18 +174,22 @@ def cmd_wait_ready(args) -> int:
     """Waits until the daemons (and --model, --version) are ready. Exit codes: 0 ready, 1 timed out
     while loading or waiting for the version, 3 failed (the load or publish failed, or the version
     was freed), 4 no daemon answered by the deadline."""
-    if args.version is not None and not args.model:
-        print("preload wait-ready: --version needs --model", file=sys.stderr)
+    if (args.version is not None or args.from_dir) and not args.model:
+        print(f"preload wait-ready: {'--version' if args.version is not None else '--from'} needs --model",
+              file=sys.stderr)
         return 2
     try:
         device = parse_device(args.device) if args.device else ""
+        if args.from_dir:
+            from preload_daemon.checkpoint import stat_identity
+            stat_identity(args.from_dir, allow_external=True)  # a checkpoint's files, or a one-line error
     except PreloadError as e:  # a usage error (2), not "timed out" (1)
         print(f"preload wait-ready: {e}", file=sys.stderr)
         return 2
     deadline = time.monotonic() + args.timeout
     while True:
         try:
-            code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0)
+            code, reason = readiness(args.runtime_dir, device, args.model, args.version or 0, args.from_dir)
         except (InvalidRequestError, AccessDeniedError) as e:  # bad set-up (a runtime dir we may not use), not a
             print(f"preload wait-ready: {e}", file=sys.stderr)  # timeout
             return 2
@@ -201,8 +205,9 @@ def cmd_wait_ready(args) -> int:
         time.sleep(0.2)
 
 
-def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) -> tuple[int, str]:
-    """(READY, what is ready) or (the exit code if it stays like this, why not)."""
+def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int, path: str = "") -> tuple[int, str]:
+    """(READY, what is ready) or (the exit code if it stays like this, why not). `path`: the version
+    is the one loaded from that checkpoint's files."""
     rows = collect_stats(runtime_dir, device)
     if not rows:
         return NO_DAEMON, f"no daemon{' for ' + device if device else ''} in {runtime_dir}"
@@ -222,6 +227,16 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int) 
     if not holding:
         loaded = sorted({m.name for _, s in answering for m in s.summaries if m.versions})
         return TIMED_OUT, f"model {model!r} is not loaded (loaded: {', '.join(loaded) or 'none'})"
+    if path:
+        from preload_daemon.versions import held_version
+        version, _ = held_version(model, path, dict(answering))
+        if not version:
+            held = ", ".join(sorted({f"v{i.version} from {i.path}" for _, s in answering for i in s.models
+                                     if i.name == model}))
+            if any(not s.serving for _, s in answering):
+                return TIMED_OUT, f"no version of {model} from {path}'s files yet (held: {held or 'none'}); a load runs"
+            return FAILED, (f"no daemon holds {model} from {path}'s files as they are now (held: {held or 'none'}); "
+                            f"`preload serve {path} --name {model}` loads them")
     for dev, m in holding:
         number = version or m.active_version
         state = next((v.state for v in m.versions if v.version == number), None) if number else None

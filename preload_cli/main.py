@@ -37,6 +37,7 @@ examples:
   preload wait-ready --timeout 600
   preload wait-ready --model llama --timeout 600 && preload engine /models/llama
   preload wait-ready --model llama --version 7
+  preload wait-ready --model llama --from /models/llama
 """
 
 
@@ -129,8 +130,13 @@ def _wait_ready(sub) -> list:
     from preload_cli import daemon_commands as dc
     p = sub.add_parser("wait-ready", help=HELP["wait-ready"], epilog=EPILOG_WAIT_READY, formatter_class=RAW)
     p.add_argument("--model", default="", help="also require this model's active version to be ready")
-    p.add_argument("--version", type=argtypes.bounded(1, argtypes.MAX_VERSION, "a version"), default=None,
-                   help="require this version of --model instead")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--version", type=argtypes.bounded(1, argtypes.MAX_VERSION, "a version"), default=None,
+                       help="require this version of --model instead")
+    which.add_argument("--from", dest="from_dir", default="", metavar="DIR",
+                       help="require the version of --model loaded from DIR's checkpoint files as they are now (the "
+                            "one an engine started on DIR attaches) instead; 3 at once if no daemon is loading and "
+                            "none holds it")
     p.add_argument("--device", default="", help="only this daemon (default: every daemon found)")
     p.add_argument("--timeout", type=argtypes.seconds, default=300.0, help="seconds (default 300)")
     p.set_defaults(func=dc.cmd_wait_ready)

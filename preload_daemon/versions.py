@@ -116,7 +116,7 @@ def _next_number(name: str, found: dict[str, pb.Stats]) -> int:
     return max(last, default=0) + 1
 
 
-def _held_version(name: str, path: str, found: dict[str, pb.Stats]) -> tuple[int, list[str]]:
+def held_version(name: str, path: str, found: dict[str, pb.Stats]) -> tuple[int, list[str]]:
     """(the version of `name` that daemons hold from the files in `path`, as they are now, and those
     daemons' devices), or (0, []). Such a daemon answers with that version whatever number it is asked
     for: the other ranks must load the files as that number too (serving a model again with another
@@ -141,7 +141,7 @@ def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathli
 
     def attempt() -> Published:
         found = holders(name, runtime_dir)
-        number, held = _held_version(name, path, found)
+        number, held = held_version(name, path, found)
         number = number or _next_number(name, found)
 
         def load(target: Target, client: DaemonClient, on_progress) -> list[pb.ModelInfo]:

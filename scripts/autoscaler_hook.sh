@@ -60,8 +60,16 @@ read -r -a preload <<< "$PRELOAD"
 
 # wait-ready's answer goes to stderr with the rest of this script's log: stdout is the engine's (its
 # first line is the JSON ready line).
+# wait-ready waits for what the engine attaches: the version loaded from MODEL_DIR's files as they are
+# now (3 at once when no daemon is loading and none holds them: start cold), or WEIGHTS_VERSION's.
+which=(--from "$MODEL_DIR")
+case $WEIGHTS_VERSION in
+  "") ;;
+  active) which=() ;;
+  *) which=(--version "$WEIGHTS_VERSION") ;;
+esac
 code=0
-"${preload[@]}" wait-ready --model "$MODEL_NAME" --timeout "$TIMEOUT" >&2 || code=$?
+"${preload[@]}" wait-ready --model "$MODEL_NAME" ${which[@]+"${which[@]}"} --timeout "$TIMEOUT" >&2 || code=$?
 case $code in
   0)
     log "the daemon holds $MODEL_NAME; starting the engine warm (ipc_cache)"
@@ -71,7 +79,7 @@ case $code in
       --load-format ipc_cache --wait-for-daemon "$WAIT_FOR_DAEMON" --port "$PORT"
     ;;
   1) reason="timed out after ${TIMEOUT}s: the daemon is still loading, or $MODEL_NAME is not loaded yet" ;;
-  3) reason="the daemon failed to load $MODEL_NAME (see \`preload status\` and the daemon's log)" ;;
+  3) reason="the daemon failed to load $MODEL_NAME, or holds other weights than asked (see \`preload status\`)" ;;
   4) reason="no daemon answered within ${TIMEOUT}s" ;;
   *)
     # 2 is bad usage; anything else is not wait-ready's (e.g. 127: PRELOAD not found). Starting cold

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from tests.conftest import REPO, exited, run_preload, wait_until
+from tests.conftest import REPO, copy_checkpoint, exited, run_preload, wait_until
 from worker.criu import check_host
 
 CAN_SNAPSHOT = all(c.ok for c in check_host())
@@ -168,7 +168,7 @@ def test_autoscaler_hook_without_a_daemon_exits_4_or_starts_cold(tiny_llama, run
 
 
 @pytest.mark.slow
-def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tiny_llama, runtime_dir):
+def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tiny_llama, runtime_dir, tmp_path):
     served = run_preload("serve", tiny_llama, "--no-supervise", runtime_dir=runtime_dir)
     assert served.returncode == 0, served.stderr
     try:
@@ -189,6 +189,20 @@ def test_autoscaler_hook_execs_a_warm_engine_once_the_daemon_holds_the_model(tin
         assert ready["event"] == "ready" and ready["load_format"] == "ipc_cache", ready
         assert ready["weights_version"] == 1 and ready["pid"] == engine.pid, ready
         assert "starting the engine warm" in err
+        # The hook waited for the active version whatever the engine would attach: other files, or
+        # a version not there, started a warm engine that waited out --wait-for-daemon.
+        other = tmp_path / "tiny-llama"
+        copy_checkpoint(tiny_llama, other)
+        os.utime(other / "model.safetensors", (1, 1))  # other files to the daemon (their identity differs)
+        dry = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env=hook_env(runtime_dir, other, TIMEOUT="600", DRY_RUN="1"))
+        assert dry.returncode == 0 and "holds other weights than asked" in dry.stderr, dry.stderr
+        assert f"no daemon holds tiny-llama from {other}'s files as they are now (held: v1 from " in dry.stderr
+        assert "--load-format safetensors" in dry.stdout
+        dry = subprocess.run([str(HOOK)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                             env=hook_env(runtime_dir, tiny_llama, TIMEOUT="0.5", WEIGHTS_VERSION="99", DRY_RUN="1"))
+        assert dry.returncode == 1 and "tiny-llama v99 is not published yet" in dry.stderr, dry.stderr
+        assert "cannot start cold" in dry.stderr
     finally:
         stop_daemons(runtime_dir)
 

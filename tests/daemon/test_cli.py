@@ -200,6 +200,8 @@ def test_serve_supervises_and_exits_nonzero_when_a_daemon_dies(runtime_dir, tiny
     (("demo", "--runtime-dir", "D"), "unrecognized arguments: --runtime-dir D"),  # it makes a private one
     (("bench", "attach", "--runtime-dir", "D"), "unrecognized arguments: --runtime-dir D"),
     (("wait-ready", "--device", "foo"), "preload wait-ready: bad device 'foo': use cpu:N or cuda:N"),
+    (("wait-ready", "--from", "/x"), "preload wait-ready: --from needs --model"),
+    (("wait-ready", "--model", "m", "--from", "/nonexistent"), "preload wait-ready: /nonexistent: not a directory"),
     (("wait-ready", "--device", "cpu:99999999999999999999999"), "bad device 'cpu:99999999999999999999999'"),
 ])
 def test_numbers_out_of_range_get_a_usage_error_not_a_traceback(runtime_dir, args, message):
