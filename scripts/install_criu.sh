@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 
 VENV=.venv
 DEST=$VENV/bin/criu
-WORK=${CRIU_BUILD_DIR:-$VENV/criu-build}
+WORK=$VENV/criu-build
 MIN_MAJOR=4 MIN_MINOR=1
 
 say() { echo "install_criu: $*" >&2; }
@@ -38,25 +38,33 @@ for bin in "${PRELOAD_CRIU:-}" "$DEST" "$(command -v criu || true)"; do
   fi
 done
 
-if [ "$(uname -s)" != Linux ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
-  say "no working CRIU >= 4.1 here, and building one needs root on a Debian-like host;"
+# Debian itself (its archive key signs the trixie sources): on another apt host (Ubuntu) that entry
+# would break every `apt-get update` there.
+keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+os_id=$( (. /etc/os-release && echo "${ID:-}") 2>/dev/null || true)
+if [ "$(uname -s)" != Linux ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+    || [ "$os_id" != debian ] || [ ! -r "$keyring" ]; then
+  say "no working CRIU >= 4.1 here, and building one needs root on Debian (with its archive keyring);"
   say "snapshots are unavailable until one is installed (PRELOAD_CRIU=/path/to/criu)"
   exit 0
 fi
 
 say "building CRIU from Debian's source package (about a minute)"
 apt_q() { DEBIAN_FRONTEND=noninteractive apt-get -qq -o Dpkg::Use-Pty=0 "$@" >/dev/null; }
+# The trixie source entry stands only while this runs (written whole, then moved into place), and
+# apt's lists are refreshed without it afterwards.
 src_list=/etc/apt/sources.list.d/preload-criu-src.sources
-if [ ! -f "$src_list" ]; then
-  cat > "$src_list" <<'EOF'
-# Added by preload's scripts/install_criu.sh: source packages only, to build CRIU 4.1.
+drop_src() { rm -f "$src_list" "$src_list.tmp"; apt_q update || true; }
+trap drop_src EXIT
+cat > "$src_list.tmp" <<EOF
+# Added by preload's scripts/install_criu.sh while it builds CRIU 4.1: source packages only.
 Types: deb-src
 URIs: http://deb.debian.org/debian
 Suites: trixie
 Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+Signed-By: $keyring
 EOF
-fi
+mv "$src_list.tmp" "$src_list"
 apt_q update
 apt_q install -y --no-install-recommends build-essential pkg-config xz-utils \
   libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler libnl-3-dev libnet1-dev \

@@ -81,6 +81,14 @@ def run_script(*args, timeout=600) -> subprocess.CompletedProcess:
                           cwd=REPO)
 
 
+@pytest.mark.skipif(os.environ.get("PRELOAD_REQUIRE_CRIU") != "1", reason="snapshots are optional (CI requires them)")
+def test_ci_has_a_working_criu():
+    """With PRELOAD_REQUIRE_CRIU=1 (.ci/run) the snapshot tests must run: a host that cannot take
+    snapshots fails here instead of skipping them."""
+    failed = [f"{c.name}: {c.detail}" for c in check_host() if not c.ok]
+    assert not failed, failed
+
+
 def stop_daemons(runtime_dir) -> None:
     """Ends the daemons `preload serve --no-supervise` left running in runtime_dir."""
     out = run_preload("status", "--json", runtime_dir=runtime_dir, check=True).stdout
