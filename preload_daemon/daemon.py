@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import threading
+import urllib.parse
 
 import torch
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -16,6 +17,9 @@ from preload_daemon.runtime_dir import check_socket_room
 from preload_daemon.server import DaemonServer
 
 log = logging.getLogger(__name__)
+
+MAX_PROBE_CONNECTIONS = 32
+PROBE_TIMEOUT_S = 10.0
 
 
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
@@ -96,12 +100,15 @@ def _file_id(path) -> tuple[int, int] | None:
 class _Probes(http.server.BaseHTTPRequestHandler):
     """HTTP /health, /ready and /metrics of the daemon the HTTP server was given (_serve_http)."""
 
+    timeout = PROBE_TIMEOUT_S  # per read: a connection that sends nothing is closed
+
     def do_GET(self):
         server = self.server.daemon_server
-        if self.path == "/health":
+        path = urllib.parse.urlsplit(self.path).path  # (a scraper's ?query names the same endpoint)
+        if path == "/health":
             self._reply(200, {"status": "alive", "device": server.config.device, "pid": os.getpid(),
                               "sessions": len(server.sessions), "recovery": server.store.recovery})
-        elif self.path == "/ready":
+        elif path == "/ready":
             ready = server.ready()
             with server.store.lock:
                 models = [{"name": m.name, "active_version": m.active,
@@ -109,10 +116,15 @@ class _Probes(http.server.BaseHTTPRequestHandler):
                           for m in server.store.models()]
             self._reply(200 if ready else 503, {"ready": ready, "device": server.config.device,
                                                 "loading": server.store.is_loading(), "models": models})
-        elif self.path == "/metrics":
+        elif path == "/metrics":
             self._send(200, server.metrics.text(), CONTENT_TYPE_LATEST)
         else:
-            self._reply(404, {"error": f"no such endpoint {self.path}; try /health, /ready or /metrics"})
+            self._reply(404, {"error": f"no such endpoint {path[:200]!r}; try /health, /ready or /metrics"})
+
+    def _not_allowed(self):
+        self._reply(405, {"error": f"{self.command} is not served here; GET /health, /ready or /metrics"})
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
 
     def _reply(self, code: int, body: dict) -> None:
         self._send(code, json.dumps(body).encode(), "application/json")
@@ -128,9 +140,35 @@ class _Probes(http.server.BaseHTTPRequestHandler):
         log.debug("http: " + fmt, *args)
 
 
+class _ProbeServer(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most MAX_PROBE_CONNECTIONS at once; others are closed unanswered.
+    Unbounded, any local user's 400 idle connections made 400 threads (3 GB of address space), and
+    a few hundred more failed with "can't start new thread"."""
+
+    def __init__(self, address, handler):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(MAX_PROBE_CONNECTIONS)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 def _bind_http(port: int) -> http.server.ThreadingHTTPServer:
     try:
-        return http.server.ThreadingHTTPServer(("127.0.0.1", port), _Probes)
+        return _ProbeServer(("127.0.0.1", port), _Probes)
     except OSError as e:
         raise InvalidRequestError(f"--http-port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror or e}); "
                                   "pick a free port, or 0 for any") from None

@@ -7,10 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
 import grpc
+import psutil
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -247,6 +249,37 @@ def test_http_probes(start_daemon, tiny_llama):
     attached.release()
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
     assert 'preload_daemon_leases_ended_total{how="released"} 1.0' in metrics
+
+
+def test_http_probes_bound_their_connections_and_take_queries_and_other_methods(start_daemon):
+    """Each connection to the probe port was a thread, kept while it sent nothing: 400 idle ones
+    made 400 threads (3 GB of address space) until "can't start new thread". /metrics?x=1 was a
+    404 and POST Python's HTML 501."""
+    from preload_daemon.daemon import MAX_PROBE_CONNECTIONS
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = start_daemon(http_port=port)
+    process = psutil.Process(daemon.proc.pid)
+    before = process.num_threads()
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_PROBE_CONNECTIONS + 40)]
+    try:
+        time.sleep(1.0)
+        assert process.num_threads() <= before + MAX_PROBE_CONNECTIONS
+    finally:
+        for conn in idle:
+            conn.close()
+    deadline = time.monotonic() + 30
+    while True:  # their threads see the close and end; the probes answer again
+        try:
+            assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics?x=1", timeout=5).status == 200
+            break
+        except (urllib.error.URLError, ConnectionError):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/health", b"{}", method="POST"))
+    assert err.value.code == 405 and "GET /health, /ready or /metrics" in json.load(err.value)["error"]
 
 
 def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llama):
