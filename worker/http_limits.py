@@ -12,6 +12,7 @@ wrong method: json_errors)."""
 import asyncio
 
 import h11
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -99,6 +100,9 @@ class BodyBudget:
             if refused is not None:
                 raise refused
             return b"".join(chunks)
+        except ClientDisconnect:  # gone mid-body (or closed at the deadline): no one to answer, nothing to log
+            self.held -= size
+            raise BodyRefused(400, "the client closed the connection before its request body was whole") from None
         except BaseException:
             self.held -= size
             raise

@@ -8,7 +8,9 @@ restarts a replica that dies (warm: it attaches to the daemon again) while the o
 (the others restarting); 503 before the first start completes, or when none is ready. A replica
 that dies is restarted after RESTART_DELAY_S, doubling up to MAX_RESTART_DELAY_S while its restarts
 fail (their error shown in /ready); one that stops answering (stopped, hung) is out of rotation
-until its health check answers again.
+until its health check answers again, and the requests it holds end (a 502, or a stream's error
+event). A request is sent to another replica only when its own could not be connected to: one that
+reached a replica may have run there.
 
 The router runs as its own lean process (`python -m worker.router SETTINGS_JSON`, which the engine
 command execs into): it never imports torch, so it costs tens of MB, not an engine's hundreds.
@@ -19,7 +21,6 @@ import json
 import logging
 import pathlib
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,89 +35,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, StreamingRespon
 from starlette.routing import Route
 
 from worker.http_limits import BodyBudget, BodyRefused, BoundedH11, error, json_errors
-from worker.procs import spawn_child
+from worker.replica import MAX_RESTART_DELAY_S, PROBE_EVERY_S, Replica, ReplicaStopped
 
 log = logging.getLogger(__name__)
-RESTART_DELAY_S = 1.0
-MAX_RESTART_DELAY_S = 30.0
-PROBE_EVERY_S = 2.0
-PROBE_TIMEOUT_S = 5.0
-"""A replica's /ready is asked every PROBE_EVERY_S; one that has not answered within
-PROBE_TIMEOUT_S is out of rotation until it does."""
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "te", "trailer",
                "upgrade", "proxy-authorization", "proxy-authenticate"}
-
-
-class Replica:
-    def __init__(self, index: int, uds: pathlib.Path, command: list[str]):
-        self.index, self.uds, self.command = index, uds, command
-        self.proc: subprocess.Popen | None = None
-        self.ready_doc: dict = {}
-        self.failure = ""
-        self.restarts = 0
-        self.in_flight = 0
-        self.generation = 0  # counts its processes: a request is counted against the one it went to
-        self.reachable = True
-        self.delay, self.next_start = RESTART_DELAY_S, 0.0
-        self.ever_ready = False
-        self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
-                                        base_url="http://replica", timeout=None)
-        self.prober = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://replica",
-                                   timeout=PROBE_TIMEOUT_S)
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.ready_doc) and self.reachable and self.proc is not None and self.proc.poll() is None
-
-    def done(self, generation: int) -> None:
-        """A request to process `generation` ended (a later process starts from none)."""
-        if generation == self.generation:
-            self.in_flight -= 1
-
-    def probe(self) -> None:
-        """Asks a started replica's /ready: out of rotation while it does not answer, back once it does."""
-        if not self.ready_doc or self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            answered = self.prober.get("/ready").status_code == 200
-        except httpx.HTTPError:
-            answered = False
-        if answered != self.reachable:
-            log.warning("replica %d (pid %d) %s", self.index, self.proc.pid, "answers again; back in rotation"
-                        if answered else f"did not answer its health check within {PROBE_TIMEOUT_S:g} s; out of "
-                        "rotation until it does")
-            self.reachable = answered
-
-    def start(self) -> None:
-        self.uds.unlink(missing_ok=True)
-        self.generation += 1  # first: a request of the old process that ends now no longer counts
-        self.ready_doc, self.failure, self.reachable, self.in_flight = {}, "", True, 0
-        self.proc = spawn_child([*self.command, "--replica", str(self.index), "--uds", str(self.uds)],
-                                stdout=subprocess.PIPE, text=True)
-        threading.Thread(target=self._read_events, args=(self.proc,), name=f"replica-{self.index}",
-                         daemon=True).start()
-
-    def _read_events(self, proc: subprocess.Popen) -> None:
-        """The replica's stdout carries its readiness line (and a failure line if it fails)."""
-        for line in proc.stdout:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if event.get("event") == "ready" and proc is self.proc:
-                self.ready_doc, self.ever_ready, self.delay = event, True, RESTART_DELAY_S
-                log.info("replica %d ready (%s, pid %d)", self.index, event.get("load_format"), proc.pid)
-            elif event.get("event") == "failed" and proc is self.proc:
-                self.failure = event.get("error", "failed")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+OWN_HEADERS = {"date", "server"}
+"""A replica's answer keeps its headers but these, which the router's server sends itself (twice, a
+Date header is invalid)."""
 
 
 class Router:
@@ -215,44 +141,66 @@ def build_app(router: Router) -> Starlette:
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def proxy(request: Request):
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        path = request.url.path
+        if any(part in (".", "..") for part in path.split("/")):  # (the replicas' client would resolve them)
+            return error(404, f"no such endpoint {path[:200]!r}: a path with . or .. segments", "not_found")
+        headers = [(k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP_HEADERS]
         try:
             body = await bodies.read(request)
         except BodyRefused as e:
-            return error(e.status, str(e), "invalid_request_error" if e.status == 413 else "unavailable")
+            return error(e.status, str(e), "invalid_request_error" if e.status in (400, 413) else "unavailable")
         try:
             return await forward(request, headers, body)
         except BaseException:
             bodies.release(len(body))
             raise
 
-    async def forward(request: Request, headers: dict, body: bytes):
+    async def forward(request: Request, headers: list, body: bytes):
         """The answer of the first replica reached; the body's budget is given back when it ends."""
-        # A replica that cannot be reached is taken out of rotation and the request goes to another:
-        # nothing reached the engine, so trying again is safe.
+        for replica in router.replicas:
+            replica.loop = asyncio.get_running_loop()
+        # Only a replica that could not be connected to is tried again with another: a request that
+        # reached one may have run there (and one that makes replicas crash would crash them all).
         for _ in router.replicas:
             replica = router.pick()
             if replica is None:
                 break
-            upstream = replica.client.build_request(request.method, request.url.path, params=request.query_params,
-                                                    headers=headers, content=body)
+            try:
+                upstream = replica.client.build_request(request.method, request.url.path,
+                                                        params=request.query_params, headers=headers, content=body)
+            except (httpx.InvalidURL, UnicodeError) as e:
+                bodies.release(len(body))
+                return error(400, f"the router cannot pass this request's path on ({e}); send a plain /v1/ path",
+                             "invalid_request_error")
             generation = replica.generation
             replica.in_flight += 1
             try:
-                response = await replica.client.send(upstream, stream=True)
-            except httpx.TransportError as e:
+                response = await _send(request, replica, upstream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 replica.done(generation)
                 replica.reachable = False
                 log.warning("replica %d did not answer (%s); out of rotation until its health check answers",
                             replica.index, e)
                 continue
+            except (httpx.TransportError, ReplicaStopped) as e:
+                replica.done(generation)
+                replica.reachable = False
+                bodies.release(len(body))
+                log.warning("replica %d stopped before it answered a request (%s: %s)", replica.index,
+                            type(e).__name__, e)
+                return error(502, f"the engine replica serving this request stopped before it answered "
+                                  f"({type(e).__name__}: {e}); send it again", "server_error")
             except BaseException:  # cancelled (the router stopping), or a bug: not counted against the replica
                 replica.done(generation)
                 raise
+            if response is None:  # the client went away: the replica's request was closed, which ends it there
+                replica.done(generation)
+                bodies.release(len(body))
+                return error(499, "the client closed the connection", "cancelled")
             return StreamingResponse(_relay(replica, generation, response, lambda: bodies.release(len(body))),
                                      status_code=response.status_code,
                                      headers={k: v for k, v in response.headers.items()
-                                              if k.lower() not in HOP_HEADERS})
+                                              if k.lower() not in HOP_HEADERS | OWN_HEADERS})
         bodies.release(len(body))
         return error(503, "no engine replica is ready; retry shortly", "unavailable")
 
@@ -261,14 +209,40 @@ def build_app(router: Router) -> Starlette:
     return Starlette(exception_handlers={HTTPException: json_errors(routes, "router")}, routes=routes)
 
 
+async def _send(request: Request, replica: Replica, upstream: httpx.Request) -> httpx.Response | None:
+    """The replica's answer to `upstream` (its headers: a plain answer comes whole, once generated);
+    None if the client went away first (closing the replica's request then ends the generation
+    there, as a direct client's going away does). ReplicaStopped if the replica stops answering."""
+    answer: list[httpx.Response] = []
+    failed: list[Exception] = []
+
+    async def client_gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        tasks.cancel_scope.cancel()
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(client_gone)
+        try:
+            answer.append(await replica.wait(replica.client.send(upstream, stream=True)))
+        except Exception as e:  # raised as itself below, not in the task group's ExceptionGroup
+            failed.append(e)
+        finally:
+            tasks.cancel_scope.cancel()
+    if failed:
+        raise failed[0]
+    return answer[0] if answer else None
+
+
 async def _relay(replica: Replica, generation: int, response: httpx.Response, ended):
     """The replica's answer, passed on; its request counts against the replica until the answer
-    ends, however it ends, and then `ended()` runs. A stream the replica breaks off (it died) ends
-    with an error event."""
+    ends, however it ends, and then `ended()` runs. A stream the replica breaks off (it died, or
+    stopped answering its health check) ends with an error event."""
+    chunks = response.aiter_raw()
     try:
-        async for chunk in response.aiter_raw():
+        while (chunk := await replica.wait(anext(chunks, None))) is not None:
             yield chunk
-    except httpx.HTTPError as e:
+    except (httpx.HTTPError, ReplicaStopped) as e:
         log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             raise  # the client's body ends short, so it can tell (a clean end would pass a cut body as whole)
@@ -304,7 +278,7 @@ def merge_metrics(texts: list[str]) -> list[str]:
 
 async def _metrics_of(replica: Replica) -> str:
     try:
-        return (await replica.client.get("/metrics", timeout=5)).text
+        return (await replica.scraper.get("/metrics")).text
     except httpx.HTTPError:
         return ""
 

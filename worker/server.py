@@ -52,7 +52,7 @@ def build_app(state: WorkerState) -> Starlette:
         try:
             raw = await bodies.read(request)
         except BodyRefused as e:
-            return error(e.status, str(e), "invalid_request_error" if e.status == 413 else "unavailable")
+            return error(e.status, str(e), "invalid_request_error" if e.status in (400, 413) else "unavailable")
         try:
             body = json.loads(raw)
             if not isinstance(body, dict):

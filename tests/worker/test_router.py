@@ -7,9 +7,11 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -17,7 +19,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import REPO, wait_until
-from worker import router as router_module
+from worker import replica as replica_module
 from worker.router import Router, merge_metrics
 
 REPLICA_SCRIPT = pathlib.Path(__file__).with_name("router_replica.py")
@@ -40,7 +42,7 @@ sys.exit(1)
 
 def test_a_replica_whose_restarts_fail_is_restarted_ever_later_and_says_why(tmp_path, monkeypatch):
     """Before: restarted every second for ever (each a whole engine process), its error in no answer."""
-    monkeypatch.setattr(router_module, "RESTART_DELAY_S", 0.5)
+    monkeypatch.setattr(replica_module, "RESTART_DELAY_S", 0.5)
     script, starts = tmp_path / "replica.py", tmp_path / "starts"
     script.write_text(REPLICA)
     router = Router(1, tmp_path, [sys.executable, str(script), str(starts)])
@@ -83,11 +85,16 @@ class RouterProcess:
         self.log = tmp_path / "replicas.log"
         settings = {"replicas": replicas, "socket_dir": str(self.sockets), "host": "127.0.0.1", "port": 0,
                     "log_level": "WARNING", "command": command or [sys.executable, str(REPLICA_SCRIPT)]}
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker.router", json.dumps(settings)], cwd=REPO,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                     env={**os.environ, "ROUTER_REPLICA_LOG": str(self.log)})
+        self.errors = tmp_path / "router.err"
+        with open(self.errors, "w") as errors:
+            self.proc = subprocess.Popen([sys.executable, "-m", "worker.router", json.dumps(settings)], cwd=REPO,
+                                         stdout=subprocess.PIPE, stderr=errors, text=True,
+                                         env={**os.environ, "ROUTER_REPLICA_LOG": str(self.log)})
         self.ready = json.loads(self.proc.stdout.readline())
         self.url = f"http://127.0.0.1:{self.ready['port']}"
+
+    def stderr(self) -> str:
+        return self.errors.read_text(errors="replace")
 
     def readiness(self) -> dict:
         try:
@@ -127,21 +134,123 @@ def test_an_answer_a_dying_replica_cuts_short_reaches_the_client_cut(tmp_path):
         assert router.stop() == -signal.SIGTERM  # ended by the signal, as a single engine is
 
 
-def test_a_client_gone_before_its_answer_is_not_counted_against_the_replica(tmp_path):
+def test_a_client_gone_before_its_answer_ends_its_request_at_the_replica(tmp_path):
     """A client that gives up (its timeout) before the replica's answer begins: the request must not
-    stay counted against the replica (each such client would draw requests away from it for good)
-    nor hold its upstream connection."""
+    stay counted against the replica (each such client would draw requests away from it for good),
+    and the replica's request is closed, as the client's was: an engine stops generating for it
+    (through the router, 4 choices of 400 tokens ran to their end after the client had gone)."""
     router = RouterProcess(tmp_path, replicas=1)
     try:
-        for _ in range(3):
-            connection = http.client.HTTPConnection("127.0.0.1", router.ready["port"], timeout=10)
-            connection.request("POST", "/v1/completions", json.dumps({"delay_s": 3}),
+        connections = [http.client.HTTPConnection("127.0.0.1", router.ready["port"], timeout=10) for _ in range(3)]
+        for connection in connections:
+            connection.request("POST", "/v1/completions", json.dumps({"delay_s": 30}),
                                {"Content-Type": "application/json"})
+        wait_until(lambda: router.log.exists() and router.log.read_text().count("0 got") == 3, 10, "the requests")
+        for connection in connections:
             connection.close()  # gone before the answer
-        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 3, 2, "the requests at the replica")
-        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 0, 10, "no request in flight")
+        wait_until(lambda: router.log.read_text().count("0 gone") == 3, 10, "the replica's requests closed")
+        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 0, 5, "no request in flight")
         assert json.load(post(router.url, {}))["replica"] == 0
     finally:
+        router.stop()
+
+
+def test_a_request_that_reached_a_replica_is_not_sent_to_another(tmp_path):
+    """A replica that died with a request was asked the same request again: one that crashes
+    replicas would have crashed them all in turn. Only a replica not connected to is passed over."""
+    router = RouterProcess(tmp_path)
+    try:
+        with pytest.raises(urllib.error.HTTPError) as err:
+            post(router.url, {"die": True})
+        assert err.value.code == 502
+        assert "the engine replica serving this request stopped before it answered" in \
+            json.load(err.value)["error"]["message"]
+        assert router.log.read_text().count(" got") == 1
+    finally:
+        router.stop()
+
+
+def test_a_hung_replica_ends_its_requests_and_streams(tmp_path):
+    """A stopped (hung) replica was out of rotation but held its requests, and streams, until their
+    clients gave up: a minute, or for good."""
+    router = RouterProcess(tmp_path, replicas=1)
+    pid = router.readiness()["replicas"][0]["engine"]["pid"]
+    try:
+        stream = post(router.url, {"chunks": 1000})
+        assert stream.readline().startswith(b"data: {")
+        plain: dict = {}
+
+        def ask() -> None:
+            try:
+                post(router.url, {"delay_s": 60})
+            except urllib.error.HTTPError as e:
+                plain["error"] = (e.code, json.load(e)["error"]["message"])
+        asker = threading.Thread(target=ask)
+        asker.start()
+        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] == 2, 10, "both requests at the replica")
+        os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        rest = stream.read().decode()  # ends once the health check has failed
+        asker.join(30)
+        assert time.monotonic() - started < 20
+        assert rest.rstrip().endswith('"code": 502}}') and "stopped (ReplicaStopped)" in rest, rest[-300:]
+        code, message = plain["error"]
+        assert code == 502 and "did not answer its health check within 5 s" in message
+        assert router.readiness()["replicas"][0]["in_flight"] == 0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        router.stop()
+
+
+def test_hostile_headers_and_paths_get_a_json_answer(tmp_path):
+    """A header of non-ASCII bytes or a path of %ff%00 gave a plain-text 500 and a traceback; a
+    path with .. segments reached a replica's own /metrics; every answer had two Date headers."""
+    router = RouterProcess(tmp_path, replicas=1)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", router.ready["port"], timeout=10)
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("X-Odd", "\u00e9\u4e2d".encode() + b"\xff")
+        connection.putheader("Content-Length", "2")
+        connection.endheaders(b"{}")
+        answer = connection.getresponse()
+        assert answer.status == 200 and len(answer.headers.get_all("date")) == 1
+        assert json.load(answer)["headers"]["x-odd"] == "\u00e9\u4e2d".encode().decode("latin-1") + "\xff"
+        for path, status in [("/v1/%ff%00", 400), ("/v1/%2e%2e/metrics", 404), ("/v1/../ready", 404)]:
+            connection = http.client.HTTPConnection("127.0.0.1", router.ready["port"], timeout=10)
+            connection.request("GET", path)
+            answer = connection.getresponse()
+            assert answer.status == status and "error" in json.load(answer), path
+        assert "Traceback" not in router.stderr()
+    finally:
+        router.stop()
+
+
+def test_a_client_that_leaves_mid_body_leaves_no_traceback(tmp_path):
+    router = RouterProcess(tmp_path, replicas=1)
+    try:
+        with socket.create_connection(("127.0.0.1", router.ready["port"])) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"a\": ")
+        time.sleep(0.5)
+        assert json.load(post(router.url, {}))["replica"] == 0
+        assert "Traceback" not in router.stderr() and "ClientDisconnect" not in router.stderr()
+    finally:
+        router.stop()
+
+
+def test_metrics_answer_with_a_hundred_requests_in_flight(tmp_path):
+    """/metrics queued behind the requests for the replica's 100 connections, timed out and left out
+    every replica's series."""
+    router = RouterProcess(tmp_path, replicas=1)
+    askers = [threading.Thread(target=lambda: post(router.url, {"delay_s": 8}), daemon=True) for _ in range(105)]
+    try:
+        for asker in askers:
+            asker.start()
+        wait_until(lambda: router.readiness()["replicas"][0]["in_flight"] >= 100, 10, "100 requests in flight")
+        metrics = urllib.request.urlopen(router.url + "/metrics", timeout=10).read().decode()
+        assert 'm{replica="0"} 1' in metrics
+    finally:
+        for asker in askers:
+            asker.join(30)
         router.stop()
 
 
@@ -184,7 +293,7 @@ def test_sigterm_stops_every_replica_gracefully_and_removes_their_sockets(tmp_pa
         router.stop()
         raise
     assert router.stop() == -signal.SIGTERM
-    stopped = sorted(int(line.split()[1]) for line in router.log.read_text().splitlines())
+    stopped = sorted(int(line.split()[1]) for line in router.log.read_text().splitlines() if line.endswith("SIGTERM"))
     assert stopped == sorted(pids)
     assert not router.sockets.exists()
 
