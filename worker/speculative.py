@@ -16,11 +16,15 @@ overwrites it. Two drafts:
 """
 
 import dataclasses
+import logging
 
+import numpy
 import torch
 
 from worker.model import CausalLM
 from worker.mtp import MTPDraft
+
+log = logging.getLogger(__name__)
 
 
 def greedy(logits: torch.Tensor) -> int | list[int]:
@@ -176,10 +180,27 @@ class Speculator:
 def draft_pick(logits: torch.Tensor, params, generator: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """The draft's token for a request sampled with `params` (worker.requests.SamplingParams), and
     the distribution it was drawn from (None when greedy), which acceptance weighs it by."""
+    if not numpy.isfinite(logits.numpy()).all():
+        logits = _broken_draft(logits)
     if params.temperature == 0:
         return greedy(logits), None
     probs = probabilities(logits, params.temperature, params.top_p)
     return int(torch.multinomial(probs, 1, generator=generator)), probs
+
+
+def _broken_draft(logits: torch.Tensor) -> torch.Tensor:
+    """Even logits in place of a draft's NaN or infinite ones (NaN weights): its proposals are then
+    uniform guesses, which acceptance weighs as such, so every request still gets the main model's
+    tokens and distribution, where sampling from the NaNs failed the whole batch."""
+    global _warned
+    if not _warned:
+        log.warning("the draft's logits hold NaN or infinity (its weights do?): its proposals are uniform "
+                    "guesses, which the main model mostly rejects; check the draft's checkpoint")
+        _warned = True
+    return torch.zeros_like(logits)
+
+
+_warned = False
 
 
 def accept(logits: torch.Tensor, proposal: Proposal, temperature: float, top_p: float,

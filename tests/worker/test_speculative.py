@@ -106,6 +106,23 @@ def test_an_identical_draft_is_accepted_in_full_when_sampling(models):
     assert stats["acceptance_rate"] == 1.0
 
 
+def test_a_draft_with_nan_weights_fails_no_request(models, tmp_path):
+    """Sampling from a NaN draft's logits failed every request of the batch, with torch's raw
+    message; its proposals are now uniform guesses, which the main model rejects."""
+    main, _, _ = models
+    small = tiny_model("llama", tmp_path / "nan", seed=3, num_hidden_layers=1)
+    loaded = load_safetensors(LoadRequest(spec=LoadSpec(path=str(small))))
+    tensors = {name: t.clone() for name, t in loaded.tensors.items()}
+    tensors["model.norm.weight"][0] = float("nan")
+    broken = CausalLM(ArchSpec.from_config(loaded.config), tensors)
+    greedy_params = SamplingParams(max_tokens=12, ignore_eos=True)
+    expected, _ = run(main, None, PROMPTS, greedy_params)
+    assert run(main, Speculator(broken, 2), PROMPTS, greedy_params)[0] == expected
+    sampled, stats = run(main, Speculator(broken, 2), PROMPTS, SamplingParams(max_tokens=12, temperature=0.9, seed=4,
+                                                                               ignore_eos=True))
+    assert [len(out) for out in sampled] == [12] * len(PROMPTS) and stats["proposed"] > 0
+
+
 def test_sampled_tokens_follow_the_main_models_distribution(tmp_path):
     """The second generated token's distribution, over 1500 seeded runs with a random (badly
     matching) MTP draft proposing it, against the exact distribution the main model gives it (the
