@@ -20,8 +20,10 @@ RESTART_DELAY_S = 1.0
 MAX_RESTART_DELAY_S = 30.0
 PROBE_EVERY_S = 2.0
 PROBE_TIMEOUT_S = 5.0
+HUNG_AFTER_PROBES = 2
 """A replica's /ready is asked every PROBE_EVERY_S; one that has not answered within
-PROBE_TIMEOUT_S is out of rotation until it does."""
+PROBE_TIMEOUT_S is out of rotation until it does, and once HUNG_AFTER_PROBES in a row went
+unanswered (about 15 s) the requests it holds end: a replica busy for a moment keeps them."""
 
 
 class ReplicaStopped(Exception):
@@ -38,6 +40,7 @@ class Replica:
         self.in_flight = 0
         self.generation = 0  # counts its processes: a request is counted against the one it went to
         self.reachable = True
+        self.unanswered = 0  # health checks in a row
         self.delay, self.next_start = RESTART_DELAY_S, 0.0
         self.ever_ready = False
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
@@ -72,12 +75,16 @@ class Replica:
         if answered != self.reachable:
             log.warning("replica %d (pid %d) %s", self.index, self.proc.pid, "answers again; back in rotation"
                         if answered else f"did not answer its health check within {PROBE_TIMEOUT_S:g} s; out of "
-                        "rotation until it does, and its requests end")
+                        "rotation until it does")
             self.reachable = answered
-            if not answered and self.loop is not None:
-                self.loop.call_soon_threadsafe(self._end_waits)
+        self.unanswered = 0 if answered else self.unanswered + 1
+        if self.unanswered >= HUNG_AFTER_PROBES and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._end_waits)
 
     def _end_waits(self) -> None:
+        if self.waits:
+            log.warning("replica %d did not answer %d health checks in a row: its %d request(s) end", self.index,
+                        self.unanswered, len(self.waits))
         for scope in list(self.waits):
             scope.cancel()
 
@@ -89,12 +96,13 @@ class Replica:
                 return await awaitable
             finally:
                 self.waits.discard(scope)
-        raise ReplicaStopped(f"it did not answer its health check within {PROBE_TIMEOUT_S:g} s")
+        raise ReplicaStopped(f"it did not answer {HUNG_AFTER_PROBES} health checks in a row, each given "
+                             f"{PROBE_TIMEOUT_S:g} s")
 
     def start(self) -> None:
         self.uds.unlink(missing_ok=True)
         self.generation += 1  # first: a request of the old process that ends now no longer counts
-        self.ready_doc, self.failure, self.reachable, self.in_flight = {}, "", True, 0
+        self.ready_doc, self.failure, self.reachable, self.in_flight, self.unanswered = {}, "", True, 0, 0
         self.proc = spawn_child([*self.command, "--replica", str(self.index), "--uds", str(self.uds)],
                                 stdout=subprocess.PIPE, text=True)
         threading.Thread(target=self._read_events, args=(self.proc,), name=f"replica-{self.index}",

@@ -8,8 +8,8 @@ restarts a replica that dies (warm: it attaches to the daemon again) while the o
 (the others restarting); 503 before the first start completes, or when none is ready. A replica
 that dies is restarted after RESTART_DELAY_S, doubling up to MAX_RESTART_DELAY_S while its restarts
 fail (their error shown in /ready); one that stops answering (stopped, hung) is out of rotation
-until its health check answers again, and the requests it holds end (a 502, or a stream's error
-event). A request is sent to another replica only when its own could not be connected to: one that
+until its health check answers again; once it has missed two in a row (about 15 s), the requests
+it holds end (a 502, or a stream's error event). A request is sent to another replica only when its own could not be connected to: one that
 reached a replica may have run there.
 
 The router runs as its own lean process (`python -m worker.router SETTINGS_JSON`, which the engine

@@ -191,11 +191,11 @@ def test_a_hung_replica_ends_its_requests_and_streams(tmp_path):
         os.kill(pid, signal.SIGSTOP)
         started = time.monotonic()
         rest = stream.read().decode()  # ends once the health check has failed
-        asker.join(30)
-        assert time.monotonic() - started < 20
+        asker.join(40)
+        assert time.monotonic() - started < 30  # two health checks unanswered: about 15 s
         assert rest.rstrip().endswith('"code": 502}}') and "stopped (ReplicaStopped)" in rest, rest[-300:]
         code, message = plain["error"]
-        assert code == 502 and "did not answer its health check within 5 s" in message
+        assert code == 502 and "did not answer 2 health checks in a row, each given 5 s" in message
         assert router.readiness()["replicas"][0]["in_flight"] == 0
     finally:
         os.kill(pid, signal.SIGCONT)
