@@ -79,7 +79,10 @@ class Replica:
             self.reachable = answered
         self.unanswered = 0 if answered else self.unanswered + 1
         if self.unanswered >= HUNG_AFTER_PROBES and self.loop is not None:
-            self.loop.call_soon_threadsafe(self._end_waits)
+            try:
+                self.loop.call_soon_threadsafe(self._end_waits)
+            except RuntimeError:  # the router's server has stopped, its loop closed: nothing waits any more
+                pass
 
     def _end_waits(self) -> None:
         if self.waits:

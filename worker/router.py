@@ -9,8 +9,8 @@ restarts a replica that dies (warm: it attaches to the daemon again) while the o
 that dies is restarted after RESTART_DELAY_S, doubling up to MAX_RESTART_DELAY_S while its restarts
 fail (their error shown in /ready); one that stops answering (stopped, hung) is out of rotation
 until its health check answers again; once it has missed two in a row (about 15 s), the requests
-it holds end (a 502, or a stream's error event). A request is sent to another replica only when its own could not be connected to: one that
-reached a replica may have run there.
+it holds end (a 502, or a stream's error event). A request is sent to another replica only when
+its own could not be connected to: one that reached a replica may have run there.
 
 The router runs as its own lean process (`python -m worker.router SETTINGS_JSON`, which the engine
 command execs into): it never imports torch, so it costs tens of MB, not an engine's hundreds.
@@ -197,10 +197,7 @@ def build_app(router: Router) -> Starlette:
                 replica.done(generation)
                 bodies.release(len(body))
                 return error(499, "the client closed the connection", "cancelled")
-            return StreamingResponse(_relay(replica, generation, response, lambda: bodies.release(len(body))),
-                                     status_code=response.status_code,
-                                     headers={k: v for k, v in response.headers.items()
-                                              if k.lower() not in HOP_HEADERS | OWN_HEADERS})
+            return Relayed(replica, generation, response, lambda: bodies.release(len(body)))
         bodies.release(len(body))
         return error(503, "no engine replica is ready; retry shortly", "unavailable")
 
@@ -234,26 +231,48 @@ async def _send(request: Request, replica: Replica, upstream: httpx.Request) -> 
     return answer[0] if answer else None
 
 
-async def _relay(replica: Replica, generation: int, response: httpx.Response, ended):
-    """The replica's answer, passed on; its request counts against the replica until the answer
-    ends, however it ends, and then `ended()` runs. A stream the replica breaks off (it died, or
-    stopped answering its health check) ends with an error event."""
-    chunks = response.aiter_raw()
-    try:
-        while (chunk := await replica.wait(anext(chunks, None))) is not None:
-            yield chunk
-    except (httpx.HTTPError, ReplicaStopped) as e:
-        log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
-        if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            raise  # the client's body ends short, so it can tell (a clean end would pass a cut body as whole)
-        error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
-                            "again", "type": "server_error", "code": 502}
-        yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
-    finally:
-        replica.done(generation)
-        ended()
+class Relayed(StreamingResponse):
+    """A replica's answer, passed on; its request counts against the replica until the answer ends,
+    however it ends (the relay finished, broken off, or never begun: a client gone as its headers
+    went out), and then `ended()` runs, once. A stream the replica breaks off (it died, or stopped
+    answering its health checks) ends with an error event."""
+
+    def __init__(self, replica: Replica, generation: int, response: httpx.Response, ended):
+        self.replica, self.generation, self.upstream, self.ended = replica, generation, response, ended
+        self.closed = False
+        super().__init__(self._relay(), status_code=response.status_code,
+                         headers={k: v for k, v in response.headers.items()
+                                  if k.lower() not in HOP_HEADERS | OWN_HEADERS})
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
+
+    async def _relay(self):
+        chunks, replica = self.upstream.aiter_raw(), self.replica
+        try:
+            while (chunk := await replica.wait(anext(chunks, None))) is not None:
+                yield chunk
+        except (httpx.HTTPError, ReplicaStopped) as e:
+            log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
+            if not self.upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                raise  # the client's body ends short, so it can tell (a clean end would pass a cut body as whole)
+            error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
+                                "again", "type": "server_error", "code": 502}
+            yield f"\n\ndata: {json.dumps({'error': error})}\n\n".encode()
+        finally:
+            await self._close()
+
+    async def _close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.replica.done(self.generation)
+        self.ended()
         with anyio.CancelScope(shield=True):  # a client gone: the task is cancelled, the response still closed
-            await response.aclose()
+            await self.upstream.aclose()
 
 
 def merge_metrics(texts: list[str]) -> list[str]:

@@ -315,3 +315,33 @@ def test_a_replica_that_cannot_even_be_started_is_tried_again(tmp_path):
         assert router.readiness()["replicas"][1]["restarts"] == 0
     finally:
         router.stop()
+
+
+def test_an_answer_whose_relay_never_began_still_ends_its_request(tmp_path):
+    """Cleanup ran in the relay's generator only: an answer whose headers could not be sent (the
+    client gone) left the request counted against the replica, its body's bytes held and its
+    upstream connection open."""
+    import anyio
+    import httpx
+    from starlette.requests import ClientDisconnect
+
+    from worker.replica import Replica
+    from worker.router import Relayed
+
+    replica = Replica(0, tmp_path / "r.sock", ["true"])
+    replica.in_flight, ended = 1, []
+
+    async def run() -> None:
+        upstream = httpx.AsyncClient(transport=httpx.MockTransport(lambda request: httpx.Response(200, text="x")))
+        response = await upstream.send(upstream.build_request("GET", "http://replica/v1/x"), stream=True)
+
+        async def send(message):
+            raise OSError("the client is gone")
+
+        with pytest.raises(ClientDisconnect):  # (starlette's name for the send's OSError)
+            await Relayed(replica, replica.generation, response, lambda: ended.append(True))(
+                {"type": "http", "asgi": {"spec_version": "2.4"}}, None, send)
+        assert response.is_closed
+
+    anyio.run(run)
+    assert replica.in_flight == 0 and ended == [True]
