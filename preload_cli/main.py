@@ -292,7 +292,9 @@ def main(argv=None) -> int:
     if args.command in ("demo", "bench"):  # SIGTERM (timeout, a supervisor) unwinds: engines and temp dirs go
         signal.signal(signal.SIGTERM, _terminated)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, where a reader gone is caught, not at the interpreter's exit
+        return code
     except PreloadError as e:
         print(f"preload {args.command}: {e}", file=sys.stderr)
         return 1

@@ -80,7 +80,8 @@ class Loading:
                     what = f"{self.number.number} (a variant)"
                 elif 0 < self.requested <= MAX_VERSION:
                     what = str(self.requested)  # a number asked for (publish): never given out later
-                    self.model.last = max(self.model.last, self.requested)
+                    if self.model.last or self.model.versions:  # (a name with none yet has none to keep apart)
+                        self.model.last = max(self.model.last, self.requested)
                 elif 0 < self.number <= self.model.last and self.number not in self.model.versions:
                     what = str(self.number)  # the next number, made and freed again: used up
                 else:
@@ -89,10 +90,12 @@ class Loading:
             self.model.load_lock.release()
             if not self.model.versions and not self.model.failures and self.loads.models.get(self.model.name) is self.model:
                 self.loads.models.pop(self.model.name)
-            # Records of names with no version left (failed loads, numbers given out) stay for status
-            # and wait-ready; the oldest beyond MAX_IDLE_RECORDS go, or a loop of failing loads under
-            # new names would grow ListModels and status without end.
-            idle = [name for name, m in self.loads.models.items() if not m.versions and not m.load_lock.locked()]
+            # Records of names that failed without ever giving out a number stay for status and
+            # wait-ready; the oldest beyond MAX_IDLE_RECORDS go, or a loop of failing loads under new
+            # names would grow ListModels and status without end. A record that gave out numbers
+            # stays (they are never reused).
+            idle = [name for name, m in self.loads.models.items()
+                    if not m.versions and not m.last and not m.load_lock.locked()]
             for name in idle[:max(0, len(idle) - MAX_IDLE_RECORDS)]:
                 del self.loads.models[name]
         self.loads.on_change()

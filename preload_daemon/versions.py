@@ -9,16 +9,18 @@ import dataclasses
 import logging
 import os
 import pathlib
+import random
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 from preload_daemon.cachekey import file_differences, file_identity
 from preload_daemon.checkpoint import stat_identity
 from preload_daemon.client import DaemonClient
 from preload_daemon.config import default_runtime_dir
-from preload_daemon.errors import (AccessDeniedError, CheckpointError, DaemonUnavailableError, NotFoundError,
-                                   PreloadError, VersionTakenError)
+from preload_daemon.errors import (AccessDeniedError, CheckpointError, DaemonUnavailableError, InvalidRequestError,
+                                   NotFoundError, PreloadError, VersionTakenError)
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.runtime_dir import check_runtime_dir, socket_abandoned
 from protos import preload_pb2 as pb
@@ -149,7 +151,13 @@ def publish_dir(name: str, path: str, targets: list[Target], runtime_dir: pathli
             return client.load_all(spec.with_layout(first), on_progress, layouts=tuple(rest), version=number,
                                    activate=False, keep=keep, max_bytes=max_bytes)
 
-        return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress, held)
+        try:
+            return _publish(name, number, targets, runtime_dir, load, always_activate, show_progress, held)
+        except VersionTakenError as e:
+            if held:  # the number is the one the files are held as: another number would not help
+                raise InvalidRequestError(f"{e} (on {', '.join(held)} these files are v{number}): evict the odd "
+                                          f"version (`preload evict {name}@V`) and publish again") from None
+            raise
 
     return _racing(name, attempt)
 
@@ -192,6 +200,7 @@ def _racing(name: str, attempt: Callable[[], Published]) -> Published:
                 raise VersionTakenError(f"{e}; other publishes of {name} took the next number {PUBLISH_TRIES} times "
                                         "in a row: publish again once they finish") from None
             log.info("another publish of %s took the number this one picked (%s); picking the next", name, e)
+            time.sleep(random.uniform(0, 0.1 * tries))  # two that raced on two daemons in turn fall apart
     raise AssertionError("unreachable")
 
 

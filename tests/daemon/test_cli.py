@@ -371,8 +371,10 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(runtime_dir):
     read, write = os.pipe()
     os.close(read)
     try:
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered: written at the end
         out = subprocess.run([sys.executable, "-m", "preload_cli", "status", "--json", "--runtime-dir",
-                              str(runtime_dir)], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO)
+                              str(runtime_dir)], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, cwd=REPO,
+                             env=env)
     finally:
         os.close(write)
     assert out.returncode == 141 and out.stderr == ""

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from preload_daemon import leasing, loading, versions
-from preload_daemon.errors import CheckpointError, InvalidRequestError, LoadingError, NotFoundError
+from preload_daemon.errors import CheckpointError, InvalidRequestError, LoadingError, NotFoundError, VersionTakenError
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.records import Retention
 from preload_daemon.store import ModelStore
@@ -71,10 +71,13 @@ def test_records_of_names_without_versions_are_bounded(tmp_path, tiny_llama, mon
     monkeypatch.setattr(loading, "MAX_IDLE_RECORDS", 3)
     store = ModelStore("cpu:0", tmp_path / "shm")
     store.load(LoadSpec(path=str(tiny_llama), name="kept"))
+    store.load(LoadSpec(path=str(tiny_llama), name="evicted"))
+    store.evict("evicted")  # its record gave out v1: it stays, so that v1 is never given out again
     for i in range(6):
         with pytest.raises(CheckpointError):
-            store.load(LoadSpec(path=str(tmp_path / "nowhere"), name=f"bad{i}"))
-    assert [m.name for m in store.models()] == ["bad3", "bad4", "bad5", "kept"]
+            store.load(LoadSpec(path=str(tmp_path / "nowhere"), name=f"bad{i}"), version=5 if i == 1 else 0)
+    assert [m.name for m in store.models()] == ["bad3", "bad4", "bad5", "evicted", "kept"]
+    assert store.load(LoadSpec(path=str(tiny_llama), name="evicted"))[0].version.number == 2
 
 
 def test_a_version_made_without_activating_it_runs_retention(tmp_path, tiny_llama):
@@ -120,3 +123,19 @@ def test_a_publish_that_picked_a_taken_number_takes_the_next(daemon, tiny_llama,
     with pytest.raises(NotFoundError):
         daemon.client.attach("m", version=3)
     assert torch.equal(daemon.client.attach("m").tensors["model.norm.weight"], tensors["model.norm.weight"] + 1)
+
+
+def test_files_held_as_a_number_another_daemon_gave_other_weights_are_not_retried(start_daemon, tiny_llama,
+                                                                                   tmp_path):
+    """Each retry picked the same number again (the one the files are held as) and loaded the files
+    in full before failing again, five times, blaming other publishes."""
+    a, b = start_daemon("cpu:0"), start_daemon("cpu:1")
+    a.client.load(LoadSpec(path=str(tiny_llama), name="m"))
+    other = tmp_path / "other"
+    tensors = copy_checkpoint(tiny_llama, other)
+    save_file({k: v + 1 for k, v in tensors.items()}, str(other / "model.safetensors"))
+    b.client.load(LoadSpec(path=str(other), name="m"))
+    targets = [versions.Target("cpu:0", [Layout()]), versions.Target("cpu:1", [Layout()])]
+    with pytest.raises(InvalidRequestError, match=r"\(on cpu:0 these files are v1\): evict the odd version") as err:
+        versions.publish_dir("m", str(tiny_llama), targets, a.config.runtime_dir, show_progress=False)
+    assert not isinstance(err.value, VersionTakenError)
