@@ -288,7 +288,8 @@ def main(argv=None) -> int:
     args.argv = argv  # engines start their other ranks and replicas as the same command
     configure_logging(args.log_level)
     if hasattr(args, "runtime_dir"):
-        args.runtime_dir = pathlib.Path(os.path.abspath(args.runtime_dir)) if args.runtime_dir else default_runtime_dir()
+        given = args.runtime_dir
+        args.runtime_dir = pathlib.Path(os.path.abspath(given)) if given else default_runtime_dir()
     if args.command in ("demo", "bench"):  # SIGTERM (timeout, a supervisor) unwinds: engines and temp dirs go
         signal.signal(signal.SIGTERM, _terminated)
     try:
