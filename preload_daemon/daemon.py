@@ -5,7 +5,9 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
+import time
 import urllib.parse
 
 import torch
@@ -19,7 +21,8 @@ from preload_daemon.server import DaemonServer
 log = logging.getLogger(__name__)
 
 MAX_PROBE_CONNECTIONS = 32
-PROBE_TIMEOUT_S = 10.0
+PROBE_DEADLINE_S = 2.0
+"""A probe connection's whole request and answer: one that takes longer is cut."""
 
 
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
@@ -100,7 +103,7 @@ def _file_id(path) -> tuple[int, int] | None:
 class _Probes(http.server.BaseHTTPRequestHandler):
     """HTTP /health, /ready and /metrics of the daemon the HTTP server was given (_serve_http)."""
 
-    timeout = PROBE_TIMEOUT_S  # per read: a connection that sends nothing is closed
+    timeout = PROBE_DEADLINE_S  # per read (and _ProbeServer cuts the whole connection at the same deadline)
 
     def do_GET(self):
         server = self.server.daemon_server
@@ -126,6 +129,21 @@ class _Probes(http.server.BaseHTTPRequestHandler):
 
     do_POST = do_PUT = do_DELETE = do_PATCH = _not_allowed
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own errors (a bad request line, HEAD, OPTIONS, an unknown method) as JSON
+        too, not its HTML page."""
+        self.close_connection = True
+        self.send_response(code)
+        self.send_header("Connection", "close")
+        if self.command == "HEAD" or code < 200 or code in (204, 304):
+            self.end_headers()
+            return
+        data = json.dumps({"error": f"{code} {message or self.responses.get(code, ('',))[0]}"}).encode()
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def _reply(self, code: int, body: dict) -> None:
         self._send(code, json.dumps(body).encode(), "application/json")
 
@@ -141,21 +159,29 @@ class _Probes(http.server.BaseHTTPRequestHandler):
 
 
 class _ProbeServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most MAX_PROBE_CONNECTIONS at once; others are closed unanswered.
-    Unbounded, any local user's 400 idle connections made 400 threads (3 GB of address space), and
-    a few hundred more failed with "can't start new thread"."""
+    """A thread per connection, at most MAX_PROBE_CONNECTIONS at once (others are closed unanswered),
+    each cut PROBE_DEADLINE_S after it was accepted. Unbounded, any local user's 400 idle connections
+    made 400 threads (3 GB of address space), and a few hundred more failed with "can't start new
+    thread". A local user who opens 32 connections every 2 s still keeps the probes from answering:
+    gRPC's health service, on the private socket, does not share their slots."""
+
+    request_queue_size = 128  # (socketserver's 5 made a burst of connects wait out SYN retries, 1 s and more)
 
     def __init__(self, address, handler):
         super().__init__(address, handler)
         self.slots = threading.BoundedSemaphore(MAX_PROBE_CONNECTIONS)
+        self.accepted: dict[socket.socket, float] = {}
+        threading.Thread(target=self._cut_slow, name="http-probes-deadline", daemon=True).start()
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
             self.shutdown_request(request)
             return
+        self.accepted[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.accepted.pop(request, None)
             self.slots.release()
             raise
 
@@ -163,7 +189,20 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.accepted.pop(request, None)
             self.slots.release()
+
+    def _cut_slow(self) -> None:
+        """Shuts down the connections past their deadline (their threads then see the end and finish)."""
+        while True:
+            time.sleep(PROBE_DEADLINE_S / 4)
+            now = time.monotonic()
+            for conn, since in list(self.accepted.items()):
+                if now - since > PROBE_DEADLINE_S:
+                    try:
+                        conn.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
 
 def _bind_http(port: int) -> http.server.ThreadingHTTPServer:

@@ -280,6 +280,21 @@ def test_http_probes_bound_their_connections_and_take_queries_and_other_methods(
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/health", b"{}", method="POST"))
     assert err.value.code == 405 and "GET /health, /ready or /metrics" in json.load(err.value)["error"]
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/health", method="OPTIONS"))
+    assert err.value.code == 501 and json.load(err.value)["error"].startswith("501 Unsupported method")
+    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as slow:  # a drip of bytes is cut at 2 s
+        started, cut = time.monotonic(), False
+        slow.sendall(b"GET /health HTTP/1.1\r\n")
+        while not cut and time.monotonic() - started < 10:
+            try:
+                slow.sendall(b"X")
+                cut = slow.recv(4096) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                cut = True
+        assert cut and time.monotonic() - started < 5
 
 
 def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llama):
