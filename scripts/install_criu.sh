@@ -5,8 +5,8 @@
 # without a working CRIU this builds 4.1.x from Debian's source package (trixie), with the build
 # dependencies from the host's own release. Nothing is downloaded but Debian packages.
 #
-# Exit status: 0 when a working CRIU is in place (or snapshots are not possible here and this says
-# why), 1 when a build that should have worked failed. PRELOAD_CRIU=/path/to/criu skips all of it.
+# Exit status: 0 when a working CRIU is in place, 3 when none is and this host cannot build one (it
+# says why), 1 when a build that should have worked failed. PRELOAD_CRIU=/path/to/criu skips all of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,7 +46,7 @@ if [ "$(uname -s)" != Linux ] || [ "$(id -u)" != 0 ] || ! command -v apt-get >/d
     || [ "$os_id" != debian ] || [ ! -r "$keyring" ]; then
   say "no working CRIU >= 4.1 here, and building one needs root on Debian (with its archive keyring);"
   say "snapshots are unavailable until one is installed (PRELOAD_CRIU=/path/to/criu)"
-  exit 0
+  exit 3
 fi
 
 say "building CRIU from Debian's source package (about a minute)"
