@@ -92,7 +92,10 @@ def test_killed_worker_lease_is_reaped_then_evict_works(daemon, tiny_llama):
     probe.proc.kill()
     probe.proc.wait()
     wait_until(lambda: not daemon.client.list_models()[0].leases, timeout=10, what="lease reaping")
-    assert "ended with its session" in daemon.output()
+    # Its session's close ends it at once; the reaper (every second, by pid) is the second line, and
+    # on a loaded machine it can be first (CI saw the session's close logged 3 s after the reap).
+    out = daemon.output()
+    assert "ended with its session" in out or "reaped: its process is gone" in out
     with pytest.raises(NotFoundError):
         daemon.client.renew(probe.report["lease"])
     assert [m.version for m in daemon.client.evict("tiny-llama")] == [1]
