@@ -43,7 +43,11 @@ class Replica:
         self.unanswered = 0  # health checks in a row
         self.delay, self.next_start = RESTART_DELAY_S, 0.0
         self.ever_ready = False
+        # A connection per request, none kept alive: a request that fails on its connection then
+        # reached a replica that accepted it (a 502, never sent again), not a kept connection the
+        # replica had closed meanwhile (its idle timeout, or its death), which nothing tells apart.
         self.client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
+                                        limits=httpx.Limits(max_connections=100, max_keepalive_connections=0),
                                         base_url="http://replica", timeout=None)
         # Connections of their own: a scrape does not queue behind a hundred requests in flight.
         self.scraper = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(uds)),
