@@ -256,7 +256,10 @@ class Relayed(StreamingResponse):
             while (chunk := await replica.wait(anext(chunks, None))) is not None:
                 yield chunk
         except (httpx.HTTPError, ReplicaStopped) as e:
-            log.warning("replica %d broke off an answer (%s: %s)", replica.index, type(e).__name__, e)
+            log.warning("replica %d broke off an answer (%s: %s); out of rotation until its health check answers",
+                        replica.index, type(e).__name__, e)
+            if self.generation == replica.generation:  # (a dying replica's listener may still take a request)
+                replica.reachable = False
             if not self.upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 raise  # the client's body ends short, so it can tell (a clean end would pass a cut body as whole)
             error = {"message": f"the engine replica serving this request stopped ({type(e).__name__}); send it "
