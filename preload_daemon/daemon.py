@@ -133,16 +133,11 @@ class _Probes(http.server.BaseHTTPRequestHandler):
         """http.server's own errors (a bad request line, HEAD, OPTIONS, an unknown method) as JSON
         too, not its HTML page."""
         self.close_connection = True
-        self.send_response(code)
-        self.send_header("Connection", "close")
-        if self.command == "HEAD" or code < 200 or code in (204, 304):
+        if self.command == "HEAD" or code < 200 or code in (204, 304):  # answers without a body
+            self.send_response(code)
             self.end_headers()
             return
-        data = json.dumps({"error": f"{code} {message or self.responses.get(code, ('',))[0]}"}).encode()
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._reply(code, {"error": f"{code} {message or self.responses.get(code, ('',))[0]}"})
 
     def _reply(self, code: int, body: dict) -> None:
         self._send(code, json.dumps(body).encode(), "application/json")

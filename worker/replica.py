@@ -55,6 +55,7 @@ class Replica:
         self.prober = httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)), base_url="http://replica",
                                    timeout=PROBE_TIMEOUT_S)
         self.loop: asyncio.AbstractEventLoop | None = None
+        """The router's event loop, which the prober thread hands _end_waits to (set by wait())."""
         self.waits: set[anyio.CancelScope] = set()
         """The router's waits on this replica now (headers, a stream's next chunk): cancelled when it
         stops answering its health check, so that a hung replica does not hold its requests for good."""
@@ -97,6 +98,7 @@ class Replica:
 
     async def wait(self, awaitable):
         """`awaitable`'s result; ReplicaStopped if the replica stops answering meanwhile."""
+        self.loop = asyncio.get_running_loop()
         with anyio.CancelScope() as scope:
             self.waits.add(scope)
             try:

@@ -157,8 +157,6 @@ def build_app(router: Router) -> Starlette:
 
     async def forward(request: Request, headers: list, body: bytes):
         """The answer of the first replica reached; the body's budget is given back when it ends."""
-        for replica in router.replicas:
-            replica.loop = asyncio.get_running_loop()
         # Only a replica that could not be connected to is tried again with another: a request that
         # reached one may have run there (and one that makes replicas crash would crash them all).
         for _ in router.replicas:

@@ -64,8 +64,7 @@ async def completions(request):
 
 
 def terminated(*_):
-    with open(os.environ["ROUTER_REPLICA_LOG"], "a") as f:
-        f.write(f"{INDEX} {os.getpid()} SIGTERM\n")
+    record(f"{os.getpid()} SIGTERM")
     os._exit(0)
 
 
