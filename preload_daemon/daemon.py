@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 MAX_PROBE_CONNECTIONS = 32
 PROBE_DEADLINE_S = 2.0
 """A probe connection's whole request and answer: one that takes longer is cut."""
+PROBE_EVICT_WAIT_S = 1.0
+"""How long a new probe connection waits for the slot of the oldest one, which it cut."""
 
 
 def run(config: DaemonConfig, on_started=lambda server, http_port: None) -> int:
@@ -154,11 +156,12 @@ class _Probes(http.server.BaseHTTPRequestHandler):
 
 
 class _ProbeServer(http.server.ThreadingHTTPServer):
-    """A thread per connection, at most MAX_PROBE_CONNECTIONS at once (others are closed unanswered),
-    each cut PROBE_DEADLINE_S after it was accepted. Unbounded, any local user's 400 idle connections
-    made 400 threads (3 GB of address space), and a few hundred more failed with "can't start new
-    thread". A local user who opens 32 connections every 2 s still keeps the probes from answering:
-    gRPC's health service, on the private socket, does not share their slots."""
+    """A thread per connection, at most MAX_PROBE_CONNECTIONS at once, each cut PROBE_DEADLINE_S after
+    it was accepted. Unbounded, any local user's 400 idle connections made 400 threads (3 GB of address
+    space), and a few hundred more failed with "can't start new thread". When every slot is taken, a
+    new connection takes the slot of the oldest one: a probe is answered within milliseconds of its
+    connect, so the oldest is one that sent nothing. (Refusing the new one instead let a local user who
+    opened 32 connections every 2 s keep every probe from answering.)"""
 
     request_queue_size = 128  # (socketserver's 5 made a burst of connects wait out SYN retries, 1 s and more)
 
@@ -170,8 +173,12 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
+            held = list(self.accepted.items())
+            if held:
+                self._cut(min(held, key=lambda item: item[1])[0])
+            if not self.slots.acquire(timeout=PROBE_EVICT_WAIT_S):  # its thread sees the end and leaves
+                self.shutdown_request(request)
+                return
         self.accepted[request] = time.monotonic()
         try:
             super().process_request(request, client_address)
@@ -187,6 +194,13 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
             self.accepted.pop(request, None)
             self.slots.release()
 
+    @staticmethod
+    def _cut(conn: socket.socket) -> None:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _cut_slow(self) -> None:
         """Shuts down the connections past their deadline (their threads then see the end and finish)."""
         while True:
@@ -194,10 +208,7 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
             now = time.monotonic()
             for conn, since in list(self.accepted.items()):
                 if now - since > PROBE_DEADLINE_S:
-                    try:
-                        conn.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+                    self._cut(conn)
 
 
 def _bind_http(port: int) -> http.server.ThreadingHTTPServer:

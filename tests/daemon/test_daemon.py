@@ -257,7 +257,7 @@ def test_http_probes(start_daemon, tiny_llama):
 def test_http_probes_bound_their_connections_and_take_queries_and_other_methods(start_daemon):
     """Each connection to the probe port was a thread, kept while it sent nothing: 400 idle ones
     made 400 threads (3 GB of address space) until "can't start new thread". /metrics?x=1 was a
-    404 and POST Python's HTML 501."""
+    404 and POST Python's HTML 501. Held idle connections kept the probes from answering."""
     from preload_daemon.daemon import MAX_PROBE_CONNECTIONS
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -268,6 +268,11 @@ def test_http_probes_bound_their_connections_and_take_queries_and_other_methods(
     idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(MAX_PROBE_CONNECTIONS + 40)]
     try:
         time.sleep(1.0)
+        assert process.num_threads() <= before + MAX_PROBE_CONNECTIONS
+        # a probe still answers while they are held: it takes the oldest one's slot (the new connection
+        # was refused, so that 32 idle ones every 2 s kept every probe from answering)
+        for _ in range(3):
+            assert urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).status == 200
         assert process.num_threads() <= before + MAX_PROBE_CONNECTIONS
     finally:
         for conn in idle:
