@@ -17,6 +17,7 @@ ZST = ".zst"
 TRIM_AFTER_S = 120.0
 STALE_TMP_S = 3600.0
 UNPACKED_KEEP = 4
+SOURCE = ".source"  # in an unpacked copy: its snapshot's directory
 
 
 def image_bytes(images: pathlib.Path) -> int:
@@ -46,11 +47,35 @@ def pack(images: pathlib.Path, raw: pathlib.Path) -> list[str]:
     return packed
 
 
-def cache_path(directory: pathlib.Path, images: pathlib.Path, runtime: pathlib.Path) -> pathlib.Path:
-    """Where this host keeps the unpacked copy of these images (named by their path and identity)."""
+def _cache_name(directory: pathlib.Path) -> str:
+    """The unpacked copy's name for the snapshot's images as they are now (their path and identity)."""
+    images = directory / IMAGES
     identity = [str(directory)] + [f"{f.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
                                    for f in sorted(images.iterdir()) for st in [f.stat()]]
-    return control.control_dir(runtime) / f"unpacked-{hashlib.sha256(repr(identity).encode()).hexdigest()[:16]}"
+    return f"unpacked-{hashlib.sha256(repr(identity).encode()).hexdigest()[:16]}"
+
+
+def cache_path(directory: pathlib.Path, runtime: pathlib.Path) -> pathlib.Path:
+    """Where this host keeps the unpacked copy of the snapshot's images."""
+    return control.control_dir(runtime) / _cache_name(directory)
+
+
+def _stamp(copy: pathlib.Path, directory: pathlib.Path) -> None:
+    """Marks a copy whole, naming its snapshot (trim drops the copies of snapshots deleted or replaced)."""
+    (copy / SOURCE).write_text(str(directory))
+    (copy / ".complete").touch()
+
+
+def _orphaned(copy: pathlib.Path) -> bool:
+    """Whether the snapshot a copy was unpacked from is gone, or holds other images now."""
+    try:
+        directory = pathlib.Path((copy / SOURCE).read_text())
+    except (OSError, ValueError):  # no record: kept as long as the newest
+        return False
+    try:
+        return _cache_name(directory) != copy.name
+    except OSError:
+        return True
 
 
 def seed_unpacked(directory: pathlib.Path, images: pathlib.Path, raw: pathlib.Path, runtime: pathlib.Path) -> None:
@@ -60,8 +85,8 @@ def seed_unpacked(directory: pathlib.Path, images: pathlib.Path, raw: pathlib.Pa
         for f in images.iterdir():
             if not f.name.endswith(ZST):
                 shutil.copyfile(f, raw / f.name)
-        (raw / ".complete").touch()
-        os.rename(raw, cache := cache_path(directory, images, runtime))
+        _stamp(raw, directory)
+        os.rename(raw, cache := cache_path(directory, runtime))
     except OSError:
         shutil.rmtree(raw, ignore_errors=True)
         return
@@ -71,12 +96,12 @@ def seed_unpacked(directory: pathlib.Path, images: pathlib.Path, raw: pathlib.Pa
 def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> pathlib.Path:
     """A directory of the snapshot's images as CRIU reads them: the images themselves when nothing
     is packed, else an unpacked copy, made by create or this host's first restore of the snapshot
-    and reused by later ones (the newest UNPACKED_KEEP stay; RUNTIME/snapshots/unpacked-* may be
-    removed at any time)."""
+    and reused by later ones (the newest UNPACKED_KEEP stay, while their snapshots do;
+    RUNTIME/snapshots/unpacked-* may be removed at any time)."""
     images = directory / IMAGES
     if not manifest["image"].get("packed"):
         return images
-    cache = cache_path(directory, images, runtime)
+    cache = cache_path(directory, runtime)
     if (cache / ".complete").exists():
         expected = manifest["image"].get("unpacked_bytes")
         if not isinstance(expected, int) or image_bytes(cache) == expected:
@@ -93,7 +118,7 @@ def unpacked(directory: pathlib.Path, manifest: dict, runtime: pathlib.Path) -> 
                 _unpack(f, tmp / f.name.removesuffix(ZST))
             elif f.is_file() and not f.is_symlink():
                 shutil.copyfile(f, tmp / f.name)
-        (tmp / ".complete").touch()
+        _stamp(tmp, directory)
         os.rename(tmp, cache)
     except (OSError, SnapshotError):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -120,8 +145,9 @@ def _unpack(packed: pathlib.Path, target: pathlib.Path) -> None:
 
 
 def trim(parent: pathlib.Path, keep: pathlib.Path) -> None:
-    """Removes all but the newest UNPACKED_KEEP unpacked copies; never `keep`, one still being
-    unpacked (.tmp-), or one used in the last TRIM_AFTER_S (another restore may be reading it)."""
+    """Removes the unpacked copies of snapshots deleted or replaced since, and all but the newest
+    UNPACKED_KEEP; never `keep`, one still being unpacked (.tmp-), or one used in the last
+    TRIM_AFTER_S (another restore may be reading it)."""
     now, done = time.time(), []
     for path in parent.glob("unpacked-*"):
         try:
@@ -134,6 +160,6 @@ def trim(parent: pathlib.Path, keep: pathlib.Path) -> None:
         elif path != keep:
             done.append((mtime, path))
     done.sort(reverse=True)
-    for mtime, old in done[UNPACKED_KEEP - 1:]:
-        if now - mtime > TRIM_AFTER_S:
+    for i, (mtime, old) in enumerate(done):
+        if now - mtime > TRIM_AFTER_S and (i >= UNPACKED_KEEP - 1 or _orphaned(old)):
             shutil.rmtree(old, ignore_errors=True)

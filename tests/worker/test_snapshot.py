@@ -331,7 +331,7 @@ def test_create_from_another_runtime_directory_says_so(served, tmp_path):
 @needs_criu
 def test_two_restores_serve_beside_the_original(served, snap):
     running = len(restore_processes(served["runtime"]))
-    unpacked = snapshot_images.cache_path(snap["dir"], snap["dir"] / "images", served["runtime"])
+    unpacked = snapshot_images.cache_path(snap["dir"], served["runtime"])
     assert unpacked.is_dir()  # create left this host's unpacked copy; drop it: the first restore unpacks
     shutil.rmtree(unpacked)
     first = Restore(snap["dir"], served["runtime"], "--port", "0")
@@ -623,6 +623,27 @@ def test_an_unpacked_copy_damaged_by_hand_is_unpacked_again(tmp_path):
         damage()
         assert snapshot_images.unpacked(directory, manifest, runtime) == cache
         assert (cache / "pages-1.img").read_bytes() == whole and (cache / "core-1.img").read_bytes() == b"core"
+
+
+def test_the_unpacked_copies_of_deleted_or_replaced_snapshots_are_trimmed(tmp_path):
+    """A deleted snapshot's unpacked copy (about the engine's memory) stayed until four newer ones
+    pushed it out; so did the copy of a snapshot since taken again at the same path."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    copies = {}
+    for name in ("gone", "replaced", "kept", "fresh"):
+        directory = _snapshot_dir(tmp_path / name, MINIMAL)
+        (directory / "images" / "pages-1.img").write_bytes(os.urandom(1 << 12))
+        manifest = {"image": {"unpacked_bytes": snapshot_images.image_bytes(directory / "images"),
+                              "packed": snapshot_images.pack(directory / "images", tmp_path / f"raw-{name}")}}
+        copies[name] = snapshot_images.unpacked(directory, manifest, runtime)
+        old = time.time() - 2 * snapshot_images.TRIM_AFTER_S
+        os.utime(copies[name], (old, old))
+    shutil.rmtree(tmp_path / "gone")
+    (tmp_path / "replaced" / "images" / "core-1.img").write_bytes(b"another core")
+    (copies["kept"] / ".source").unlink(missing_ok=True)  # a copy from before copies named their snapshot
+    snapshot_images.trim(copies["fresh"].parent, keep=copies["fresh"])
+    assert sorted(name for name, copy in copies.items() if copy.is_dir()) == ["fresh", "kept"]
 
 
 def test_a_restore_keeps_only_the_newest_failed_restores_logs(tmp_path):
