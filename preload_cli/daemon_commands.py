@@ -155,13 +155,14 @@ def cmd_verify(args) -> int:
         return 1
     gone = [r for r in bad if r["actual"].startswith("gone:")]
     if gone:
-        print(f"preload verify: {len(gone)} slab file(s) deleted or replaced in /dev/shm behind the daemon's back "
-              "(engines attached keep their mapping, new ones cannot attach); evict and load them again "
+        print(f"preload verify: {len(gone)} slab file(s) deleted, replaced or resized in /dev/shm behind the daemon's "
+              "back (engines attached keep their mapping, new ones cannot attach); evict and load them again "
               "(`preload evict MODEL@V --force`, then `preload serve`), and find what removes files there (logind's "
               "RemoveIPC, a cleanup job)", file=sys.stderr)
     if len(bad) > len(gone):
-        print(f"preload verify: {len(bad) - len(gone)} slab(s) changed after they were sealed; evict and load them "
-              "again (`preload evict MODEL@V --force`, then `preload serve`), and find who writes to /dev/shm",
+        print(f"preload verify: {len(bad) - len(gone)} slab(s) changed after they were sealed, and no longer handed "
+              "out (engines attached read the changed bytes); evict and load them again (`preload evict MODEL@V "
+              "--force`, then `preload serve`), and find who writes to /dev/shm",
               file=sys.stderr)
     return 1 if bad or silent else 0
 
@@ -247,6 +248,9 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int, 
             return FAILED, (f"{model} v{number} on {dev} is stale ({info.stale_reason}): engines started on its "
                             f"files refuse it; `preload serve {info.path}` loads them again (engines given "
                             f"--weights-version {number} still attach)")
+        if state == "damaged":
+            return FAILED, (f"{model} v{number} on {dev} is damaged (`preload verify` found its slab changed): "
+                            f"`preload evict {model}@{number} --force`, then load it again")
         if state in ("ready", "stale"):
             continue
         if state == "loading":

@@ -28,7 +28,7 @@ from preload_daemon.hfconfig import parse_config
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, PlanEntry
 from preload_daemon.records import MAX_VERSION, Model, Variant, Version, check_name, key_for
 from preload_daemon.safetensors_file import FileIdentity
-from preload_daemon.slab import HostSlab
+from preload_daemon.slab import HostSlab, SlabGoneError
 
 log = logging.getLogger(__name__)
 RECORD_FORMAT = 1
@@ -224,7 +224,11 @@ def _open_slab(path: pathlib.Path, size: int, digest: str) -> HostSlab:
         raise _Discard(f"cannot map it ({e.strerror or e})") from None
     finally:
         os.close(fd)
-    actual = slab.hash()
+    try:
+        actual = slab.hash()
+    except SlabGoneError as e:  # cut short behind the daemon's back while it was read
+        slab.close()
+        raise _Discard(f"its file was {e} while it was hashed") from None
     if actual != digest:
         slab.close()
         raise _Discard(f"its bytes changed after it was sealed (digest {actual}, sealed as {digest})")

@@ -12,7 +12,7 @@ from preload_daemon.errors import BudgetError, InvalidRequestError, NotFoundErro
 from preload_daemon.leases import Lease
 from preload_daemon.plan import FORMAT_VERSION, Layout, LoadPlan, scheme_params
 from preload_daemon.safetensors_file import FileIdentity
-from preload_daemon.slab import Slab
+from preload_daemon.slab import Slab, slab_gone
 
 DEFAULT_KEEP = 2
 MAX_FAILURES = 16
@@ -55,6 +55,9 @@ class Variant:
     wire_manifest: bytes | None = None
     """Its serialized manifest, as sent to attaching clients: built on the first attach
     (wire.manifest_bytes); a variant never changes once sealed."""
+    damaged: str = ""
+    """What `preload verify` found wrong with its slab (bytes changed since sealed, its file
+    truncated): it is handed out no more."""
 
     @property
     def name(self) -> str:
@@ -83,7 +86,11 @@ class Version:
 
     @property
     def state(self) -> str:
-        return "loading" if self.creating else "stale" if self.stale_reason else "ready"
+        if self.creating:
+            return "loading"
+        if any(v.damaged for v in self.variants.values()):
+            return "damaged"
+        return "stale" if self.stale_reason else "ready"
 
     @property
     def bytes(self) -> int:
@@ -217,3 +224,19 @@ def check_new_name(name: str) -> None:
     if "@" in name or name != name.strip():
         raise InvalidRequestError(f"model name {name!r} has an '@' or spaces at an end, which `preload evict "
                                   "MODEL@N` and the other commands could not name back; give another with --name")
+
+
+def check_slab_files(variant: Variant, device: str) -> None:
+    """Refuses to hand out a variant whose slab files were deleted, replaced or resized behind the
+    daemon's back (an `rm` in /dev/shm, logind's RemoveIPC at logout), or whose bytes `preload verify`
+    found changed: engines attached keep their mapping, a new one could not map the file, or would
+    read what someone wrote there."""
+    version, fix = variant.version, f"`preload evict {variant.name}@{variant.version.number} --force`, then load it again"
+    for v in {id(v): v for v in (variant, variant.base) if v is not None}.values():
+        if v.damaged:
+            raise NotFoundError(f"{variant.name} v{version.number} on {device} is damaged ({v.damaged}), and is not "
+                                f"handed out any more; engines attached keep what they mapped: {fix}")
+        if gone := slab_gone(v.slab):
+            raise NotFoundError(f"the slab file of {variant.name} v{version.number} on {device} ({v.slab.path}) was "
+                                f"{gone} behind the daemon's back; engines attached keep their mapping, new ones "
+                                f"cannot attach: {fix}")

@@ -24,6 +24,11 @@ from protos import preload_pb2 as pb
 
 DIGEST_ALGORITHM = "xxh3_128"
 ALLOCATE_CHUNK = 64 << 20  # bytes a new host slab's allocation reserves at a time
+HASH_CHUNK = 64 << 20  # bytes hashed between checks that a host slab's file is whole
+
+
+class SlabGoneError(Exception):
+    """A host slab's file is no longer whole (HostSlab.gone's reason)."""
 
 
 def new_hasher():
@@ -105,12 +110,18 @@ class HostSlab:
         self._allocation: _Allocation | None = None  # a new slab's, until sealed or closed
 
     def gone(self) -> str:
-        """Why the file at the slab's path is no longer the one the daemon mapped ("" while it is):
-        deleted or replaced behind the daemon's back (by this uid or root: the directory is ours)."""
+        """Why the file at the slab's path is no longer the one the daemon mapped, whole ("" while it
+        is): deleted, replaced or resized behind the daemon's back (by this uid or root: the directory
+        is ours). A page of the mapping past a truncated file's end faults (SIGBUS) when read."""
         try:
-            return "" if os.stat(self.path).st_ino == self._inode else "replaced by another file"
+            info = os.lstat(self.path)
         except FileNotFoundError:
             return "deleted"
+        if info.st_ino != self._inode:
+            return "replaced by another file"
+        if info.st_size != self.size:
+            return f"{'truncated' if info.st_size < self.size else 'grown'} to {info.st_size} bytes from {self.size}"
+        return ""
 
     @classmethod
     def create(cls, directory: pathlib.Path, label: str, size: int) -> "HostSlab":
@@ -156,16 +167,21 @@ class HostSlab:
         os.chmod(self.path, 0o400)
 
     def hash(self) -> str:
-        """The digest of the slab's bytes as they are now ("" if the slab was freed). A close() while
-        hashing is carried out when the hash is done: the mapping never goes away under the
-        hasher, and the closer (the store, under its lock) never waits for it."""
+        """The digest of the slab's bytes as they are now ("" if the slab was freed); SlabGoneError
+        where its file is not whole (gone()), checked before each HASH_CHUNK: reading the mapping past
+        a truncated file's end killed the daemon (SIGBUS) in `preload verify`. A close() while hashing
+        is carried out when the hash is done: the mapping never goes away under the hasher, and the
+        closer (the store, under its lock) never waits for it."""
         with self._use:
             if self.data is None:
                 return ""
             self._hashing += 1
         try:
-            hasher = new_hasher()
-            hasher.update(memoryview(self.data.numpy()))
+            hasher, view = new_hasher(), memoryview(self.data.numpy())
+            for start in range(0, self.size, HASH_CHUNK):
+                if gone := self.gone():
+                    raise SlabGoneError(gone)
+                hasher.update(view[start:start + HASH_CHUNK])
             return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
         finally:
             with self._use:
@@ -241,6 +257,21 @@ class _Allocation:
             self._stopping = True
             while self._running:
                 self._changed.wait()
+
+
+def slab_gone(slab) -> str:
+    """Why a slab's file is not the one its daemon mapped, whole ("" if it is, or if it has no file)."""
+    gone = getattr(slab, "gone", None)
+    return gone() if gone is not None else ""
+
+
+def rehash(slab) -> str:
+    """A slab's digest now, or "gone: file ..." where its file is not whole (`preload verify`)."""
+    try:
+        gone = slab_gone(slab)
+        return f"gone: file {gone}" if gone else slab.hash()
+    except SlabGoneError as e:
+        return f"gone: file {e}"
 
 
 def map_slab(path: str, size: int) -> torch.Tensor:

@@ -30,10 +30,10 @@ from preload_daemon.loading import Loading, Loads
 from preload_daemon.matching import find_model, find_version, new_number, pick_version, version_for
 from preload_daemon.plan import Layout, LoadPlan, LoadSpec, build_plan
 from preload_daemon.records import (LoadProgress, Model, Retention, Variant, Version, budget_victims, evictable,
-                                    pick_variant, unique_plans)
+                                    check_slab_files, pick_variant, unique_plans)
 from preload_daemon.safetensors_file import FileIdentity
 from preload_daemon.sessions import Session
-from preload_daemon.slab import Slab, backend_for
+from preload_daemon.slab import Slab, backend_for, rehash
 
 log = logging.getLogger(__name__)
 
@@ -233,10 +233,17 @@ class ModelStore:
             models = [self._model(name)] if name else list(self._models.values())
             variants = [var for m in models for v in ([find_version(m, number, self.device)] if number else m.versions.values())
                         for var in v.variants.values()]
-        checks = [(variant, f"gone: file {gone}" if (gone := slab_gone(variant.slab)) else variant.slab.hash())
-                  for variant in variants]
-        live = {id(variant) for variant in self.variants()}  # one evicted meanwhile is freed, not corrupt
-        return [(variant, actual) for variant, actual in checks if actual and id(variant) in live]
+        checks = [(variant, rehash(variant.slab)) for variant in variants]
+        with self._lock:
+            live = {id(variant) for variant in self.variants()}  # one evicted meanwhile is freed, not corrupt
+            checks = [(variant, actual) for variant, actual in checks if actual and id(variant) in live]
+            damaged = [(variant, actual) for variant, actual in checks if actual != variant.slab.digest]
+            for variant, actual in damaged:
+                variant.damaged = actual.removeprefix("gone: ") if actual.startswith("gone:") else \
+                    f"its bytes changed after it was sealed: digest {actual}, sealed as {variant.slab.digest}"
+        if damaged:
+            self._notify()
+        return checks
 
     # -- versions -----------------------------------------------------------------------------------
 
@@ -374,22 +381,3 @@ class ModelStore:
             self._models.clear()
             self.leases.clear()
             adopt.state_path(self.shm_dir, self.device).unlink(missing_ok=True)
-
-
-def slab_gone(slab) -> str:
-    """Why a slab's file is not the one its daemon mapped ("" if it is, or if it has no file)."""
-    gone = getattr(slab, "gone", None)
-    return gone() if gone is not None else ""
-
-
-def check_slab_files(variant: Variant, device: str) -> None:
-    """Refuses to hand out a variant whose slab files were deleted or replaced behind the daemon's
-    back (an `rm` in /dev/shm, logind's RemoveIPC at logout): engines attached keep their mapping,
-    a new one could not map the file."""
-    version = variant.version
-    for slab in {id(s): s for s in (variant.slab, getattr(variant.base, "slab", None)) if s is not None}.values():
-        if gone := slab_gone(slab):
-            raise NotFoundError(f"the slab file of {variant.name} v{version.number} on {device} ({slab.path}) was "
-                                f"{gone} behind the daemon's back; engines attached keep their mapping, new ones "
-                                f"cannot attach: `preload evict {variant.name}@{version.number} --force`, then load "
-                                "it again")

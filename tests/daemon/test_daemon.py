@@ -320,6 +320,28 @@ def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llam
     out = run_preload("verify", runtime_dir=daemon.config.runtime_dir)
     assert out.returncode == 1 and "CHANGED" in out.stdout and "changed after they were sealed" in out.stderr
     assert "was changed after it was sealed" in daemon.output()
+    # and it is handed out no more (a new attach got the written bytes, and status said ready)
+    with pytest.raises(NotFoundError, match=r"tiny-llama v1 on cpu:0 is damaged \(its bytes changed after it was "
+                                            r"sealed: digest .*`preload evict tiny-llama@1 --force`, then load it"):
+        daemon.client.attach("tiny-llama")
+    assert [v.state for m in daemon.client.stats().summaries for v in m.versions] == ["damaged"]
+    out = run_preload("wait-ready", "--model", "tiny-llama", "--timeout", "5", runtime_dir=daemon.config.runtime_dir)
+    assert out.returncode == 3 and "is damaged" in out.stderr, out.stderr
+
+
+def test_a_slab_file_truncated_behind_the_daemons_back_is_said_by_verify_not_a_crash(daemon, tiny_llama):
+    """Hashing the mapping past a truncated file's end killed the daemon with SIGBUS in `preload verify`."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    [slab] = daemon.config.shm_dir.glob("*.slab")
+    size = slab.stat().st_size
+    os.truncate(slab, 8192)
+    with pytest.raises(NotFoundError, match=f"was truncated to 8192 bytes from {size} behind the daemon's back"):
+        daemon.client.attach("tiny-llama")
+    [check] = daemon.client.verify("tiny-llama", 1).slabs
+    assert not check.ok and check.actual == f"gone: file truncated to 8192 bytes from {size}"
+    assert daemon.proc.poll() is None
+    with pytest.raises(NotFoundError, match=r"is damaged \(file truncated to 8192 bytes"):
+        daemon.client.attach("tiny-llama")
 
 
 def test_a_slab_file_deleted_behind_the_daemons_back_is_said_by_attach_and_verify(daemon, tiny_llama):
@@ -338,7 +360,7 @@ def test_a_slab_file_deleted_behind_the_daemons_back_is_said_by_attach_and_verif
         [check] = daemon.client.verify("tiny-llama", 1).slabs
         assert not check.ok and check.actual == "gone: file deleted"
         out = run_preload("verify", runtime_dir=daemon.config.runtime_dir)
-        assert out.returncode == 1 and "GONE: FILE DELETED" in out.stdout and "deleted or replaced" in out.stderr
+        assert out.returncode == 1 and "GONE: FILE DELETED" in out.stdout and "deleted, replaced or resized" in out.stderr
     finally:
         attached.release()
     daemon.client.evict("tiny-llama", 1, True)  # and a load makes it anew

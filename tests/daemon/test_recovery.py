@@ -153,23 +153,45 @@ def test_verify_passes_over_a_slab_evicted_while_it_ran(tmp_path, tiny_llama, mo
     """Verify hashes outside the store's lock: a version evicted meanwhile (retention during a publish,
     an `evict`) has lost its file, which is not corruption (it was reported as such, with an error
     line); one still held and deleted behind the daemon's back is."""
-    import preload_daemon.store as store_module
+    import preload_daemon.slab as slab_module
     store = ModelStore("cpu:0", tmp_path / "shm")
     store.load(LoadSpec(path=str(tiny_llama), name="a"))
     store.load(LoadSpec(path=str(tiny_llama), name="b"))
-    real = store_module.slab_gone
+    real = slab_module.slab_gone
 
     def evicting(slab):
         if store.models()[0].versions:
             store.evict("a", force=True)  # as another client's evict would, between the listing and the hash
         return real(slab)
 
-    monkeypatch.setattr(store_module, "slab_gone", evicting)
+    monkeypatch.setattr(slab_module, "slab_gone", evicting)
     assert [(variant.name, actual == variant.slab.digest) for variant, actual in store.verify()] == [("b", True)]
     monkeypatch.undo()
     [held] = [v for v in store.variants() if v.name == "b"]
     held.slab.path.unlink()
     assert [actual for _, actual in store.verify()] == ["gone: file deleted"]
+    store.close()
+
+
+def test_a_slab_truncated_while_verify_hashes_it_is_said_not_a_sigbus(tmp_path, tiny_llama, monkeypatch):
+    """Truncated after verify's first look at its file: the hash read past the file's end (SIGBUS).
+    It now looks again before each chunk it hashes."""
+    import preload_daemon.slab as slab_module
+    store = ModelStore("cpu:0", tmp_path / "shm")
+    store.load(LoadSpec(path=str(tiny_llama), name="a"))
+    [variant] = store.variants()
+    monkeypatch.setattr(slab_module, "HASH_CHUNK", 4096)
+    real = slab_module.slab_gone
+
+    def truncating(slab):  # says the file is whole, then it is cut short
+        found = real(slab)
+        os.truncate(slab.path, 4096)
+        return found
+
+    monkeypatch.setattr(slab_module, "slab_gone", truncating)
+    [(_, actual)] = store.verify()
+    assert actual == f"gone: file truncated to 4096 bytes from {variant.slab.size}"
+    assert variant.version.state == "damaged"
     store.close()
 
 
