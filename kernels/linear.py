@@ -29,6 +29,10 @@ LARGE_M = 64          # from this many activation rows on, one full dequantizati
 # against 0.22 ms in cache; one to four rows have since moved to its integer multiply-adds, faster
 # still on a Zen 4). So int8 runs the native kernels wherever they are built.
 GEMV_MAX_M = 16
+# torch's int8 kernel (torch 2.13, CPU) reads past a bfloat16 row whose K is no multiple of 16: wrong
+# sums at 3 rows of x and K = 40, a segfault at 20 (a checkpoint with hidden size 40, or a TP rank's
+# down projection of K = 520). Such weights take the dequantizing path.
+TORCH_INT8_K = 16
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,7 +72,7 @@ def _cpu_kernel(x: torch.Tensor, q: QuantizedWeight, found: Scheme) -> torch.Ten
         out = _native(x, q, found)
         if out is not None:
             return out
-    if found.torch_int8_mm and (x.shape[0] < LARGE_M or native.qgemm is None):
+    if found.torch_int8_mm and q.shape[1] % TORCH_INT8_K == 0 and (x.shape[0] < LARGE_M or native.qgemm is None):
         return torch._weight_int8pack_mm(x, q.weight, q.scale.to(x.dtype))
     return None
 
