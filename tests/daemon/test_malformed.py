@@ -256,6 +256,8 @@ CASES = [
      "config.json: num_nextn_predict_layers=1000000000 is more than 4,096"),
     ("config-kv-heads-not-dividing", lambda d: edit_config(d, num_key_value_heads=3), CheckpointError,
      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ("config-head-dim-odd", lambda d: edit_config(d, head_dim=45), CheckpointError,
+     "config.json: head_dim=45 is odd; rotary embeddings turn pairs"),  # (the engine failed in its kernels)
     ("config-tie-a-string", lambda d: edit_config(d, tie_word_embeddings="false"), CheckpointError,
      "config.json: tie_word_embeddings must be true or false, got 'false'"),
     ("config-architectures-a-string", lambda d: edit_config(d, architectures="LlamaForCausalLM"), CheckpointError,
