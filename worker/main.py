@@ -124,7 +124,10 @@ def load_draft(config: EngineConfig, main: LoadRequest) -> LoadedWeights:
         spec = dataclasses.replace(main.spec, component="draft")
         return load_weights(config.load_format, dataclasses.replace(main, spec=spec))
     check_draft_vocabulary(config.model, config.draft_model)
-    spec = LoadSpec(path=str(config.draft_model), dtype=config.dtype, tp_size=config.tp_size, tp_rank=config.tp_rank)
+    # In the main model's layout, quantization included, as `preload serve --draft-model` loads it
+    # (asked for unquantized, a quantized engine's draft never found its variant and always ran cold).
+    spec = LoadSpec(path=str(config.draft_model), dtype=config.dtype, quantization=main.spec.quantization,
+                    tp_size=config.tp_size, tp_rank=config.tp_rank)
     return load_weights(config.load_format, dataclasses.replace(main, spec=spec, weights_version=""))
 
 

@@ -190,18 +190,21 @@ def test_warm_and_cold_drafts_and_what_ready_says(runtime_dir, mtp_llama, start_
 
 def test_separate_draft_warm_and_refused_drafts(runtime_dir, mtp_llama, tiny_llama, checkpoints, tmp_path,
                                                 default_model, capsys):
-    served = run_preload("serve", mtp_llama, "--name", "m", "--draft-model", tiny_llama, "--no-supervise",
-                         runtime_dir=runtime_dir)
+    # Quantized: the draft is served in the main model's layout, and the engine asks for that one (it
+    # asked for an unquantized draft, which `serve` never loads, so it always ran cold).
+    served = run_preload("serve", mtp_llama, "--name", "m", "--draft-model", tiny_llama, "--quantization", "int8",
+                         "--no-supervise", runtime_dir=runtime_dir)
     assert served.returncode == 0, served.stderr
     try:
         assert "m v1 (draft) on cpu:0" in served.stdout and "tiny-llama v1 (main) on cpu:0" in served.stdout
         out = run_preload("generate", mtp_llama, "--prompt-ids", "5,17,99", "--max-tokens", "12", "--name", "m",
-                          "--speculative", "draft", "--draft-model", tiny_llama, "--num-speculative-tokens", "2",
-                          "--no-fallback", runtime_dir=runtime_dir, timeout=300)
+                          "--quantization", "int8", "--speculative", "draft", "--draft-model", tiny_llama,
+                          "--num-speculative-tokens", "2", "--no-fallback", runtime_dir=runtime_dir, timeout=300)
         assert out.returncode == 0, out.stderr
         doc = json.loads(out.stdout)
         plain = run_preload("generate", mtp_llama, "--prompt-ids", "5,17,99", "--max-tokens", "12",
-                            "--load-format", "safetensors", runtime_dir=runtime_dir, timeout=300)
+                            "--quantization", "int8", "--load-format", "safetensors", runtime_dir=runtime_dir,
+                            timeout=300)
         assert doc["token_ids"] == json.loads(plain.stdout)["token_ids"]
         assert doc["draft"]["load_format"] == "ipc_cache" and doc["speculation"]["kind"] == "draft"
     finally:
