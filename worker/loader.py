@@ -222,9 +222,14 @@ class LeaseKeeper:
                         log.warning("re-attaching %s failed: %s: %s", what, type(e).__name__, e)
                     self.lost = self.lost.split("; last try:")[0] + f"; last try: {e}"
                     continue
+                # A daemon that loaded the files again numbered them anew: the engine's answers name the
+                # version the daemon holds these bytes as now (the old number may hold other weights there).
+                renumbered = self.weights.attached.version != attached.version
+                self.weights.version = self.weights.attached.version
                 self.lost = ""
                 self.reattached += 1
-                log.info("re-attached %s on %s with a new lease", what, self.device)
+                log.info("re-attached %s on %s with a new lease%s", what, self.device,
+                         f", as v{self.weights.version} (the same bytes)" if renumbered else "")
                 break
 
     def _reattach(self, old: "AttachedModel") -> "AttachedModel":

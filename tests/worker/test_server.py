@@ -224,6 +224,28 @@ def test_engine_survives_a_killed_daemon_and_reattaches_to_its_successor(daemon,
     wait_until(lambda: not successor.client.list_models()[0].leases, timeout=10, what="the engine's lease to end")
 
 
+def test_an_engine_reattached_to_its_bytes_under_a_new_number_answers_with_that_number(daemon, tiny_llama, tmp_path,
+                                                                                      start_engine, start_daemon):
+    """A daemon stopped gently frees its slabs and its successor numbers from 1: the engine found its
+    bytes again under another number, but went on naming the old one, which the new daemon may give
+    to other weights."""
+    copy_checkpoint(tiny_llama, tmp_path / "other")
+    daemon.client.load(LoadSpec(path=str(tmp_path / "other"), name="tiny-llama"))
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    engine = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    assert engine.ready["weights_version"] == 2
+    daemon.proc.terminate()
+    daemon.proc.wait(timeout=30)
+    wait_for_health(engine, "degraded")
+    successor = start_daemon()
+    assert successor.client.load(LoadSpec(path=str(tiny_llama))).version == 1
+    wait_for_health(engine, "alive")
+    ready = json.load(urllib.request.urlopen(engine.url + "/ready"))
+    assert ready["weights_version"] == 1
+    assert complete(engine)["weights_version"] == 1
+    assert "as v1 (the same bytes)" in engine.stop()
+
+
 def wait_for_health(engine, status: str, timeout: float = 20) -> dict:
     deadline = time.monotonic() + timeout
     while True:
