@@ -8,7 +8,7 @@ import logging
 import time
 
 from preload_daemon import adopt
-from preload_daemon.errors import LoadingError
+from preload_daemon.errors import DeviceError, LoadingError
 from preload_daemon.plan import LoadPlan
 from preload_daemon.records import LoadProgress, Variant, Version, key_for
 from preload_daemon.slab import DIGEST_ALGORITHM, Slab, new_hasher
@@ -33,10 +33,10 @@ class Filler:
         try:
             execute_one(plan, slab, on_tensor, hasher)
             slab.seal(f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}")
+            return self._variant(version, plan, slab, time.monotonic() - start)
         except BaseException:
             free_slab(slab)
             raise
-        return self._variant(version, plan, slab, time.monotonic() - start)
 
     def stream(self, version: Version, plans: list[LoadPlan], fill_all, tensors_total: int,
                bytes_total: int) -> list[Variant]:
@@ -51,15 +51,15 @@ class Filler:
             fill_all(list(zip(plans, slabs)), self._progress(version, bytes_total, tensors_total))
             for slab in slabs:
                 slab.seal(slab.hash())  # written out of plan order: hashed once, whole
+            seconds = time.monotonic() - start
+            made: list[Variant] = []
+            for plan, slab in zip(plans, slabs):
+                made.append(self._variant(version, plan, slab, seconds, tuple(made)))
+            return made
         except BaseException:
             for slab in slabs:
                 free_slab(slab)
             raise
-        seconds = time.monotonic() - start
-        made: list[Variant] = []
-        for plan, slab in zip(plans, slabs):
-            made.append(self._variant(version, plan, slab, seconds, tuple(made)))
-        return made
 
     def _progress(self, version: Version, bytes_total: int, tensors_total: int):
         """The per-tensor callback: progress (reported at most every PROGRESS_EVERY_S, and at the
@@ -99,11 +99,14 @@ class Filler:
         if plan.layout.component == "draft":
             main = dataclasses.replace(plan.layout, component="main")
             variant.base = version.variants.get(main) or next(v for v in made if v.layout == main)
-        try:
-            if slab.adoptable:
+        if slab.adoptable:  # without its record, a daemon restarted after a crash would delete the slab
+            try:
                 adopt.write_record(variant)
-        except OSError as e:
-            log.warning("cannot write the record of slab %s: %s (a restarted daemon could not adopt it)", slab.id, e)
+            except OSError as e:  # (a full /dev/shm): the load fails, as a rollback that cannot be saved does
+                raise DeviceError(f"cannot record the slab of {version.model.name} v{version.number} on {self.device} "
+                                  f"beside it ({e.strerror or e}), which a daemon restarted after a crash needs to "
+                                  f"keep it; nothing of this load was kept: free space in {slab.path.parent} "
+                                  f"(`df {slab.path.parent}`), then load it again") from None
         return variant
 
 

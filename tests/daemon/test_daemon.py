@@ -142,6 +142,7 @@ def test_bad_checkpoints_leave_the_daemon_serving(daemon, tiny_llama, tmp_path):
     (bad / "model.safetensors").write_bytes((tiny_llama / "model.safetensors").read_bytes()[:5000])
     with pytest.raises(CheckpointError, match="data section"):
         daemon.client.load(LoadSpec(path=str(bad)))
+    assert "loading bad failed, nothing of it was kept: " in daemon.output()  # (it was in `status` alone)
     with pytest.raises(CheckpointError, match="not a directory"):
         daemon.client.load(LoadSpec(path=str(tmp_path / "nowhere")))
     for name in ("tiny@2", "tiny "):  # a name the commands could not name back (`tiny@2`: version 2 of tiny)

@@ -195,6 +195,28 @@ def test_a_slab_truncated_while_verify_hashes_it_is_said_not_a_sigbus(tmp_path, 
     store.close()
 
 
+def test_a_load_whose_slab_cannot_be_recorded_fails_and_keeps_nothing(tmp_path, tiny_llama, monkeypatch):
+    """/dev/shm full after the slab was made: the load reported success with a warning in the log, and a
+    daemon restarted after a crash deleted the slab ("a load that did not finish")."""
+    store = ModelStore("cpu:0", tmp_path / "shm")
+    store.load(LoadSpec(path=str(tiny_llama), name="kept"))
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(adopt, "write_record", full)
+    with pytest.raises(DeviceError, match=r"cannot record the slab of m v1 on cpu:0 beside it \(No space left on "
+                                          r"device\), .*nothing of this load was kept: free space in"):
+        store.load(LoadSpec(path=str(tiny_llama), name="m"))
+    assert [v.name for v in store.variants()] == ["kept"]
+    assert sorted(p.name.split("-")[1] for p in (tmp_path / "shm").glob("*.slab")) == ["kept"]
+    monkeypatch.undo()
+    store.load(LoadSpec(path=str(tiny_llama), name="m"))  # once there is room
+    again = ModelStore("cpu:0", tmp_path / "shm")  # `store` never closed: as if its daemon was killed
+    again.adopt()
+    assert sorted(v.name for v in again.variants()) == ["kept", "m"]
+
+
 def test_a_rollback_or_pin_that_cannot_be_saved_is_undone_and_says_so(tmp_path, tiny_llama, monkeypatch):
     """/dev/shm full (any user can fill it): a rollback and a pin reported success while only the
     daemon's memory had them, and a daemon restarted after a crash activated the newest version,

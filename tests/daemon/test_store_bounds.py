@@ -3,6 +3,8 @@ activated nor attached, so a load that fails after its first variant leaves no p
 what it frees; leases per session, layouts per request and records of names without versions are
 bounded; two publishes that pick one number do not fail each other."""
 
+import time
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -99,6 +101,37 @@ def test_too_many_layouts_in_one_request_are_refused(daemon, tiny_llama):
     with pytest.raises(InvalidRequestError, match="65 layouts in one request; at most 64"):
         daemon.client.load(LoadSpec(path=str(tiny_llama), name="m"), layouts=layouts)
     assert daemon.client.load(LoadSpec(path=str(tiny_llama), name="m"), layouts=(Layout(),) * 64).version == 1
+
+
+def test_publish_headers_are_read_only_by_calls_that_hold_a_load_slot(daemon):
+    """A header (up to 64 MiB) was read and parsed before the call took one of the daemon's load slots:
+    8 publishes of 58 MiB headers at once took the daemon to 1.4 GB, and 256 could have taken 30 GB.
+    A call past the slots is now refused before its header is read."""
+    import threading
+
+    import grpc
+
+    from preload_daemon.server import MAX_LOADS
+    from protos import preload_pb2 as pb
+    release = threading.Event()
+
+    def held():  # a publish that has not sent its header yet
+        release.wait(30)
+        yield from ()
+
+    calls = [daemon.client._stub.PublishStream.future(held(), timeout=60) for _ in range(MAX_LOADS)]
+    try:
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as err:  # not parsed: its bad header would say so
+            daemon.client._stub.PublishStream(iter([pb.PublishChunk()]), timeout=30)
+        assert f"{MAX_LOADS} loads and publishes are in flight" in err.value.details()
+    finally:
+        release.set()
+    for call in calls:  # each ends with its own error, and gives its slot back
+        with pytest.raises(grpc.RpcError, match="must start with a header"):
+            call.result()
+    with pytest.raises(grpc.RpcError, match="must start with a header"):
+        daemon.client._stub.PublishStream(iter([pb.PublishChunk()]), timeout=30)
 
 
 def test_a_publish_that_picked_a_taken_number_takes_the_next(daemon, tiny_llama, tmp_path, monkeypatch):
