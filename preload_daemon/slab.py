@@ -129,24 +129,27 @@ class HostSlab:
         reserved on a thread of its own (_Allocation), which a load writes behind: allocated() says
         how far it is, and a full /dev/shm fails there with a clear error, never a SIGBUS."""
         ensure_private_dir(directory)
-        free = shutil.disk_usage(directory).free
-        if size > free:
-            raise InvalidRequestError(f"slab of {size / 2**30:.2f} GiB does not fit in {directory} "
-                                      f"({free / 2**30:.2f} GiB free); evict a model or enlarge /dev/shm")
-        safe_label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
-        path = directory / f"{safe_label}-{secrets.token_hex(6)}.slab"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            slab = cls(path, size, mapping)
-            slab._allocation = _Allocation(fd, size, directory)
-        except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
-            path.unlink(missing_ok=True)
-            raise InvalidRequestError(f"cannot allocate a {size}-byte slab in {directory}: {e}; "
-                                      "free space in /dev/shm or evict a model") from e
-        finally:
-            os.close(fd)
+        with _Allocation.starting:  # the room and the loads under way, looked at and joined at once
+            free, promised = shutil.disk_usage(directory).free, _Allocation.outstanding()
+            if size > free - promised:
+                under_way = f", {promised / 2**30:.2f} GiB of it promised to loads under way" if promised else ""
+                raise InvalidRequestError(f"slab of {size / 2**30:.2f} GiB does not fit in {directory} ({free / 2**30:.2f} "
+                                          f"GiB free{under_way}); evict a model or enlarge /dev/shm"
+                                          f"{', or load it after them' if promised else ''}")
+            safe_label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
+            path = directory / f"{safe_label}-{secrets.token_hex(6)}.slab"
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                slab = cls(path, size, mapping)
+                slab._allocation = _Allocation(fd, size, directory)
+            except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
+                path.unlink(missing_ok=True)
+                raise InvalidRequestError(f"cannot allocate a {size}-byte slab in {directory}: {e}; "
+                                          "free space in /dev/shm or evict a model") from e
+            finally:
+                os.close(fd)
         return slab
 
     @classmethod
@@ -219,11 +222,22 @@ class _Allocation:
     would have the page allocated there and then, with a SIGBUS if /dev/shm were full by then:
     writers wait for it (HostSlab.allocated) instead."""
 
+    starting = threading.Lock()
+    """Held while a slab's room is checked and its allocation starts (HostSlab.create): two loads that
+    each fit alone, started together, both failed part-way, their reservations interleaved."""
+    _running_now: set["_Allocation"] = set()
+
     def __init__(self, fd: int, size: int, directory: pathlib.Path):
         self._fd, self._size, self._directory = os.dup(fd), size, directory
         self._done, self._error, self._running, self._stopping = 0, "", True, False
         self._changed = threading.Condition()
+        _Allocation._running_now.add(self)
         threading.Thread(target=self._run, name="slab-allocate", daemon=True).start()
+
+    @classmethod
+    def outstanding(cls) -> int:
+        """Bytes this process's allocations under way have still to reserve."""
+        return sum(a._size - a._done for a in list(cls._running_now))
 
     def _run(self) -> None:
         try:
@@ -238,6 +252,7 @@ class _Allocation:
                            f"{self._done}): {e}; free space in /dev/shm or evict a model")
         finally:
             os.close(self._fd)
+            _Allocation._running_now.discard(self)
             with self._changed:
                 self._running = False
                 self._changed.notify_all()

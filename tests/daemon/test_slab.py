@@ -91,3 +91,31 @@ def test_a_slab_closed_while_it_is_allocated_stops_and_says_so(tmp_path, monkeyp
     assert not list((tmp_path / "shm").iterdir())
     with pytest.raises(InvalidRequestError, match="closed while it was being allocated"):
         slab.allocated(64 * CHUNK + 1)
+
+
+def test_two_slabs_that_each_fit_alone_are_not_both_started_when_only_one_fits(tmp_path, monkeypatch):
+    """Two loads of 257 MiB with 443 MiB free: both started, their reservations interleaved, and both
+    failed part-way. Room that loads under way still have to reserve is counted as taken."""
+    import threading
+    import types
+    release, real = threading.Event(), os.posix_fallocate
+
+    def slow(fd, offset, length):  # the first slab's reservation is under way
+        release.wait(30)
+        real(fd, offset, length)
+
+    monkeypatch.setattr(slabs, "ALLOCATE_CHUNK", CHUNK)
+    monkeypatch.setattr(slabs.shutil, "disk_usage", lambda _: types.SimpleNamespace(free=12 * CHUNK))
+    monkeypatch.setattr(os, "posix_fallocate", slow)
+    first = slabs.HostSlab.create(tmp_path / "shm", "first", 8 * CHUNK)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"does not fit in .* GiB free, 0\.00 GiB of it promised to "
+                                                      r"loads under way\); .*or load it after them"):
+            slabs.HostSlab.create(tmp_path / "shm", "second", 8 * CHUNK)
+    finally:
+        release.set()
+    assert first.allocated(8 * CHUNK) == 8 * CHUNK
+    second = slabs.HostSlab.create(tmp_path / "shm", "second", 8 * CHUNK)  # once the first one has its room
+    for slab in (first, second):
+        slab.close()
+        slab.unlink()
