@@ -189,7 +189,8 @@ class ArchSpec:
         max_pos = int_field(config, "max_position_embeddings", source, 4096)
         head_dim = int_field(config, "head_dim", source, hidden // heads)
         if head_dim % 2:
-            given = "" if config.get("head_dim") is not None else f" (hidden_size {hidden} / num_attention_heads {heads})"
+            given = "" if config.get("head_dim") is not None else \
+                f" (hidden_size {hidden} / num_attention_heads {heads})"
             raise CheckpointError(f"{source}: head_dim={head_dim}{given} is odd; rotary embeddings turn pairs of a "
                                   "head's elements, so no Llama-style model has one (transformers refuses it too)")
         theta, scaling = rope_config(config, source, head_dim, max_pos)

@@ -34,11 +34,13 @@ from preload_daemon.errors import (AccessDeniedError, DaemonUnavailableError, In
 from preload_daemon.plan import Layout, LoadSpec
 from preload_daemon.runtime_dir import check_daemon_socket, socket_path
 from preload_daemon.safetensors_file import FileIdentity
-from preload_daemon.session_client import SessionAnswerError, SessionError, open_session, request
+from preload_daemon.session_client import REFUSED, SessionAnswerError, SessionError, open_session, request
 from preload_daemon.sessions import ATTACH, session_path
 from protos import preload_pb2 as pb
 
 CHUNK_BYTES = 4 << 20
+MAX_SEND = 64 << 20  # bytes of one message to the daemon (its --max-message-bytes default too)
+MAX_CHUNK_BYTES = 32 << 20
 
 
 class DaemonClient:
@@ -78,7 +80,7 @@ class DaemonClient:
         with self._channel_lock:
             if self._channel is None:
                 self._channel = grpc.insecure_channel(f"unix:{self.path}", options=[
-                    ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", MAX_SEND),
                     ("grpc.enable_http_proxy", 0)])
                 self._health_cache = health_pb2_grpc.HealthStub(self._channel)
                 self._stub_cache = pb_grpc.WeightCacheStub(self._channel)
@@ -142,6 +144,8 @@ class DaemonClient:
             except SessionError as e:
                 if e.errno == errno.EACCES:
                     raise access_denied(self.path, str(e)) from None
+                if e.errno == REFUSED:  # the daemon runs, and said why (its reason names the fix)
+                    raise DaemonUnavailableError(f"the daemon on {self.path} refused a session: {e.strerror}") from None
                 raise DaemonUnavailableError(f"{e}; start the daemon with `preload daemon` or `preload serve`") \
                     from None
         return self._session
@@ -205,12 +209,20 @@ class DaemonClient:
         dict. Streams tensor after tensor in chunks: this side holds one chunk (plus one tensor when
         it is on a GPU or not contiguous), the daemon one tensor. Aliased tensors (tied embeddings)
         are sent once. Returns the new version's variants. `on_progress(bytes_sent, bytes_total)`."""
+        if not 1 <= chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidRequestError(f"chunk_bytes={chunk_bytes} must be between 1 and {MAX_CHUNK_BYTES >> 20} MiB "
+                                      f"(a message to the daemon holds at most {MAX_SEND >> 20} MiB); the default is "
+                                      f"{CHUNK_BYTES >> 20} MiB")
         items = _unique_tensors(tensors)
         header = pb.PublishHeader(
             model=name, version=version, config_json=json.dumps(config), layouts=[_layout(x) for x in layouts],
             activate=activate, retention=_retention(keep, max_bytes), label=label,
             tensors=[pb.TensorSpec(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in items])
         total = sum(t.numel() * t.element_size() for _, t in items)
+        if header.ByteSize() > MAX_SEND:
+            raise InvalidRequestError(f"the publish header (the names, dtypes and shapes of {len(items)} tensors, and "
+                                      f"the config) is {header.ByteSize() >> 20} MiB, over the {MAX_SEND >> 20} MiB a "
+                                      "message to the daemon may be; check the tensor names")
 
         def chunks():
             yield pb.PublishChunk(header=header)

@@ -231,7 +231,8 @@ def check_slab_files(variant: Variant, device: str) -> None:
     daemon's back (an `rm` in /dev/shm, logind's RemoveIPC at logout), or whose bytes `preload verify`
     found changed: engines attached keep their mapping, a new one could not map the file, or would
     read what someone wrote there."""
-    version, fix = variant.version, f"`preload evict {variant.name}@{variant.version.number} --force`, then load it again"
+    version = variant.version
+    fix = f"`preload evict {variant.name}@{version.number} --force`, then load it again"
     for v in {id(v): v for v in (variant, variant.base) if v is not None}.values():
         if v.damaged:
             raise NotFoundError(f"{variant.name} v{version.number} on {device} is damaged ({v.damaged}), and is not "

@@ -14,6 +14,9 @@ class SessionError(OSError):
     """The daemon refused a session, or did not answer."""
 
 
+REFUSED = errno.EBUSY  # a SessionError's errno where a running daemon answered with a refusal (its reason)
+
+
 def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socket, str]:
     """Client side: connects to a daemon's session socket; returns the socket (keep it open for as
     long as the leases should live) and the token to name in Attach."""
@@ -34,8 +37,8 @@ def open_session(path: pathlib.Path, timeout: float = 5.0) -> tuple[socket.socke
     status, _, rest = line.decode(errors="replace").strip().partition(" ")
     if status != "OK" or not rest:
         sock.close()
-        raise SessionError(errno.EACCES if "permission" in rest else errno.ECONNREFUSED,
-                           rest or f"the daemon on {path} closed the session without an answer")
+        code = errno.EACCES if "permission" in rest else REFUSED if rest else errno.ECONNREFUSED
+        raise SessionError(code, rest or f"the daemon on {path} closed the session without an answer")
     return sock, rest
 
 

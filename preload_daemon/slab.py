@@ -133,8 +133,8 @@ class HostSlab:
             free, promised = shutil.disk_usage(directory).free, _Allocation.outstanding()
             if size > free - promised:
                 under_way = f", {promised / 2**30:.2f} GiB of it promised to loads under way" if promised else ""
-                raise InvalidRequestError(f"slab of {size / 2**30:.2f} GiB does not fit in {directory} ({free / 2**30:.2f} "
-                                          f"GiB free{under_way}); evict a model or enlarge /dev/shm"
+                raise InvalidRequestError(f"slab of {size / 2**30:.2f} GiB does not fit in {directory} "
+                                          f"({free / 2**30:.2f} GiB free{under_way}); evict a model or enlarge /dev/shm"
                                           f"{', or load it after them' if promised else ''}")
             safe_label = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:80]
             path = directory / f"{safe_label}-{secrets.token_hex(6)}.slab"

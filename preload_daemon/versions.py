@@ -91,9 +91,10 @@ def layout_of(info: pb.ModelInfo) -> Layout:
 
 
 def targets_for(name: str, runtime_dir: pathlib.Path, devices: list[str] | None = None,
-                layouts: list[Layout] | None = None) -> list[Target]:
+                layouts: list[Layout] | None = None, first: str = "") -> list[Target]:
     """Who builds what: with `devices` and `layouts` (rank r's layout on device r), exactly that;
-    otherwise each daemon holding `name` builds the variants of its active version."""
+    otherwise each daemon holding `name` builds the variants of its active version. `first`: how
+    the caller publishes a first version (the CLI's flags by default)."""
     if devices:
         return [Target(device, [layout]) for device, layout in zip(devices, layouts)]
     found = []
@@ -103,8 +104,8 @@ def targets_for(name: str, runtime_dir: pathlib.Path, devices: list[str] | None 
         if variants:
             found.append(Target(device, variants))
     if not found:
-        raise NotFoundError(f"no daemon in {runtime_dir} holds {name!r}; the first version is loaded with "
-                            f"`preload serve DIR --name {name}` (or give --devices)")
+        first = first or f"the first version is loaded with `preload serve DIR --name {name}` (or give --devices)"
+        raise NotFoundError(f"no daemon in {runtime_dir} holds {name!r}; {first}")
     return found
 
 
@@ -171,7 +172,9 @@ def publish_tensors(name: str, tensors, config: dict, *, devices: list[str] | No
     that holds it (or on `devices`, rank r in layouts[r]), without writing them to disk; moves the
     pointer once every rank is ready. Returns the new version number."""
     runtime_dir = pathlib.Path(runtime_dir) if runtime_dir else default_runtime_dir()
-    targets = targets_for(name, runtime_dir, devices, layouts or [Layout()] * len(devices or ()))
+    targets = targets_for(name, runtime_dir, devices, layouts or [Layout()] * len(devices or ()),
+                          first=f"publish a first version of it with devices=['cpu:0'] (a device per rank, and their "
+                                f"layouts=[...]), and later ones without")
     tensors = dict(tensors)
 
     def attempt() -> Published:

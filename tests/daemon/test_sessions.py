@@ -44,7 +44,13 @@ def test_the_cap_refuses_with_a_clear_message(sessions):
     held = [open_session(sessions.path)[0] for _ in range(3)]
     with pytest.raises(SessionError, match=r"too many sessions: this daemon holds 3 \(its --max-sessions\)"):
         open_session(sessions.path)
-    assert sessions.refused == 1
+    from preload_daemon.client import DaemonClient
+    from preload_daemon.errors import DaemonUnavailableError
+    client = DaemonClient(sessions.path.with_name("daemon-cpu-0.sock"))  # (it told the caller to start the daemon)
+    with pytest.raises(DaemonUnavailableError) as err:
+        client.session()
+    assert "refused a session: too many sessions" in str(err.value) and "start the daemon" not in str(err.value)
+    assert sessions.refused == 2
     held.pop().close()
     wait_until(lambda: len(sessions) == 2, what="a slot to free")
     held.append(open_session(sessions.path)[0])

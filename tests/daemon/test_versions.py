@@ -285,9 +285,16 @@ def test_publish_edge_cases(daemon, tiny_llama, tmp_path):
     import transformers
     trainer = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama)
     state, config = trainer.state_dict(), trainer.config.to_dict()
+    with pytest.raises(NotFoundError, match=r"holds 'm'; publish a first version of it with devices=\['cpu:0'\]"):
+        publish_tensors("m", state, config, runtime_dir=daemon.config.runtime_dir)  # (it named `preload serve DIR`)
     info = daemon.client.load(LoadSpec(path=str(tiny_llama), name="m"))
     with pytest.raises(InvalidRequestError, match="out of range"):
         daemon.client.publish("m", state, config, version=2**31)
+    for chunk in (100 << 20, 0):  # gRPC's own "Sent message larger than max", which named neither
+        with pytest.raises(InvalidRequestError, match=f"chunk_bytes={chunk} must be between 1 and 32 MiB"):
+            daemon.client.publish("m", state, config, chunk_bytes=chunk)
+    with pytest.raises(InvalidRequestError, match=r"the publish header \(the names, dtypes and shapes of 2 tensors"):
+        daemon.client.publish("m", {"x" * (40 << 20): torch.zeros(1), "y" * (30 << 20): torch.zeros(1)}, config)
     twice = daemon.client.publish("m", state, config, layouts=(Layout(), Layout(dtype="float32")))
     assert len(twice) == 1, "one variant for one resolved layout"
     assert len(slabs(daemon)) == 2
