@@ -89,6 +89,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "their decode steps between (default 256; 0: always whole)")
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per process (default: the cores divided among the processes)")
+    p.add_argument("--tp-step-timeout", type=argtypes.seconds, default=120.0, metavar="S",
+                   help="at --tp-size > 1, how long a step may wait for the other ranks (a rank stopped or hung) "
+                        "before the engine says which and exits (default 120; 0: forever)")
     # Set by the engine itself on the processes it starts.
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous-port", type=int, default=0, help=argparse.SUPPRESS)
@@ -128,7 +131,7 @@ def engine_config(args):
         rendezvous_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), rendezvous_port=args.rendezvous_port,
         rendezvous_env=torchrun, replica=args.replica, num_threads=threads, weights_version=args.weights_version,
         wait_for_daemon=args.wait_for_daemon, allow_external_links=args.allow_external_links,
-        speculative=args.speculative,
+        speculative=args.speculative, tp_step_timeout=args.tp_step_timeout,
         num_speculative_tokens=args.num_speculative_tokens,
         draft_model=pathlib.Path(os.path.abspath(args.draft_model)) if args.draft_model else None)
     return config

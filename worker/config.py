@@ -34,6 +34,8 @@ class EngineConfig:
     """Prompt tokens a step prefills of a long prompt arriving while others decode (0: whole)."""
     tp_size: int = 1
     tp_rank: int = 0
+    tp_step_timeout: float = 120.0
+    """Seconds a step of rank 0 may wait for the other ranks before the engine gives up (0: forever)."""
     rendezvous_addr: str = "127.0.0.1"
     rendezvous_port: int = 0
     """Rank 0's TCP store, on rendezvous_addr; rank 0's command picks it and gives it to the others."""

@@ -10,12 +10,9 @@ import json
 import logging
 import os
 import pathlib
-import signal
 import socket
-import subprocess
 import threading
 import time
-from collections.abc import Sequence
 
 import torch
 import uvicorn
@@ -34,6 +31,7 @@ from worker.loader import LeaseKeeper, LoadedWeights, LoadRequest, load_weights
 from worker.model import CausalLM
 from worker.mtp import MTPDraft
 from worker.parallel import Leader, ParallelError, Rendezvous, TPGroup, follow
+from worker.ranks import Followers, stop_followers, watch_followers
 from worker.quiesce import Quiescer
 from worker.speculative import Speculator
 from worker.server import build_app
@@ -42,7 +40,6 @@ from worker.tokenizer import FIX, TOKENIZER_MAX_BYTES, Tokenizer, generation_eos
 
 log = logging.getLogger(__name__)
 # The processes of TP ranks 1..N-1 that this engine started: [(rank, process)].
-Followers = Sequence[tuple[int, subprocess.Popen]]
 
 
 class RankFailedError(PreloadError):
@@ -212,37 +209,6 @@ def run_follower(config: EngineConfig) -> int:
     return 0
 
 
-def watch_followers(followers: Followers, stopping: threading.Event) -> None:
-    """If a TP rank dies, the engine cannot go on: say which one, end the others, exit non-zero."""
-    if not followers:
-        return
-
-    def watch() -> None:
-        while not stopping.wait(0.2):
-            for rank, proc in followers:
-                if proc.poll() is not None and not stopping.is_set():
-                    reason = f"TP rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; stopping the engine"
-                    log.error("%s", reason)
-                    print(json.dumps({"event": "failed", "error": reason}), flush=True)
-                    stop_followers(followers)
-                    os._exit(1)
-
-    threading.Thread(target=watch, name="rank-watch", daemon=True).start()
-
-
-def stop_followers(followers: Followers, timeout: float = 5.0) -> None:
-    for _, proc in followers:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    for _, proc in followers:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, uds: str = "",
                followers: Followers = ()) -> int:
     """Rank 0: the HTTP server. Ready once every rank has loaded and the engine has warmed up.
@@ -298,7 +264,7 @@ def run_engine(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 800
         finally:
             started()
 
-    watch_followers(followers, stopping)
+    watch_followers(followers, stopping, leaders, config.tp_step_timeout if config.tp_size > 1 else 0.0)
     threading.Thread(target=start, name="engine-start", daemon=True).start()
     try:
         while True:
@@ -359,11 +325,13 @@ def run_generate(config: EngineConfig, prompt: str | list[int], params: Sampling
         ids = tokenizer.encode(tokenizer.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt)
     else:
         ids = prompt
-    stopping = threading.Event()
-    watch_followers(followers, stopping)
+    stopping, leaders = threading.Event(), []
+    watch_followers(followers, stopping, leaders, config.tp_step_timeout if config.tp_size > 1 else 0.0)
     engine = None
     try:
         built = build(config, process_start, open_group(config))
+        if isinstance(built.model, Leader):
+            leaders.append(built.model)
         engine = start_engine(config, built)
         ready = time.time()
         result = engine.generate(ids, params)

@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -147,6 +148,9 @@ class Leader:
         self.closed = False
         self.on_broken: Callable[[str], None] = lambda reason: None
         """Called once the group is found broken: the engine cannot serve any more."""
+        self.step_since = 0.0
+        """When the step under way started (time.monotonic), 0.0 between steps: a rank that stops
+        (SIGSTOP) or hangs holds every collective, with no error (main.watch_followers times it)."""
 
     def new_cache(self, num_slots: int, max_len: int):
         return self.model.new_cache(num_slots, max_len)
@@ -157,10 +161,13 @@ class Leader:
     def copy_cache(self, cache, source: int, targets: list[int], length: int) -> None:
         slots = torch.tensor([source, *targets])
         ids = torch.full((len(slots), 1), length)
+        self.step_since = time.monotonic()
         try:
             self.group.send_step(COPY, ids, torch.zeros_like(ids), slots)
         except RuntimeError as e:
             raise self._broken(e) from e
+        finally:
+            self.step_since = 0.0
         self.model.copy_cache(cache, source, targets, length)
 
     def draft(self, model) -> "LeaderDraft":
@@ -168,6 +175,7 @@ class Leader:
         return LeaderDraft(self, model)
 
     def _run(self, op: int, method, input_ids, positions, cache, slots, all_logits=False, hidden=False, states=None):
+        self.step_since = time.monotonic()
         try:
             self.group.send_step(op, input_ids, positions, slots, all_logits, hidden, states)
             if op == MTP:
@@ -175,6 +183,8 @@ class Leader:
             return method(input_ids, positions, cache, slots, all_logits, hidden)
         except RuntimeError as e:  # gloo/NCCL report a lost peer as RuntimeError subclasses
             raise self._broken(e) from e
+        finally:
+            self.step_since = 0.0
 
     def _broken(self, error: RuntimeError) -> ParallelError:
         """The error to raise for a collective that failed, once on_broken has been told."""

@@ -111,6 +111,33 @@ def test_killing_a_tp_rank_ends_the_engine_without_orphans(start_engine, runtime
 
 
 @pytest.mark.slow
+def test_a_stopped_tp_rank_ends_the_engine_after_the_step_timeout(start_engine, runtime_dir, tiny_llama):
+    """A rank stopped (SIGSTOP) or hung holds every collective with no error: requests waited for good
+    while /health and /ready said alive and ready."""
+    import threading
+    engine = start_engine(tiny_llama, "safetensors", "--tp-size", "2", "--tp-step-timeout", "2")
+    assert engine.ready["event"] == "ready", engine.stop()
+    follower = get(engine.url + "/ready")[1]["ranks"][1]["pid"]
+    os.kill(follower, signal.SIGSTOP)
+    try:
+        threading.Thread(target=lambda: _quietly(complete, engine.url), daemon=True).start()
+        assert engine.proc.wait(30) == 1
+    finally:
+        _quietly(os.kill, follower, signal.SIGCONT)
+    out = engine.proc.stdout.read() + engine.stop()
+    assert f"a step has waited 2 s (--tp-step-timeout) for the other TP ranks: rank 1 (pid {follower}) is stopped" \
+        in out, out
+    wait_until(lambda: exited(follower), 15, what="the stopped rank to be ended too")
+
+
+def _quietly(call, *args):
+    try:
+        call(*args)
+    except Exception:
+        pass
+
+
+@pytest.mark.slow
 def test_dp_replicas_share_one_copy_and_survive_a_kill(start_engine, runtime_dir, default_model):
     """Two replicas behind one port map the daemon's slab (its pages counted once across them, in
     PSS); a killed replica leaves the endpoint answering and comes back warm."""
