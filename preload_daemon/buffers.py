@@ -8,6 +8,7 @@ import gc
 import mmap
 import os
 import pathlib
+import stat
 import threading
 import warnings
 
@@ -63,9 +64,27 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPES))}") from None
 
 
+def open_slab_file(path: pathlib.Path) -> int:
+    """A descriptor of a slab file a manifest names: a regular file of this user's (or root's, a
+    daemon run as root), never a symlink (ValueError saying what it is otherwise)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symlink, so it is no slab file") from None
+        raise
+    info = os.fstat(fd)
+    problem = "is not a regular file" if not stat.S_ISREG(info.st_mode) else \
+        f"belongs to uid {info.st_uid}, not to this user" if info.st_uid not in (os.getuid(), 0) else ""
+    if problem:
+        os.close(fd)
+        raise ValueError(f"{path} {problem}, so it is no slab file")
+    return fd
+
+
 def map_readonly(path: pathlib.Path) -> mmap.mmap | None:
-    """Maps a whole file read-only (PROT_READ); None for an empty file, which mmap refuses."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """Maps a whole slab file read-only (PROT_READ); None for an empty file, which mmap refuses."""
+    fd = open_slab_file(path)
     try:
         size = os.fstat(fd).st_size
         return mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
@@ -99,7 +118,7 @@ def remap_readonly(path: pathlib.Path, address: int, size: int) -> int:
     made before read the file from now on. The page tables are filled now (MAP_POPULATE): the first
     forward after a restore runs without faulting its way through the weights. Returns the open
     descriptor (the caller closes it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_slab_file(path)
     try:
         if os.fstat(fd).st_size != size:
             raise ValueError(f"{path} has {os.fstat(fd).st_size} bytes, not the {size} mapped before")

@@ -295,6 +295,8 @@ def map_slab(path: str, size: int) -> torch.Tensor:
         mapping = map_readonly(pathlib.Path(path))
     except FileNotFoundError:
         raise NotFoundError(f"slab {path} is gone (evicted, or its daemon was restarted); attach again") from None
+    except ValueError as e:  # something else planted at its name
+        raise InvalidRequestError(f"{e}; the daemon's slab directory was tampered with: `preload verify`") from None
     if mapping is None or len(mapping) != size:
         raise InvalidRequestError(f"slab {path} has {len(mapping) if mapping else 0} bytes, manifest says {size}")
     return bytes_tensor(mapping)

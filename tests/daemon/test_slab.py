@@ -119,3 +119,15 @@ def test_two_slabs_that_each_fit_alone_are_not_both_started_when_only_one_fits(t
     for slab in (first, second):
         slab.close()
         slab.unlink()
+
+
+def test_a_client_maps_no_symlink_or_other_file_planted_at_a_slabs_name(tmp_path):
+    """A manifest's path was opened following symlinks, whatever it named."""
+    real = tmp_path / "real.slab"
+    real.write_bytes(bytes(4096))
+    (tmp_path / "link.slab").symlink_to(real)
+    os.mkfifo(tmp_path / "fifo.slab")
+    for name, problem in (("link", "is a symlink"), ("fifo", "is not a regular file")):
+        with pytest.raises(InvalidRequestError, match=f"{name}.slab {problem}.*tampered with: `preload verify`"):
+            slabs.map_slab(str(tmp_path / f"{name}.slab"), 4096)
+    assert slabs.map_slab(str(real), 4096).numel() == 4096
