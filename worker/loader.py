@@ -167,12 +167,17 @@ def attach(request: LoadRequest) -> "AttachedModel":
     return attached
 
 
+LEASE_CHECK_S = 5.0  # how often a keeper asks the daemon whether its lease still stands
+
+
 class LeaseKeeper:
     """Keeps an ipc_cache attachment leased across daemon restarts. When the daemon goes away (its
     session closes), the mapped host slab stays valid, so the engine goes on serving and reports
     itself degraded; the keeper asks every `retry_s` for the same weights (version and layout) from
     whichever daemon comes back on the device, and once one holds them (a daemon that adopted the
-    slab, or reloaded the same bytes: equal content digest) takes a new lease there.
+    slab, or reloaded the same bytes: equal content digest) takes a new lease there. A lease the
+    daemon ended while running (its version evicted with --force) is found within LEASE_CHECK_S and
+    handled alike: the engine had gone on saying alive, holding no lease.
 
     Device memory (a CUDA slab) dies with its daemon, and nothing re-attaches the model's views to a
     new allocation: the keeper marks the loss `fatal`, and the engine stops reporting ready."""
@@ -199,19 +204,32 @@ class LeaseKeeper:
             self._thread.join()
 
     def _run(self) -> None:
+        next_check = time.monotonic() + LEASE_CHECK_S
         while not self._stop.is_set():
             attached = self.weights.attached
+            ended = ""  # the daemon runs, but ended the lease (a forced evict of its version)
             if not attached.wait_lost(1.0):
-                continue
+                if time.monotonic() < next_check:
+                    continue
+                next_check = time.monotonic() + LEASE_CHECK_S
+                try:
+                    attached.renew()
+                    continue
+                except NotFoundError as e:
+                    ended = str(e)
+                except PreloadError:  # busy, or going away: the session's close says the latter
+                    continue
             what = f"{attached.manifest.model} v{attached.version} ({attached.layout})"
+            loss = f"the daemon on {self.device} ended the lease of {what} ({ended})" if ended else \
+                f"lost the daemon on {self.device}, which leased {what}"
             if attached.in_device_memory:
                 self.fatal = True
-                self.lost = f"lost the daemon on {self.device}, which held {what} in device memory that died with " \
-                            "it; restart this engine"
+                self.lost = f"{loss}, whose device memory the daemon freed; restart this engine" if ended else \
+                    f"lost the daemon on {self.device}, which held {what} in device memory that died with it; " \
+                    "restart this engine"
                 log.error("%s", self.lost)
                 return
-            self.lost = f"lost the daemon on {self.device}, which leased {what}; serving from the mapped slab " \
-                        "and re-attaching when a daemon holds it again"
+            self.lost = f"{loss}; serving from the mapped slab and re-attaching when a daemon holds it again"
             log.warning("%s", self.lost)
             while not self._stop.wait(self.retry_s):
                 try:

@@ -246,6 +246,21 @@ def test_an_engine_reattached_to_its_bytes_under_a_new_number_answers_with_that_
     assert "as v1 (the same bytes)" in engine.stop()
 
 
+def test_an_engine_whose_version_is_evicted_by_force_says_so_and_reattaches(daemon, tiny_llama, start_engine):
+    """`preload evict m@1 --force` ended the engine's lease, and it went on saying alive, holding none."""
+    daemon.client.load(LoadSpec(path=str(tiny_llama)))
+    engine = start_engine(tiny_llama, "ipc_cache", "--no-fallback")
+    before = complete(engine)["choices"][0]["text"]
+    daemon.client.evict("tiny-llama", 1, True)
+    health = wait_for_health(engine, "degraded")
+    assert "the daemon on cpu:0 ended the lease of tiny-llama v1" in health["reason"], health
+    assert complete(engine)["choices"][0]["text"] == before  # still served, from the mapped slab
+    assert daemon.client.load(LoadSpec(path=str(tiny_llama))).version == 2
+    wait_for_health(engine, "alive")
+    assert json.load(urllib.request.urlopen(engine.url + "/ready"))["weights_version"] == 2
+    assert [lease.pid for lease in daemon.client.list_models()[0].leases] == [engine.proc.pid]
+
+
 def wait_for_health(engine, status: str, timeout: float = 20) -> dict:
     deadline = time.monotonic() + timeout
     while True:
