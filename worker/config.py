@@ -98,9 +98,12 @@ class EngineConfig:
         return self.devices[self.tp_rank]
 
     def check_fits(self) -> None:
-        """Refuses a TP size the model cannot be split into, before any process starts or byte loads."""
-        ArchSpec.from_config(read_config(self.model), f"{self.model}/config.json").check_tp(self.tp_size,
-                                                                                          self.quantization)
+        """Refuses a TP size the model (or its separate draft) cannot be split into, before any process
+        starts or byte loads (a draft that did not fit failed on every rank, after the main weights)."""
+        for model in (self.model, self.draft_model if self.speculative == "draft" else None):
+            if model is not None:
+                ArchSpec.from_config(read_config(model), f"{model}/config.json").check_tp(self.tp_size,
+                                                                                         self.quantization)
 
     def load_spec(self):
         from preload_daemon.plan import LoadSpec  # torch: not needed to start the other ranks

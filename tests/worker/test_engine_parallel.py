@@ -13,6 +13,7 @@ import urllib.request
 import psutil
 import pytest
 
+from preload_cli.models import tiny_model
 from preload_daemon.config import DaemonConfig
 from tests.conftest import REPO, exited, run_preload, wait_until
 
@@ -93,6 +94,16 @@ def test_tp_size_that_does_not_fit_fails_before_loading(runtime_dir, tiny_llama)
                       "--runtime-dir", runtime_dir)
     assert out.returncode == 1
     assert "tp_size 3 does not fit" in out.stderr and "TP sizes that fit: 1, 2, 4" in out.stderr
+
+
+def test_a_draft_that_does_not_fit_the_tp_size_fails_before_any_rank_starts(runtime_dir, tiny_llama, checkpoints):
+    """It failed on every rank, after the ranks had started and loaded the main weights."""
+    draft = tiny_model("llama", checkpoints / "three-heads", num_attention_heads=3, num_key_value_heads=3,
+                       hidden_size=96)
+    out = run_preload("generate", tiny_llama, "--prompt-ids", "1,2", "--tp-size", "2", "--load-format", "safetensors",
+                      "--speculative", "draft", "--draft-model", draft, "--runtime-dir", runtime_dir)
+    assert out.returncode == 1 and f"{draft}/config.json" in out.stderr and "tp_size 2 does not fit" in out.stderr
+    assert "TP rank" not in out.stderr and "loaded" not in out.stderr, out.stderr
 
 
 @pytest.mark.slow
