@@ -5,6 +5,7 @@ receives, as plain functions."""
 import os
 import queue
 import threading
+import time
 
 import grpc
 
@@ -136,9 +137,10 @@ def summary(model: Model) -> pb.ModelSummary:
 
 def chunks(request_iterator, context, stall_s: float):
     """The tensor data of a PublishStream after its header, read by a helper thread into a short
-    queue (bounded memory). A client that goes away (killed, cancelled, past its deadline) or sends
-    nothing for `stall_s` seconds ends the publish with an error, not a traceback or a thread held
-    forever."""
+    queue (bounded memory). A client that goes away (killed, cancelled, past its deadline), sends
+    nothing for `stall_s` seconds, or less than MIN_STREAM_BYTES in any `stall_s` (a byte every few
+    seconds held the model's load lock and a whole slab for the hour of --load-timeout) ends the
+    publish with an error, not a traceback or a thread held forever."""
     pending: queue.Queue = queue.Queue(maxsize=4)
     stop = threading.Event()
 
@@ -162,7 +164,7 @@ def chunks(request_iterator, context, stall_s: float):
             put(e)
 
     threading.Thread(target=read, name="publish-reader", daemon=True).start()
-    count = 0
+    count, window, window_bytes = 0, 0.0, 0
     try:
         while True:
             try:
@@ -180,9 +182,19 @@ def chunks(request_iterator, context, stall_s: float):
             if item.WhichOneof("kind") != "data":
                 raise InvalidRequestError("a PublishStream sends one header, then only tensor data")
             count += 1
+            window_bytes += len(item.data.data)
+            if not window:  # from the first data on (the slabs are reserved before it is read)
+                window = time.monotonic()
+            elif (now := time.monotonic()) - window > stall_s:
+                if window_bytes < MIN_STREAM_BYTES:
+                    raise InvalidRequestError(f"only {window_bytes} bytes of tensor data in the last {stall_s:g}s "
+                                              f"(at least {MIN_STREAM_BYTES >> 20} MiB are expected); so slow a "
+                                              "publish was dropped") from None
+                window, window_bytes = now, 0
             yield item.data
     finally:
         stop.set()  # the reader's wait on a silent client ends when the servicer ends the call
 
 
 _GONE = object()
+MIN_STREAM_BYTES = 1 << 20  # of tensor data a publish sends in each publish_stall_s

@@ -172,3 +172,21 @@ def test_files_held_as_a_number_another_daemon_gave_other_weights_are_not_retrie
     with pytest.raises(InvalidRequestError, match=r"\(on cpu:0 these files are v1\): evict the odd version") as err:
         versions.publish_dir("m", str(tiny_llama), targets, a.config.runtime_dir, show_progress=False)
     assert not isinstance(err.value, VersionTakenError)
+
+
+def test_a_publish_that_trickles_or_stalls_is_dropped():
+    """A stream was dropped only when it sent nothing for the stall limit: a byte every few seconds
+    held the model's load lock and a whole slab for the hour of --load-timeout."""
+    from preload_daemon import wire
+    from protos import preload_pb2 as pb
+
+    def stream(gap_s: float, nbytes: int, count: int):
+        for index in range(count):
+            time.sleep(gap_s)
+            yield pb.PublishChunk(data=pb.TensorData(index=0, offset=index * nbytes, data=bytes(nbytes)))
+
+    with pytest.raises(InvalidRequestError, match=r"only \d+ bytes of tensor data in the last 0.3s \(at least 1 MiB"):
+        list(wire.chunks(stream(0.05, 1, 40), None, 0.3))
+    with pytest.raises(InvalidRequestError, match=r"no tensor data for 0.3s after 0 chunk\(s\)"):
+        list(wire.chunks(stream(0.5, 1, 2), None, 0.3))
+    assert len(list(wire.chunks(stream(0.02, 1 << 20, 30), None, 0.3))) == 30  # 1 MiB every 20 ms: kept
