@@ -113,8 +113,8 @@ class WeightCacheServicer(pb_grpc.WeightCacheServicer):
         # MAX_LOADS calls that hold one (parsed before, 8 publishes' headers of 58 MiB took 1.4 GB).
         self._take_load_slot(context)
         try:
-            first = next(request_iterator, None)
             try:
+                first = wire.first_chunk(request_iterator, self.config.publish_stall_s)
                 if first is None or first.WhichOneof("kind") != "header":
                     raise InvalidRequestError("PublishStream must start with a header (model, config_json, tensors)")
                 header = first.header

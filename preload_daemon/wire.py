@@ -135,6 +135,29 @@ def summary(model: Model) -> pb.ModelSummary:
                   for _, v in sorted(model.versions.items())])
 
 
+def first_chunk(request_iterator, stall_s: float):
+    """A PublishStream's first message (None if the stream ended first), waited for `stall_s` at most:
+    a call that holds a load slot and sends nothing would hold it for good."""
+    got: queue.Queue = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        try:
+            got.put(next(request_iterator, None))
+        except Exception as e:  # (the client went away: grpc.RpcError)
+            got.put(e)
+
+    threading.Thread(target=read, name="publish-header", daemon=True).start()
+    try:
+        first = got.get(timeout=stall_s)
+    except queue.Empty:
+        raise InvalidRequestError(f"no publish header for {stall_s:g}s; the publish was dropped") from None
+    if isinstance(first, grpc.RpcError):
+        raise InvalidRequestError("the publishing client went away before its header; nothing was published")
+    if isinstance(first, Exception):
+        raise first
+    return first
+
+
 def chunks(request_iterator, context, stall_s: float):
     """The tensor data of a PublishStream after its header, read by a helper thread into a short
     queue (bounded memory). A client that goes away (killed, cancelled, past its deadline), sends

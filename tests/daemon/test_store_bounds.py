@@ -176,7 +176,8 @@ def test_files_held_as_a_number_another_daemon_gave_other_weights_are_not_retrie
 
 def test_a_publish_that_trickles_or_stalls_is_dropped():
     """A stream was dropped only when it sent nothing for the stall limit: a byte every few seconds
-    held the model's load lock and a whole slab for the hour of --load-timeout."""
+    held the model's load lock and a whole slab for the hour of --load-timeout; a header never sent
+    held a load slot."""
     from preload_daemon import wire
     from protos import preload_pb2 as pb
 
@@ -190,3 +191,7 @@ def test_a_publish_that_trickles_or_stalls_is_dropped():
     with pytest.raises(InvalidRequestError, match=r"no tensor data for 0.3s after 0 chunk\(s\)"):
         list(wire.chunks(stream(0.5, 1, 2), None, 0.3))
     assert len(list(wire.chunks(stream(0.02, 1 << 20, 30), None, 0.3))) == 30  # 1 MiB every 20 ms: kept
+    # and its header: a call that takes a load slot and sends nothing held the slot for good
+    with pytest.raises(InvalidRequestError, match=r"no publish header for 0.3s; the publish was dropped"):
+        wire.first_chunk(stream(1.0, 1, 1), 0.3)
+    assert wire.first_chunk(stream(0.0, 1, 1), 0.3).data.data == b"\0"
