@@ -90,8 +90,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="compute threads per process (default: the cores divided among the processes)")
     p.add_argument("--tp-step-timeout", type=argtypes.seconds, default=120.0, metavar="S",
-                   help="at --tp-size > 1, how long a step may wait for the other ranks (a rank stopped or hung) "
-                        "before the engine says which and exits (default 120; 0: forever)")
+                   help="at --tp-size > 1, a step that has run S seconds while a rank is stopped, or S more "
+                        "with no rank of this host at work (a rank hung), ends the engine, naming it (default "
+                        "120; 0: never)")
     # Set by the engine itself on the processes it starts.
     p.add_argument("--tp-rank", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--rendezvous-port", type=int, default=0, help=argparse.SUPPRESS)

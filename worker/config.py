@@ -35,7 +35,7 @@ class EngineConfig:
     tp_size: int = 1
     tp_rank: int = 0
     tp_step_timeout: float = 120.0
-    """Seconds a step of rank 0 may wait for the other ranks before the engine gives up (0: forever)."""
+    """Seconds after which a step stuck on another rank (stopped, or none at work) ends the engine (0: never)."""
     rendezvous_addr: str = "127.0.0.1"
     rendezvous_port: int = 0
     """Rank 0's TCP store, on rendezvous_addr; rank 0's command picks it and gives it to the others."""

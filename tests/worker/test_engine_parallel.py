@@ -141,6 +141,27 @@ def test_a_stopped_tp_rank_ends_the_engine_after_the_step_timeout(start_engine, 
     wait_until(lambda: exited(follower), 15, what="the stopped rank to be ended too")
 
 
+def test_a_long_step_at_work_is_not_taken_for_a_hung_rank(monkeypatch):
+    """The step timeout timed rank 0's own work too: a long prompt prefilled whole on a large model
+    would have ended a healthy engine. A step past it ends the engine only once no rank is at work."""
+    import threading
+    import types
+
+    from worker import ranks
+    exits = []
+    monkeypatch.setattr(ranks.os, "_exit", exits.append)
+    stopping = threading.Event()
+    ranks.watch_followers([], stopping, [types.SimpleNamespace(step_since=time.monotonic())], 0.3)
+    try:
+        busy_until = time.monotonic() + 1.5
+        while time.monotonic() < busy_until:  # rank 0 at work, 5 timeouts long
+            pass
+        assert exits == []
+        wait_until(lambda: exits, 5, what="an idle step past the timeout to end the engine")
+    finally:
+        stopping.set()
+
+
 def _quietly(call, *args):
     try:
         call(*args)
