@@ -228,7 +228,7 @@ def _open_slab(path: pathlib.Path, size: int, digest: str) -> HostSlab:
         actual = slab.hash()
     except SlabGoneError as e:  # cut short behind the daemon's back while it was read
         slab.close()
-        raise _Discard(f"its file was {e} while it was hashed") from None
+        raise _Discard(f"its file was {e.reason} while it was hashed") from None
     if actual != digest:
         slab.close()
         raise _Discard(f"its bytes changed after it was sealed (digest {actual}, sealed as {digest})")

@@ -195,6 +195,33 @@ def test_a_slab_truncated_while_verify_hashes_it_is_said_not_a_sigbus(tmp_path, 
     store.close()
 
 
+def test_verify_under_a_truncation_loop_reports_and_never_faults(tmp_path, tiny_llama):
+    """A truncation between verify's look at the file and its reading of a chunk still faulted the
+    daemon (SIGBUS): verify reads the file now, where a truncation is a short read."""
+    import threading
+
+    from preload_daemon import slab as slab_module
+    store = ModelStore("cpu:0", tmp_path / "shm")
+    store.load(LoadSpec(path=str(tiny_llama), name="a"))
+    [variant] = store.variants()
+    size, stop = variant.slab.size, threading.Event()
+
+    def flap() -> None:
+        while not stop.is_set():
+            os.truncate(variant.slab.path, 4096)
+            os.truncate(variant.slab.path, size)
+
+    flapping = threading.Thread(target=flap)
+    flapping.start()
+    try:
+        seen = {slab_module.rehash(variant.slab).split(" from ")[0] for _ in range(200)}
+    finally:
+        stop.set()
+        flapping.join()
+    assert all(s.startswith(("gone: file truncated to", "xxh3_128:")) for s in seen), seen
+    store.close()
+
+
 def test_a_load_whose_slab_cannot_be_recorded_fails_and_keeps_nothing(tmp_path, tiny_llama, monkeypatch):
     """/dev/shm full after the slab was made: the load reported success with a warning in the log, and a
     daemon restarted after a crash deleted the slab ("a load that did not finish")."""
