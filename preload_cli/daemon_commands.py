@@ -249,7 +249,8 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int, 
                             f"files refuse it; `preload serve {info.path}` loads them again (engines given "
                             f"--weights-version {number} still attach)")
         if state == "damaged":
-            return FAILED, (f"{model} v{number} on {dev} is damaged (`preload verify` found its slab changed): "
+            return FAILED, (f"{model} v{number} on {dev} is damaged (`preload verify` found its slab changed or cut "
+                            "short): "
                             f"`preload evict {model}@{number} --force`, then load it again")
         if state in ("ready", "stale"):
             continue

@@ -94,9 +94,9 @@ class AttachedModel(collections.abc.Mapping):
         and with it this lease; False after `timeout` seconds otherwise."""
         return self._client.wait_session_closed(timeout)
 
-    def renew(self) -> None:
+    def renew(self, timeout: float | None = None) -> None:
         """Confirms the lease still stands (raises NotFoundError if it was reaped or the daemon restarted)."""
-        self._client.renew(self.lease_id)
+        self._client.renew(self.lease_id, timeout)
 
     def close(self) -> None:
         """Closes the client this lease came from (its session: the daemon ends the lease). Views

@@ -39,7 +39,7 @@ from preload_daemon.sessions import ATTACH, session_path
 from protos import preload_pb2 as pb
 
 CHUNK_BYTES = 4 << 20
-MAX_SEND = 64 << 20  # bytes of one message to the daemon (its --max-message-bytes default too)
+MAX_SEND = 64 << 20  # bytes of one message to the daemon (what it receives at most, by default)
 MAX_CHUNK_BYTES = 32 << 20
 
 
@@ -273,8 +273,9 @@ class DaemonClient:
             message.layout.CopyFrom(_layout(layout))
         return pb.AttachResponse.FromString(self._session_request(ATTACH, message.SerializeToString()))
 
-    def renew(self, lease_id: str) -> pb.Lease:
-        return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id, session=self.session())).lease
+    def renew(self, lease_id: str, timeout: float | None = None) -> pb.Lease:
+        return self._call(self._stub.RenewLease, pb.RenewLeaseRequest(lease_id=lease_id, session=self.session()),
+                          timeout).lease
 
     def release(self, lease_id: str) -> None:
         self._call(self._stub.Release, pb.ReleaseRequest(lease_id=lease_id, session=self.session()))

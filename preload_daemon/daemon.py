@@ -169,12 +169,13 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
         super().__init__(address, handler)
         self.slots = threading.BoundedSemaphore(MAX_PROBE_CONNECTIONS)
         self.accepted: dict[socket.socket, float] = {}
+        self.cut: set[socket.socket] = set()
         threading.Thread(target=self._cut_slow, name="http-probes-deadline", daemon=True).start()
 
     def process_request(self, request, client_address) -> None:
         if not self.slots.acquire(blocking=False):
-            held = list(self.accepted.items())
-            if held:
+            held = [(conn, since) for conn, since in list(self.accepted.items()) if conn not in self.cut]
+            if held:  # (one cut already, whose thread is still at work, is not cut again)
                 self._cut(min(held, key=lambda item: item[1])[0])
             if not self.slots.acquire(timeout=PROBE_EVICT_WAIT_S):  # its thread sees the end and leaves
                 self.shutdown_request(request)
@@ -192,10 +193,11 @@ class _ProbeServer(http.server.ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.accepted.pop(request, None)
+            self.cut.discard(request)
             self.slots.release()
 
-    @staticmethod
-    def _cut(conn: socket.socket) -> None:
+    def _cut(self, conn: socket.socket) -> None:
+        self.cut.add(conn)
         try:
             conn.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -321,8 +321,8 @@ class DaemonServer:
         self.sessions.start()
 
     def ready(self) -> bool:
-        """Serving: at least one model loaded and no load in flight."""
-        return bool(self.store.variants()) and not self.store.is_loading()
+        """Serving: at least one model loaded that is handed out (not damaged), and no load in flight."""
+        return any(not v.damaged for v in self.store.variants()) and not self.store.is_loading()
 
     def update_health(self) -> None:
         ready = self.ready()

@@ -149,7 +149,7 @@ class HostSlab:
                 mapping = mmap.mmap(fd, size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 slab = cls(path, size, mapping)
                 slab._allocation = _Allocation(fd, size, directory)
-            except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
+            except (OSError, ValueError, RuntimeError) as e:  # mmap of an empty file; no thread to reserve it
                 path.unlink(missing_ok=True)
                 raise InvalidRequestError(f"cannot allocate a {size}-byte slab in {directory}: {e}; "
                                           "free space in /dev/shm or evict a model") from e
@@ -261,7 +261,12 @@ class _Allocation:
         self._done, self._error, self._running, self._stopping = 0, "", True, False
         self._changed = threading.Condition()
         _Allocation._running_now.add(self)
-        threading.Thread(target=self._run, name="slab-allocate", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, name="slab-allocate", daemon=True).start()
+        except BaseException:  # ("can't start new thread"): not counted as under way for good
+            _Allocation._running_now.discard(self)
+            os.close(self._fd)
+            raise
 
     @classmethod
     def outstanding(cls) -> int:

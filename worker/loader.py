@@ -213,7 +213,7 @@ class LeaseKeeper:
                     continue
                 next_check = time.monotonic() + LEASE_CHECK_S
                 try:
-                    attached.renew()
+                    attached.renew(timeout=2.0)  # (stop(join=True) waits for this)
                     continue
                 except NotFoundError as e:
                     ended = str(e)
@@ -231,7 +231,8 @@ class LeaseKeeper:
                 return
             self.lost = f"{loss}; serving from the mapped slab and re-attaching when a daemon holds it again"
             log.warning("%s", self.lost)
-            while not self._stop.wait(self.retry_s):
+            delay = self.retry_s
+            while not self._stop.wait(delay):
                 try:
                     self.weights.attached = self._reattach(attached)
                     attached.close()
@@ -239,6 +240,9 @@ class LeaseKeeper:
                     if not isinstance(e, PreloadError):
                         log.warning("re-attaching %s failed: %s: %s", what, type(e).__name__, e)
                     self.lost = self.lost.split("; last try:")[0] + f"; last try: {e}"
+                    # A daemon that answers without these weights is asked less often (each try is a
+                    # session and an attach on it).
+                    delay = LEASE_CHECK_S if isinstance(e, (NotFoundError, StaleError)) else self.retry_s
                     continue
                 # A daemon that loaded the files again numbered them anew: the engine's answers name the
                 # version the daemon holds these bytes as now (the old number may hold other weights there).

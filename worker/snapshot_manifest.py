@@ -129,7 +129,7 @@ def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     """Why the daemon cannot give the restored engine its weights back ("" when it can): it must
     hold the snapshot's version with the same cache key and digest, and, for an engine that
     followed the active version, that version must still be the active one."""
-    from preload_daemon.session_client import SessionAnswerError, SessionError, open_session, request
+    from preload_daemon.session_client import REFUSED, SessionAnswerError, SessionError, open_session, request
     from preload_daemon.sessions import ATTACH, session_path
     from protos import preload_pb2 as pb
     engine, model = manifest["engine"], manifest["engine"]["model"]
@@ -140,6 +140,8 @@ def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     try:
         sock, _ = open_session(path, 5.0)
     except SessionError as e:
+        if e.errno == REFUSED:  # it runs, and said why
+            return f"the daemon for {engine['device']} in {runtime} refused a session: {e.strerror}"
         return (f"no daemon answers for {engine['device']} in {runtime} ({e.strerror or e}); start it (`preload serve "
                 f"{model['path']}`) so that it holds {model['name']} v{model['version']} again")
     try:
