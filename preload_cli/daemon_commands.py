@@ -246,8 +246,8 @@ def readiness(runtime_dir: pathlib.Path, device: str, model: str, version: int, 
         if state == "stale" and not version:  # an engine started on the model's files would refuse it
             info = next(i for i in dict(answering)[dev].models if i.name == model and i.version == number)
             return FAILED, (f"{model} v{number} on {dev} is stale ({info.stale_reason}): engines started on its "
-                            f"files refuse it; `preload serve {info.path}` loads them again (engines given "
-                            f"--weights-version {number} still attach)")
+                            f"files refuse it; `preload serve {info.path} --name {model}` loads them again "
+                            f"(engines given --weights-version {number} still attach)")
         if state == "damaged":
             return FAILED, (f"{model} v{number} on {dev} is damaged (`preload verify` found its slab changed or cut "
                             "short): "

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from preload_daemon import adopt, stream
 from preload_daemon.arch import ArchSpec
 from preload_daemon.checkpoint import Checkpoint
-from preload_daemon.errors import DeviceError, LeasedError, LoadingError, NotFoundError, PlanError
+from preload_daemon.errors import DeviceError, LeasedError, LoadingError, NotFoundError, PlanError, StaleError
 from preload_daemon.execute import execute
 from preload_daemon.fill import Filler, free_slab
 from preload_daemon.hfconfig import parse_config
@@ -254,6 +254,10 @@ class ModelStore:
             version = find_version(model, number, self.device)
             if version.creating:
                 raise LoadingError(f"{name} v{number} is still loading on {self.device}; activate it once loaded")
+            if damaged := next((v.damaged for v in version.variants.values() if v.damaged), ""):
+                raise StaleError(f"{name} v{number} on {self.device} is damaged ({damaged}) and handed out no more, "
+                                 f"so it is not made active: `preload evict {name}@{number} --force`, then load it "
+                                 "again")
             previous, model.active = model.active, number
             self._save_or_undo(lambda: setattr(model, "active", previous), f"{name}'s active version stays v{previous}")
         log.info("%s: active version v%d -> v%d on %s", name, previous, number, self.device)

@@ -28,8 +28,8 @@ from worker import control
 from worker.criu import SnapshotError, find_criu, host_facts, kill_namespace, restored_pid, run_criu
 from worker.procs import die_with_parent, kill_and_wait, process_alive, process_uid
 from worker.snapshot_images import IMAGES, image_bytes, pack, seed_unpacked, unpacked
-from worker.snapshot_manifest import (FORMAT, MANIFEST, check_ours, daemon_problem, host_mismatches, read_manifest,
-                                      refusal, write_atomically)
+from worker.snapshot_manifest import (FORMAT, MANIFEST, check_ours, daemon_problem, hold_version, host_mismatches,
+                                      read_manifest, refusal, write_atomically)
 
 MAX_READY_BYTES = 1 << 20
 
@@ -167,6 +167,7 @@ def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: boo
                 control.send(conn, {"op": "cancel"})
             raise SnapshotError(why)
         log(f"snapshot: draining {url} (up to {drain_timeout:g}s) and quieting pid {pid}")
+        held = hold_version(identity, runtime)  # until the original has its lease back (below)
         control.send(conn, {"op": "quiesce", "drain_timeout": drain_timeout})
         answer, streams = control.receive(conn, drain_timeout + 120)
         if "quiet" in answer:  # then its agent closes the connection and waits on its pipe: dump then
@@ -175,13 +176,18 @@ def _create(url: str, ready: dict, directory: pathlib.Path, criu: str, stop: boo
             except BaseException:
                 control._close(streams)
                 raise
-    if "quiet" not in answer:
-        control._close(streams)
-        raise SnapshotError(f"the engine could not reach a quiet point: {answer.get('error', answer)}; it serves on")
     try:
-        return _dump(url, directory, criu, stop, runtime, pid, identity, answer["quiet"], streams, t0)
+        if "quiet" not in answer:
+            control._close(streams)
+            raise SnapshotError(f"the engine could not reach a quiet point: {answer.get('error', answer)}; it "
+                                "serves on")
+        try:
+            return _dump(url, directory, criu, stop, runtime, pid, identity, answer["quiet"], streams, t0)
+        finally:
+            control._close(streams)
     finally:
-        control._close(streams)
+        if held is not None:
+            held.close()
 
 
 def _dump(url: str, directory: pathlib.Path, criu: str, stop: bool, runtime: pathlib.Path, pid: int,

@@ -125,6 +125,33 @@ def key_dict(key) -> dict:
             "quant_params": [list(p) for p in sorted(key.quant_params.items())], "content_digest": key.content_digest}
 
 
+def hold_version(identity: dict, runtime: pathlib.Path):
+    """A lease of the engine's version of its own, on a session of this process (the socket, which
+    ends it when closed), or None where there is none to take. An engine lets go of its lease at the
+    quiet point, and retention could then free its version (a version leased by that engine alone,
+    out of --keep), so that it could not attach again after the dump and died."""
+    from preload_daemon.session_client import SessionError, open_session, request
+    from preload_daemon.sessions import ATTACH, session_path
+    from protos import preload_pb2 as pb
+    model = identity.get("model") or {}
+    key = model.get("cache_key") or {}
+    if identity.get("load_format") != "ipc_cache" or not key:
+        return None
+    layout = pb.Layout(dtype=key.get("dtype", ""), quantization=key.get("quantization", ""),
+                       tp_size=key.get("tp_size", 1), tp_rank=key.get("tp_rank", 0), component=key.get("component", ""))
+    try:
+        sock, _ = open_session(session_path(socket_path(runtime, identity["device"])), 5.0)
+    except (SessionError, KeyError):
+        return None
+    try:
+        message = pb.AttachRequest(model=model["name"], version=model["version"], layout=layout)
+        request(sock, ATTACH, message.SerializeToString(), 10.0)
+    except Exception:  # (not held any more: the engine's own lease is all there is)
+        sock.close()
+        return None
+    return sock
+
+
 def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     """Why the daemon cannot give the restored engine its weights back ("" when it can): it must
     hold the snapshot's version with the same cache key and digest, and, for an engine that

@@ -298,7 +298,7 @@ def test_wait_ready_fails_on_a_stale_active_version_and_says_how_to_reload(runti
         out = run_cli("wait-ready", "--model", "m", "--timeout", "5", runtime_dir=runtime_dir)
         assert out.returncode == 3, out.stderr
         assert "m v1 on cpu:0 is stale (checkpoint changed on disk since it was loaded" in out.stderr
-        assert f"`preload serve {model}` loads them again" in out.stderr
+        assert f"`preload serve {model} --name m` loads them again" in out.stderr  # (without --name: another model)
         status = run_cli("status", runtime_dir=runtime_dir, check=True).stdout
         assert any(line.split()[:5] == ["m", "1", "cpu:0", "*", "stale"] for line in status.splitlines()), status
         by_number = run_cli("wait-ready", "--model", "m", "--version", "1", runtime_dir=runtime_dir)

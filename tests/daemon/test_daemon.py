@@ -326,6 +326,8 @@ def test_verify_detects_a_slab_written_behind_the_daemons_back(daemon, tiny_llam
                                             r"sealed: digest .*`preload evict tiny-llama@1 --force`, then load it"):
         daemon.client.attach("tiny-llama")
     assert [v.state for m in daemon.client.stats().summaries for v in m.versions] == ["damaged"]
+    with pytest.raises(StaleError, match="is damaged .* so it is not made active"):  # (a rollback said it was)
+        daemon.client.set_active("tiny-llama", 1)
     out = run_preload("wait-ready", "--model", "tiny-llama", "--timeout", "5", runtime_dir=daemon.config.runtime_dir)
     assert out.returncode == 3 and "is damaged" in out.stderr, out.stderr
 

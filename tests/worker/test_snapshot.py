@@ -126,6 +126,36 @@ def snap(served):
 
 
 @needs_criu
+def test_create_holds_the_engines_version_while_the_engine_lets_go_of_its_lease(tiny_llama, tmp_path):
+    """An engine lets go of its lease at the quiet point: a version leased by that engine alone, out
+    of --keep, was freed then, and the engine, unable to attach again after the dump, died."""
+    from tests.conftest import copy_checkpoint
+    runtime = pathlib.Path(tempfile.mkdtemp(prefix="pl-snap-", dir="/tmp"))
+    daemon, engine = DaemonHandle(runtime), None
+    try:
+        for i in range(3):
+            copy_checkpoint(tiny_llama, tmp_path / f"c{i}")
+        daemon.client.load(LoadSpec(path=str(tmp_path / "c0"), name="m"))
+        engine = EngineProcess(tmp_path / "c0", "ipc_cache", runtime, "--name", "m", "--no-fallback")
+        assert engine.ready.get("weights_version") == 1, engine.ready
+        for i in (1, 2):  # v1, no longer active, is kept by the engine's lease alone
+            daemon.client.load(LoadSpec(path=str(tmp_path / f"c{i}"), name="m"), keep=0)
+        body = {"prompt": [5, 17, 99], "max_tokens": 4, "temperature": 0}
+        before = post(f"{engine.url}/v1/completions", body)["choices"][0]["text"]
+        run = run_preload("snapshot", "create", "--engine", engine.url, "--dir", runtime / "snap",
+                          runtime_dir=runtime, timeout=180)
+        assert run.returncode == 0, run.stderr
+        assert post(f"{engine.url}/v1/completions", body)["choices"][0]["text"] == before  # it serves on
+        assert sorted(m.version for m in daemon.client.list_models()) == [1, 3]  # (keep 0 freed v2)
+    finally:
+        if engine is not None:
+            engine.stop()
+        daemon.stop()
+        shutil.rmtree(DaemonConfig(runtime_dir=runtime).shm_dir, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+@needs_criu
 def test_create_keeps_the_original_serving_and_records_the_manifest(served, snap):
     # The chat template's renderer, started before the snapshot, ended at the quiet point.
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in snap["renderers"])
