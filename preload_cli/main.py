@@ -254,7 +254,7 @@ HELP = {
     "bench": "benchmarks: attach time, engine restarts, decode speed, prefill in parts, quantization, replicas, "
              "rollback, speculative decoding",
     "snapshot": "CRIU snapshots of TP 1 engines, weights re-attached from the daemon",
-    "engine": "the engine worker: HTTP /health /ready /metrics /v1/completions",
+    "engine": "the engine worker: HTTP /health /ready /metrics /v1/models /v1/completions /v1/chat/completions",
     "generate": "one-shot generation, JSON on stdout",
 }
 """Each command's one-line help, as `preload --help` lists it (the parsers built use the same)."""

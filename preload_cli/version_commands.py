@@ -74,7 +74,8 @@ def add_arguments(sub, helps: Mapping[str, str]) -> None:
 
 def add_retention(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep", type=bounded(0, MAX_VERSION, "versions to keep"), default=None, metavar="K",
-                   help="older versions kept for rollback when not pinned, leased or active (default 2)")
+                   help="older versions kept for rollback when not pinned, leased or active (default: as last "
+                        "set for the model, 2 at first)")
     p.add_argument("--max-bytes", type=byte_size, default=None, metavar="SIZE",
                    help="budget of all the model's versions per device, e.g. 40G (0: none); a load that does not "
                         "fit frees the oldest unpinned, unleased versions or fails")

@@ -159,7 +159,7 @@ def parse_messages(messages) -> list[dict]:
             raise InvalidRequestError(f"messages[{i}]: unsupported field(s) "
                                       f"{', '.join(sorted(set(message) - {'role', 'content', 'name'}))}")
         if message["role"] not in ("system", "developer", "user", "assistant"):
-            raise InvalidRequestError(f"messages[{i}].role {message['role']!r}: use system, user or assistant "
+            raise InvalidRequestError(f"messages[{i}].role {message['role']!r}: use system, developer, user or assistant "
                                       "(tool messages are not supported)")
         content = message.get("content")
         if isinstance(content, list):

@@ -392,4 +392,7 @@ def _compile(source: str, origin: str):
 
 
 if __name__ == "__main__":
-    _child(int(sys.argv[1]))
+    try:
+        _child(int(sys.argv[1]))
+    except KeyboardInterrupt:  # a terminal's Ctrl-C reaches the engine's whole group: its parent says so
+        sys.exit(130)
