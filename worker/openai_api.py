@@ -159,8 +159,8 @@ def parse_messages(messages) -> list[dict]:
             raise InvalidRequestError(f"messages[{i}]: unsupported field(s) "
                                       f"{', '.join(sorted(set(message) - {'role', 'content', 'name'}))}")
         if message["role"] not in ("system", "developer", "user", "assistant"):
-            raise InvalidRequestError(f"messages[{i}].role {message['role']!r}: use system, developer, user or assistant "
-                                      "(tool messages are not supported)")
+            raise InvalidRequestError(f"messages[{i}].role {message['role']!r}: use system, developer, user or "
+                                      "assistant (tool messages are not supported)")
         content = message.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
