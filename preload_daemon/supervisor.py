@@ -123,8 +123,10 @@ def serve(model: str | None, *, name: str = "", tp_size: int = 1, devices: str =
     device_list = resolve_devices(devices, tp_size)
     spec = LoadSpec(path=model, name=name, dtype=dtype, quantization=quantization, tp_size=tp_size)
     check_new_name(spec.name)  # before any daemon starts
+    arch = ArchSpec.from_config(read_config(model), model)
+    arch.check_tp(tp_size, quantization)  # (it started the other daemons and used up a version number first)
     # A checkpoint with MTP layers gets its draft component too (it shares the main one's embedding and lm_head).
-    components = ("main", "draft") if ArchSpec.from_config(read_config(model), model).num_mtp_layers else ("main",)
+    components = ("main", "draft") if arch.num_mtp_layers else ("main",)
     targets = [Target(device, [dataclasses.replace(spec.layout, tp_rank=r, component=c) for c in components])
                for r, device in enumerate(device_list)]
     started: list[DaemonProcess] = []

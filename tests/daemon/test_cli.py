@@ -3,6 +3,7 @@ others through preload's main() in this process (run_cli), which saves an interp
 
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -122,6 +123,10 @@ def test_serve_bad_input_is_one_clear_line(runtime_dir, tiny_llama, tmp_path):
     assert out.returncode == 1 and "give one distinct device per rank" in out.stderr
     out = run_cli("serve", tiny_llama, "--quantization", "fp5", runtime_dir=runtime_dir)
     assert out.returncode == 2 and "invalid choice: 'fp5'" in out.stderr
+    # before any daemon starts (it started them, and used up a version number, before refusing)
+    out = run_cli("serve", tiny_llama, "--tp-size", "3", "--no-supervise", runtime_dir=runtime_dir)
+    assert out.returncode == 1 and "tp_size 3 does not fit" in out.stderr, out.stderr
+    assert not list(pathlib.Path(runtime_dir).glob("daemon-cpu-*.log")), "a daemon was started"
     for name in ("llama@3", " llama"):  # `evict llama@3` would mean version 3 of llama
         out = run_cli("serve", tiny_llama, "--name", name, "--no-supervise", runtime_dir=runtime_dir)
         assert out.returncode == 1 and f"model name {name!r} has an '@' or spaces at an end" in out.stderr, out.stderr
