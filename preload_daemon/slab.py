@@ -187,13 +187,15 @@ class HostSlab:
                 return ""
             self._hashing += 1
         try:
-            hasher, view = new_hasher(), memoryview(self.data.numpy())
+            hasher = new_hasher()
             if through_file:
                 self._hash_file(hasher)
-            for start in range(0, 0 if through_file else self.size, HASH_CHUNK):
-                if gone := self.gone():
-                    raise SlabGoneError(self.path, gone)
-                hasher.update(view[start:start + HASH_CHUNK])
+            else:
+                view = memoryview(self.data.numpy())
+                for start in range(0, self.size, HASH_CHUNK):
+                    if gone := self.gone():
+                        raise SlabGoneError(self.path, gone)
+                    hasher.update(view[start:start + HASH_CHUNK])
             return f"{DIGEST_ALGORITHM}:{hasher.hexdigest()}"
         finally:
             with self._use:

@@ -39,7 +39,6 @@ from worker.state import WorkerState, process_start_time
 from worker.tokenizer import FIX, TOKENIZER_MAX_BYTES, Tokenizer, generation_eos
 
 log = logging.getLogger(__name__)
-# The processes of TP ranks 1..N-1 that this engine started: [(rank, process)].
 
 
 class RankFailedError(PreloadError):

@@ -16,6 +16,7 @@ from worker.parallel import Leader
 log = logging.getLogger(__name__)
 
 Followers = Sequence[tuple[int, subprocess.Popen]]
+"""The processes of TP ranks 1..N-1 that this engine started: [(rank, process)]."""
 
 
 def watch_followers(followers: Followers, stopping: threading.Event, leaders: list[Leader] | None = None,

@@ -125,6 +125,13 @@ def key_dict(key) -> dict:
             "quant_params": [list(p) for p in sorted(key.quant_params.items())], "content_digest": key.content_digest}
 
 
+def _layout(key: dict):
+    """The pb.Layout of a cache key in key_dict's shape."""
+    from protos import preload_pb2 as pb
+    return pb.Layout(dtype=key.get("dtype", ""), quantization=key.get("quantization", ""),
+                     tp_size=key.get("tp_size", 1), tp_rank=key.get("tp_rank", 0), component=key.get("component", ""))
+
+
 def hold_version(identity: dict, runtime: pathlib.Path):
     """A lease of the engine's version of its own, on a session of this process (the socket, which
     ends it when closed), or None where there is none to take. An engine lets go of its lease at the
@@ -137,8 +144,7 @@ def hold_version(identity: dict, runtime: pathlib.Path):
     key = model.get("cache_key") or {}
     if identity.get("load_format") != "ipc_cache" or not key:
         return None
-    layout = pb.Layout(dtype=key.get("dtype", ""), quantization=key.get("quantization", ""),
-                       tp_size=key.get("tp_size", 1), tp_rank=key.get("tp_rank", 0), component=key.get("component", ""))
+    layout = _layout(key)
     try:
         sock, _ = open_session(session_path(socket_path(runtime, identity["device"])), 5.0)
     except (SessionError, KeyError):
@@ -161,8 +167,7 @@ def daemon_problem(manifest: dict, runtime: pathlib.Path) -> str:
     from protos import preload_pb2 as pb
     engine, model = manifest["engine"], manifest["engine"]["model"]
     key = model["cache_key"]
-    layout = pb.Layout(dtype=key.get("dtype", ""), quantization=key.get("quantization", ""),
-                       tp_size=key.get("tp_size", 1), tp_rank=key.get("tp_rank", 0), component=key.get("component", ""))
+    layout = _layout(key)
     path = session_path(socket_path(runtime, engine["device"]))
     try:
         sock, _ = open_session(path, 5.0)
